@@ -1,0 +1,23 @@
+"""jitattn: a JIT kernel-specialisation compiler for attention.
+
+Describe a variant with :class:`AttentionSpec`; jitattn renders CUDA templates with its functors,
+compiles them with nvcc through ninja, caches the cubins on disk by content and launches them on
+torch's current stream. Importing the package needs neither torch nor a GPU: the build path
+(``jitattn warmup``) runs on a CPU box with nvcc.
+"""
+
+from jitattn.spec import AttentionSpec
+from jitattn.variant import Param, Variant
+
+__version__ = "0.1.0"
+
+__all__ = ["AttentionSpec", "Param", "Variant", "__version__", "paged_attention", "load_kernel"]
+
+
+def __getattr__(name: str):
+    # Torch-dependent entry points load lazily so a build box without torch can import jitattn.
+    if name in ("paged_attention", "load_kernel"):
+        from jitattn import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'jitattn' has no attribute {name!r}")

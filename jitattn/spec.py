@@ -1,0 +1,245 @@
+"""AttentionSpec: the frozen, validated description of one attention variant.
+
+One spec drives everything downstream: the rendered CUDA source, the kernel names, the cache key
+and the selector's decisions are all derived from it, never hand-built.
+
+Conventions (also in README.md):
+
+- Positions: sequence ``b`` brings ``qo_len`` queries and reads ``kv_len = seq_lens[b]`` keys (new
+  tokens included); its queries sit at positions ``kv_len - qo_len ... kv_len - 1``.
+- Visibility of key ``j`` to a query at position ``p``: ``j <= p`` if ``causal``;
+  ``p - j <= window_left`` if ``window_left >= 0``; ``j - p <= window_right`` if
+  ``window_right >= 0`` (non-causal only). A Hugging Face ``sliding_window = W`` (``p - j < W``)
+  is ``window_left = W - 1``.
+- ``sm_scale`` defaults to ``head_dim_qk ** -0.5``; soft-cap is ``cap * tanh(s / cap)`` on the
+  scaled logit; ALiBi adds ``slope_h * (j - p)``; sinks add ``exp(sink_h)`` to the softmax
+  denominator only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from jitattn.variant import Variant
+
+#: Query / output dtypes the kernels take.
+QO_DTYPES = ("float16", "bfloat16")
+#: KV-cache dtypes the kernels take.
+KV_DTYPES = ("float16", "bfloat16")
+KV_LAYOUTS = ("NHD", "HND")
+#: Head dims the templates are built for: multiples of 16 in this range.
+HEAD_DIM_MIN, HEAD_DIM_MAX = 32, 256
+PAGE_SIZE_MAX = 1024
+
+_DTYPE_ALIASES = {
+    "float16": "float16", "fp16": "float16", "half": "float16", "torch.float16": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16", "torch.bfloat16": "bfloat16",
+}
+
+
+def normalize_dtype(value: Any, *, field: str, allowed: tuple[str, ...]) -> str:
+    """Map a dtype given as a string or a torch dtype to its canonical name, or raise ValueError."""
+    name = _DTYPE_ALIASES.get(str(value))
+    if name is None or name not in allowed:
+        raise ValueError(f"{field}={value!r}: expected one of {allowed} (or the matching torch dtype)")
+    return name
+
+
+def _check_int(field: str, value: Any, lo: int, hi: int | None = None, extra: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{field}={value!r}: expected an int{extra}")
+    if value < lo or (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{field}={value!r}: expected an int {bound}{extra}")
+    return value
+
+
+def _check_float(field: str, value: Any, *, positive: bool, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{field}={value!r}: expected a finite number")
+    value = float(value)
+    if positive and (value < 0 or (value == 0 and not allow_zero)):
+        raise ValueError(f"{field}={value!r}: expected a number {'>= 0' if allow_zero else '> 0'}")
+    return value
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One attention variant: what the kernels are specialised on.
+
+    Args:
+        num_qo_heads: query/output heads (``H_qo``).
+        num_kv_heads: key/value heads (``H_kv``); must divide ``num_qo_heads`` (GQA group size
+            ``H_qo / H_kv``, any value).
+        head_dim_qk: query/key head dim, a multiple of 16 in [32, 256].
+        head_dim_vo: value/output head dim; defaults to ``head_dim_qk``. The paged cache stores K
+            and V in one tensor, so it must equal ``head_dim_qk``.
+        q_dtype: ``"float16"`` or ``"bfloat16"`` (torch dtypes accepted).
+        kv_dtype: KV-cache dtype; defaults to ``q_dtype`` and must match it.
+        o_dtype: output dtype; defaults to ``q_dtype``.
+        kv_layout: ``"NHD"`` (cache ``(num_pages, 2, page_size, H_kv, D)``) or ``"HND"``
+            (``(num_pages, 2, H_kv, page_size, D)``).
+        page_size: tokens per KV page, in [1, 1024].
+        causal: key ``j`` visible to the query at position ``p`` only if ``j <= p``.
+        window_left: ``-1`` (none) or ``>= 0``: visible only if ``p - j <= window_left``.
+        window_right: ``-1`` (none) or ``>= 0``: visible only if ``j - p <= window_right``;
+            non-causal specs only.
+        logits_soft_cap: ``0`` (off) or ``cap > 0``: ``s -> cap * tanh(s / cap)``.
+        sm_scale: softmax scale on ``q.k``; defaults to ``head_dim_qk ** -0.5``.
+        alibi: add ``alibi_slopes[h] * (j - p)`` (slopes passed at call time, float32 ``(H_qo,)``;
+            the standard geometric slopes when omitted). Press et al. 2022, "Train Short, Test
+            Long", section 3.
+        sinks: per-head sink logits (float32 ``(H_qo,)``, passed at call time) join the softmax
+            denominator only (gpt-oss; Xiao et al. 2024, "Efficient Streaming Language Models
+            with Attention Sinks").
+        variant: user functors and their parameters (:class:`~jitattn.variant.Variant`), or None.
+
+    Raises:
+        ValueError: at construction, naming the field, the value and what is allowed.
+    """
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim_qk: int
+    head_dim_vo: int | None = None
+    q_dtype: str = "bfloat16"
+    kv_dtype: str | None = None
+    o_dtype: str | None = None
+    kv_layout: str = "NHD"
+    page_size: int = 16
+    causal: bool = True
+    window_left: int = -1
+    window_right: int = -1
+    logits_soft_cap: float = 0.0
+    sm_scale: float | None = None
+    alibi: bool = False
+    sinks: bool = False
+    variant: Variant | None = None
+
+    def __post_init__(self) -> None:
+        _set = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        _check_int("num_qo_heads", self.num_qo_heads, 1, 1024)
+        _check_int("num_kv_heads", self.num_kv_heads, 1, 1024)
+        if self.num_qo_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_qo_heads={self.num_qo_heads}, num_kv_heads={self.num_kv_heads}: num_kv_heads must divide "
+                f"num_qo_heads (GQA groups of equal size)")
+        for name in ("head_dim_qk", "head_dim_vo"):
+            value = self.head_dim_qk if name == "head_dim_vo" and self.head_dim_vo is None else getattr(self, name)
+            _check_int(name, value, HEAD_DIM_MIN, HEAD_DIM_MAX, extra=", a multiple of 16")
+            if value % 16:
+                raise ValueError(f"{name}={value}: expected a multiple of 16 in [{HEAD_DIM_MIN}, {HEAD_DIM_MAX}]")
+            _set(name, value)
+        if self.head_dim_vo != self.head_dim_qk:
+            raise ValueError(
+                f"head_dim_vo={self.head_dim_vo}, head_dim_qk={self.head_dim_qk}: the paged KV cache holds K and V "
+                f"in one tensor, so they must be equal")
+        _set("q_dtype", normalize_dtype(self.q_dtype, field="q_dtype", allowed=QO_DTYPES))
+        _set("kv_dtype", normalize_dtype(self.kv_dtype or self.q_dtype, field="kv_dtype", allowed=KV_DTYPES))
+        _set("o_dtype", normalize_dtype(self.o_dtype or self.q_dtype, field="o_dtype", allowed=QO_DTYPES))
+        if self.kv_dtype != self.q_dtype:
+            raise ValueError(f"kv_dtype={self.kv_dtype!r}: must equal q_dtype={self.q_dtype!r}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout={self.kv_layout!r}: expected one of {KV_LAYOUTS}")
+        _check_int("page_size", self.page_size, 1, PAGE_SIZE_MAX)
+        for name in ("causal", "alibi", "sinks"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected True or False")
+        _check_int("window_left", self.window_left, -1, extra=" (-1: no window)")
+        _check_int("window_right", self.window_right, -1, extra=" (-1: no window)")
+        if self.causal and self.window_right != -1:
+            raise ValueError(
+                f"window_right={self.window_right}: a causal spec sees no key right of the query; use "
+                f"window_right=-1 or causal=False")
+        _set("logits_soft_cap", _check_float("logits_soft_cap", self.logits_soft_cap, positive=True, allow_zero=True))
+        scale = self.head_dim_qk ** -0.5 if self.sm_scale is None else self.sm_scale
+        _set("sm_scale", _check_float("sm_scale", scale, positive=True))
+        if self.variant is not None and not isinstance(self.variant, Variant):
+            raise ValueError(f"variant={self.variant!r}: expected a jitattn.Variant or None")
+
+    # ---- derived -------------------------------------------------------------------------------
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (GQA group size)."""
+        return self.num_qo_heads // self.num_kv_heads
+
+    @property
+    def params(self) -> tuple:
+        """The variant's extra parameters (empty without a variant)."""
+        return self.variant.params if self.variant else ()
+
+    def to_json(self) -> dict[str, Any]:
+        """Every field, defaults filled in; the variant as its canonical dict."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["variant"] = self.variant.to_json() if self.variant else None
+        return data
+
+    def canonical_json(self) -> str:
+        """Sorted keys, no whitespace, floats in Python's round-trip repr: equal specs, equal text."""
+        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | str) -> "AttentionSpec":
+        """Inverse of :meth:`to_json` (accepts the dict or its JSON text)."""
+        if isinstance(data, str):
+            data = json.loads(data)
+        data = dict(data)
+        if data.get("variant") is not None:
+            data["variant"] = Variant.from_json(data["variant"])
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"AttentionSpec.from_json: unknown fields {sorted(unknown)}")
+        return cls(**data)
+
+    @property
+    def key(self) -> str:
+        """Stable content hash of the canonical JSON (hex sha256, first 16 chars)."""
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
+
+    @property
+    def name(self) -> str:
+        """Readable, filesystem-safe name; unique together with :attr:`key`."""
+        parts = [f"h{self.num_qo_heads}x{self.num_kv_heads}", f"d{self.head_dim_qk}",
+                 {"float16": "f16", "bfloat16": "bf16"}[self.q_dtype], self.kv_layout.lower(), f"p{self.page_size}"]
+        if self.causal:
+            parts.append("causal")
+        if self.window_left >= 0 or self.window_right >= 0:
+            parts.append(f"w{self.window_left}_{self.window_right}")
+        if self.logits_soft_cap:
+            parts.append(f"cap{self.logits_soft_cap:g}")
+        if self.alibi:
+            parts.append("alibi")
+        if self.sinks:
+            parts.append("sinks")
+        if self.variant:
+            parts.append(self.variant.name)
+        return "_".join(parts) + "_" + self.key[:8]
+
+    def replace(self, **changes: Any) -> "AttentionSpec":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        """One line for tables and logs."""
+        feats = []
+        if self.causal:
+            feats.append("causal")
+        if self.window_left >= 0:
+            feats.append(f"window_left={self.window_left}")
+        if self.window_right >= 0:
+            feats.append(f"window_right={self.window_right}")
+        if self.logits_soft_cap:
+            feats.append(f"soft_cap={self.logits_soft_cap:g}")
+        if self.alibi:
+            feats.append("alibi")
+        if self.sinks:
+            feats.append("sinks")
+        if self.variant:
+            feats.append(f"variant={self.variant.name}")
+        return (f"{self.num_qo_heads}/{self.num_kv_heads} heads, hd {self.head_dim_qk}, {self.q_dtype}, "
+                f"{self.kv_layout} p{self.page_size}, scale {self.sm_scale:.4g}" + (", " + ", ".join(feats) if feats else ""))
