@@ -1,0 +1,338 @@
+"""Hugging Face ``config.json`` -> the attention specs a model's layers need.
+
+A decoder model's layers fall into a few *kinds* (Gemma-2 alternates sliding-window and global
+layers; gpt-oss alternates sliding and full layers, all with sinks); each kind needs one
+:class:`~jitattn.spec.AttentionSpec`. :func:`load_model_config` reads the attention fields of a
+config (field names as Hugging Face writes them; see ``examples/models/``) and returns the kinds
+with their specs and layer indices; :func:`model_specs` returns just the distinct specs, which is
+what ``jitattn warmup`` compiles.
+
+How the fields map (all models here are decoders: every spec is ``causal=True``):
+
+- heads: ``num_attention_heads`` (BLOOM/GPT-2 ``n_head``, MPT ``n_heads``) -> ``num_qo_heads``;
+  ``num_key_value_heads`` (default: ``num_attention_heads``) -> ``num_kv_heads``.
+- ``head_dim``, else ``hidden_size / num_attention_heads`` -> ``head_dim_qk`` (= ``head_dim_vo``).
+- ``sm_scale``: ``query_pre_attn_scalar ** -0.5`` when present (Gemma; Gemma-2-27B has head_dim
+  128 but scalar 144), else ``head_dim ** -0.5``.
+- ``attn_logit_softcapping`` -> ``logits_soft_cap`` (null or absent: 0, off).
+- ``sliding_window = W``: Hugging Face lets a query at ``i`` see keys ``j`` with ``i - j < W``;
+  the spec's convention is ``p - j <= window_left``, so ``window_left = W - 1``.
+- Which layers slide: explicit ``layer_types`` win over every rule; Gemma-2: even layers (layer
+  0 slides); Gemma-3 (or any config with ``sliding_window_pattern``): layer ``i`` is global when
+  ``(i + 1) % P == 0`` (``P`` default 6); otherwise (Mistral, Phi-3, ...) every layer when
+  ``sliding_window`` is not null (and ``use_sliding_window`` is not false), none when it is.
+- Features the config has no key for come from the model type (:data:`IMPLIED_FEATURES`):
+  ALiBi for BLOOM, MPT and Falcon with ``alibi: true``; sinks for gpt-oss.
+- dtype: the ``dtype`` argument, else the config's ``torch_dtype`` / ``dtype``, else bfloat16.
+
+A multimodal config whose attention fields sit under ``text_config`` (Gemma-3, Llava, ...) is read
+from there. Missing fields are not filled from Hugging Face's class defaults: they raise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jitattn.spec import QO_DTYPES, AttentionSpec, normalize_dtype
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+#: Layer kinds a ``layer_types`` entry may name (Hugging Face's spelling).
+LAYER_TYPES = (FULL, SLIDING)
+
+#: model_type -> spec features its config has no key for (the generic path would miss them).
+IMPLIED_FEATURES: dict[str, Callable[[Mapping[str, Any]], dict[str, bool]]] = {
+    "bloom": lambda cfg: {"alibi": True},
+    # HF's MPT always applies ALiBi; its attn_config.alibi defaults to true.
+    "mpt": lambda cfg: {"alibi": bool((cfg.get("attn_config") or {}).get("alibi", True))},
+    "falcon": lambda cfg: {"alibi": bool(cfg.get("alibi", False))},
+    "gpt_oss": lambda cfg: {"sinks": True},
+}
+
+#: Generic fields and the other names configs use for them, in lookup order.
+_ALIASES = {
+    "num_attention_heads": ("num_attention_heads", "n_head", "n_heads"),
+    "num_hidden_layers": ("num_hidden_layers", "n_layer", "n_layers"),
+    "hidden_size": ("hidden_size", "n_embd", "d_model"),
+}
+_DEFAULT_SLIDING_WINDOW_PATTERN = 6  # Gemma-3
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """Layers of a model that share one attention spec.
+
+    Attributes:
+        name: the Hugging Face layer type, ``"full_attention"`` or ``"sliding_attention"``.
+        spec: the spec every layer of this kind needs.
+        layers: 0-based indices of those layers, ascending.
+    """
+
+    name: str
+    spec: AttentionSpec
+    layers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModelAttention:
+    """The attention a model needs, per layer kind, as read from its ``config.json``.
+
+    Attributes:
+        model_type: the config's ``model_type`` (of ``text_config`` for multimodal configs).
+        name: the config's ``_name_or_path`` when present, else the file stem (or the model type
+            for a dict input).
+        num_layers: ``num_hidden_layers``.
+        layer_kinds: one entry per layer kind, in order of each kind's first layer; their
+            ``layers`` partition ``range(num_layers)``.
+    """
+
+    model_type: str
+    name: str
+    num_layers: int
+    layer_kinds: tuple[LayerKind, ...]
+
+    def specs(self) -> list[AttentionSpec]:
+        """The distinct specs, in order of the first layer that needs each."""
+        out: list[AttentionSpec] = []
+        for kind in self.layer_kinds:
+            if kind.spec not in out:
+                out.append(kind.spec)
+        return out
+
+
+def load_model_config(config: str | os.PathLike | dict, *, dtype: str | None = None,
+                      kv_layout: str = "NHD", page_size: int = 16) -> ModelAttention:
+    """Map a Hugging Face ``config.json`` to its layer kinds and their specs (module doc: how).
+
+    Args:
+        config: path to a ``config.json``, or the parsed dict.
+        dtype: ``"float16"`` / ``"bfloat16"`` (or a torch dtype) for every spec; overrides the
+            config's ``torch_dtype`` / ``dtype``.
+        kv_layout, page_size: passed to every spec (see :class:`~jitattn.spec.AttentionSpec`).
+
+    Raises:
+        FileNotFoundError: ``config`` is a path that does not exist.
+        ValueError: invalid JSON; a required field missing or invalid; a float32 config without a
+            ``dtype`` argument; a feature the specs cannot express (e.g. multi-head latent
+            attention); or a spec the kernels cannot serve (e.g. head_dim 72): AttentionSpec's
+            message, prefixed with the config and the layer kind. Each message names the source.
+    """
+    raw, source = _read_config(config)
+    cfg = _attention_fields(raw)
+    model_type = _model_type(cfg, source)
+    _reject_unsupported(cfg, source)
+    num_layers = _int_field(cfg, "num_hidden_layers", source)
+    base = _base_spec_args(cfg, model_type, source)
+    base.update(q_dtype=_dtype(raw, cfg, dtype, source), kv_layout=kv_layout, page_size=page_size)
+    types = _layer_types(cfg, model_type, num_layers, source)
+    kinds = tuple(_layer_kind(name, layers, base, cfg, source) for name, layers in _group(types))
+    return ModelAttention(model_type, _model_name(raw, config), num_layers, kinds)
+
+
+def model_specs(config: str | os.PathLike | dict, **kwargs: Any) -> list[AttentionSpec]:
+    """The distinct specs a model needs: ``load_model_config(config, **kwargs).specs()``.
+
+    Takes the same arguments and raises the same errors as :func:`load_model_config`.
+    """
+    return load_model_config(config, **kwargs).specs()
+
+
+# ---- reading -----------------------------------------------------------------------------------
+def _read_config(config: str | os.PathLike | Mapping) -> tuple[Mapping[str, Any], str]:
+    """The parsed config and a label for error messages (the path, or a dict's name)."""
+    if isinstance(config, Mapping):
+        label = config.get("_name_or_path") or config.get("model_type") or "?"
+        return config, f"config dict ({label})"
+    path = Path(config)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: model config not found (expected a Hugging Face config.json file)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err}); expected a Hugging Face config.json") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: top level is a {type(data).__name__}; expected a JSON object (config.json)")
+    return data, str(path)
+
+
+def _attention_fields(raw: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The mapping holding the attention fields: ``text_config`` for multimodal configs."""
+    text = raw.get("text_config")
+    if isinstance(text, Mapping) and not any(_has(raw, n) for n in _ALIASES["num_attention_heads"]):
+        return {"model_type": raw.get("model_type"), **text}
+    return raw
+
+
+def _model_name(raw: Mapping[str, Any], config: Any) -> str:
+    if raw.get("_name_or_path"):
+        return str(raw["_name_or_path"])
+    return str(raw.get("model_type")) if isinstance(config, Mapping) else Path(config).stem
+
+
+def _has(cfg: Mapping[str, Any], key: str) -> bool:
+    return cfg.get(key) is not None
+
+
+def _model_type(cfg: Mapping[str, Any], source: str) -> str:
+    value = cfg.get("model_type")
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{source}: model_type={value!r}: expected a non-empty string (it decides implied "
+                         f"features such as ALiBi and sinks)")
+    return value
+
+
+def _reject_unsupported(cfg: Mapping[str, Any], source: str) -> None:
+    """Raise for attention the specs cannot express, rather than map it to a wrong spec."""
+    if _has(cfg, "kv_lora_rank"):
+        raise ValueError(f"{source}: kv_lora_rank={cfg['kv_lora_rank']!r}: multi-head latent attention "
+                         f"(DeepSeek-style) is not supported; only standard MHA/GQA/MQA maps to a spec")
+
+
+# ---- fields ------------------------------------------------------------------------------------
+def _lookup(cfg: Mapping[str, Any], field: str) -> tuple[str, Any]:
+    """(name found, value) for a generic field or one of its aliases; value None if absent."""
+    for name in _ALIASES.get(field, (field,)):
+        if _has(cfg, name):
+            return name, cfg[name]
+    return field, None
+
+
+def _int_field(cfg: Mapping[str, Any], field: str, source: str) -> int:
+    """A required positive int field, or ValueError naming it (and its aliases) and the source."""
+    name, value = _lookup(cfg, field)
+    if value is None:
+        names = "/".join(_ALIASES.get(field, (field,)))
+        raise ValueError(f"{source}: missing field {names}: expected a positive int")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{source}: {name}={value!r}: expected a positive int")
+    return value
+
+
+def _number_field(cfg: Mapping[str, Any], field: str, source: str) -> float | None:
+    """An optional positive number field (None when absent or null)."""
+    value = cfg.get(field)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{source}: {field}={value!r}: expected a positive number or null")
+    return float(value)
+
+
+def _head_dim(cfg: Mapping[str, Any], num_heads: int, source: str) -> int:
+    """``head_dim``, else ``hidden_size / num_attention_heads`` (which must divide evenly)."""
+    if _has(cfg, "head_dim"):
+        return _int_field(cfg, "head_dim", source)
+    hidden = _int_field(cfg, "hidden_size", source)
+    if hidden % num_heads:
+        raise ValueError(f"{source}: hidden_size={hidden} is not a multiple of num_attention_heads={num_heads}; "
+                         f"add head_dim to the config")
+    return hidden // num_heads
+
+
+def _num_kv_heads(cfg: Mapping[str, Any], model_type: str, num_heads: int, source: str) -> int:
+    """``num_key_value_heads``, defaulting to ``num_attention_heads`` (Falcon: its own fields)."""
+    if model_type == "falcon":  # HF FalconAttention: multi_query wins unless new_decoder_architecture
+        if cfg.get("multi_query", True) and not cfg.get("new_decoder_architecture", False):
+            return 1
+        return _int_field(cfg, "num_kv_heads", source) if _has(cfg, "num_kv_heads") else num_heads
+    if _has(cfg, "num_key_value_heads"):
+        return _int_field(cfg, "num_key_value_heads", source)
+    return num_heads
+
+
+def _base_spec_args(cfg: Mapping[str, Any], model_type: str, source: str) -> dict[str, Any]:
+    """AttentionSpec arguments every layer kind shares (all but the window and dtype/layout)."""
+    num_heads = _int_field(cfg, "num_attention_heads", source)
+    head_dim = _head_dim(cfg, num_heads, source)
+    scalar = _number_field(cfg, "query_pre_attn_scalar", source)
+    args: dict[str, Any] = dict(
+        num_qo_heads=num_heads,
+        num_kv_heads=_num_kv_heads(cfg, model_type, num_heads, source),
+        head_dim_qk=head_dim,
+        causal=True,
+        sm_scale=(scalar if scalar is not None else head_dim) ** -0.5,
+        logits_soft_cap=_number_field(cfg, "attn_logit_softcapping", source) or 0.0,
+    )
+    args.update(IMPLIED_FEATURES.get(model_type, lambda _: {})(cfg))
+    return args
+
+
+def _dtype(raw: Mapping[str, Any], cfg: Mapping[str, Any], override: Any, source: str) -> str:
+    """The argument, else the config's ``torch_dtype`` / ``dtype``, else bfloat16."""
+    if override is not None:
+        return normalize_dtype(override, field="dtype", allowed=QO_DTYPES)
+    field, value = next(((k, c[k]) for c in (cfg, raw) for k in ("torch_dtype", "dtype") if _has(c, k)),
+                        ("torch_dtype", None))
+    if value is None:
+        return "bfloat16"
+    if str(value) in ("float32", "torch.float32", "float", "fp32"):
+        raise ValueError(f"{source}: {field}={value!r}: the kernels take float16 or bfloat16; pass "
+                         f"dtype=\"bfloat16\" (or \"float16\") to choose the serving dtype")
+    try:
+        return normalize_dtype(value, field=field, allowed=QO_DTYPES)
+    except ValueError as err:
+        raise ValueError(f"{source}: {err}; or pass dtype=\"bfloat16\"") from None
+
+
+# ---- layer kinds -------------------------------------------------------------------------------
+def _layer_types(cfg: Mapping[str, Any], model_type: str, num_layers: int, source: str) -> list[str]:
+    """Each layer's kind: explicit ``layer_types``, else the model type's sliding rule."""
+    if cfg.get("layer_types") is not None:
+        return _explicit_layer_types(cfg["layer_types"], num_layers, source)
+    if model_type == "gemma2":
+        return [SLIDING if i % 2 == 0 else FULL for i in range(num_layers)]
+    if model_type in ("gemma3", "gemma3_text") or _has(cfg, "sliding_window_pattern"):
+        period = cfg.get("sliding_window_pattern", _DEFAULT_SLIDING_WINDOW_PATTERN)
+        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+            raise ValueError(f"{source}: sliding_window_pattern={period!r}: expected a positive int")
+        return [FULL if (i + 1) % period == 0 else SLIDING for i in range(num_layers)]
+    slides = _has(cfg, "sliding_window") and cfg.get("use_sliding_window", True) is not False
+    return [SLIDING if slides else FULL] * num_layers
+
+
+def _explicit_layer_types(types: Any, num_layers: int, source: str) -> list[str]:
+    if not isinstance(types, list) or len(types) != num_layers:
+        got = len(types) if isinstance(types, list) else type(types).__name__
+        raise ValueError(f"{source}: layer_types has {got} entries: expected a list of num_hidden_layers="
+                         f"{num_layers} entries")
+    for i, name in enumerate(types):
+        if name not in LAYER_TYPES:
+            raise ValueError(f"{source}: layer_types[{i}]={name!r}: expected one of {LAYER_TYPES}")
+    return list(types)
+
+
+def _group(types: list[str]) -> list[tuple[str, tuple[int, ...]]]:
+    """(kind, layer indices) per distinct kind, in order of first layer."""
+    groups: dict[str, list[int]] = {}
+    for i, name in enumerate(types):
+        groups.setdefault(name, []).append(i)
+    return [(name, tuple(layers)) for name, layers in groups.items()]
+
+
+def _window_left(cfg: Mapping[str, Any], source: str) -> int:
+    """``sliding_window - 1``: HF's ``i - j < W`` as the spec's ``p - j <= window_left``."""
+    window = cfg.get("sliding_window")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"{source}: sliding_window={window!r}: sliding_attention layers need a positive int")
+    return window - 1
+
+
+def _layer_kind(name: str, layers: tuple[int, ...], base: dict[str, Any], cfg: Mapping[str, Any],
+                source: str) -> LayerKind:
+    """Build one kind's spec; AttentionSpec's ValueError gains the source and the kind."""
+    window_left = _window_left(cfg, source) if name == SLIDING else -1
+    try:
+        spec = AttentionSpec(**base, window_left=window_left)
+    except ValueError as err:
+        raise ValueError(f"{source}: layer kind {name!r} (layers {_span(layers)}): {err}") from err
+    return LayerKind(name, spec, layers)
+
+
+def _span(layers: tuple[int, ...]) -> str:
+    shown = ", ".join(map(str, layers[:6]))
+    return shown + (f", ... ({len(layers)} layers)" if len(layers) > 6 else "")

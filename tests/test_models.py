@@ -1,0 +1,337 @@
+"""jitattn.models: Hugging Face config.json -> the specs a model's layers need."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from jitattn.models import IMPLIED_FEATURES, LayerKind, ModelAttention, load_model_config, model_specs
+from jitattn.spec import AttentionSpec
+
+MODELS = Path(__file__).resolve().parent.parent / "examples" / "models"
+
+
+def config(stem: str) -> Path:
+    return MODELS / f"{stem}.json"
+
+
+def read(stem: str) -> dict:
+    return json.loads(config(stem).read_text())
+
+
+def spec(qo: int, kv: int, hd: int, **kw) -> AttentionSpec:
+    return AttentionSpec(num_qo_heads=qo, num_kv_heads=kv, head_dim_qk=hd, causal=True, **kw)
+
+
+def kinds(model: ModelAttention) -> dict[str, LayerKind]:
+    return {k.name: k for k in model.layer_kinds}
+
+
+EVEN, ODD = lambda n: tuple(range(0, n, 2)), lambda n: tuple(range(1, n, 2))  # noqa: E731
+
+
+# ---- every example config, exactly -------------------------------------------------------------
+# stem -> (model_type, num_layers, [(kind, spec, layers)]) in order of first layer.
+EXPECTED = {
+    "llama-3-8b": ("llama", 32, [("full_attention", spec(32, 8, 128), tuple(range(32)))]),
+    "mistral-7b-v0.1": ("mistral", 32, [("sliding_attention", spec(32, 8, 128, window_left=4095), tuple(range(32)))]),
+    "phi-3-mini-4k-instruct": ("phi3", 32, [
+        ("sliding_attention", spec(32, 32, 96, window_left=2046), tuple(range(32)))]),
+    "bloom-560m": ("bloom", 24, [
+        ("full_attention", spec(16, 16, 64, alibi=True, q_dtype="float16"), tuple(range(24)))]),
+    "gemma-2-9b": ("gemma2", 42, [
+        ("sliding_attention", spec(16, 8, 256, window_left=4095, logits_soft_cap=50.0, sm_scale=256 ** -0.5), EVEN(42)),
+        ("full_attention", spec(16, 8, 256, logits_soft_cap=50.0, sm_scale=256 ** -0.5), ODD(42))]),
+    "gemma-2-27b": ("gemma2", 46, [
+        ("sliding_attention", spec(32, 16, 128, window_left=4095, logits_soft_cap=50.0, sm_scale=144 ** -0.5), EVEN(46)),
+        ("full_attention", spec(32, 16, 128, logits_soft_cap=50.0, sm_scale=144 ** -0.5), ODD(46))]),
+    "gemma-3-1b": ("gemma3_text", 26, [
+        ("sliding_attention", spec(4, 1, 256, window_left=511, sm_scale=256 ** -0.5),
+         tuple(i for i in range(26) if i not in (5, 11, 17, 23))),
+        ("full_attention", spec(4, 1, 256, sm_scale=256 ** -0.5), (5, 11, 17, 23))]),
+    "gpt-oss-20b": ("gpt_oss", 24, [
+        ("sliding_attention", spec(64, 8, 64, window_left=127, sinks=True), EVEN(24)),
+        ("full_attention", spec(64, 8, 64, sinks=True), ODD(24))]),
+}
+
+
+def test_every_example_config_is_covered():
+    assert {p.stem for p in MODELS.glob("*.json")} == set(EXPECTED)
+
+
+@pytest.mark.parametrize("stem", sorted(EXPECTED))
+def test_example_config_maps_exactly(stem):
+    model_type, num_layers, expected = EXPECTED[stem]
+    model = load_model_config(config(stem))
+    assert (model.model_type, model.name, model.num_layers) == (model_type, stem, num_layers)
+    got = [(k.name, k.spec, k.layers) for k in model.layer_kinds]
+    assert got == expected
+    assert sorted(i for k in model.layer_kinds for i in k.layers) == list(range(num_layers))
+    assert model.specs() == [s for _, s, _ in expected]
+    assert model_specs(config(stem)) == model.specs()
+
+
+def test_gemma2_27b_scale_is_the_scalar_not_head_dim():
+    spec_ = model_specs(config("gemma-2-27b"))[0]
+    assert spec_.head_dim_qk == 128
+    assert spec_.sm_scale == pytest.approx(1 / 12, rel=1e-15)  # 144 ** -0.5
+    assert spec_.sm_scale != pytest.approx(128 ** -0.5)
+
+
+def test_gemma2_9b_alternates_sliding_and_global():
+    k = kinds(load_model_config(config("gemma-2-9b")))
+    assert list(k) == ["sliding_attention", "full_attention"]
+    assert k["sliding_attention"].layers[:3] == (0, 2, 4)
+    assert k["sliding_attention"].spec.window_left == 4095
+    assert k["full_attention"].spec.window_left == -1
+    assert {s.logits_soft_cap for s in model_specs(config("gemma-2-9b"))} == {50.0}
+
+
+def test_gemma3_null_softcap_is_off():
+    assert all(s.logits_soft_cap == 0.0 for s in model_specs(config("gemma-3-1b")))
+
+
+def test_bloom_reads_n_head_and_hidden_size():
+    (s,) = model_specs(config("bloom-560m"))
+    assert (s.num_qo_heads, s.num_kv_heads, s.head_dim_qk, s.q_dtype, s.alibi, s.sinks) == (
+        16, 16, 64, "float16", True, False)
+
+
+def test_llama_is_plain_causal():
+    (s,) = model_specs(config("llama-3-8b"))
+    assert s.causal and s.window_left == -1 and not (s.alibi or s.sinks or s.logits_soft_cap)
+    assert s.sm_scale == 128 ** -0.5
+
+
+# ---- arguments ---------------------------------------------------------------------------------
+def test_dtype_argument_overrides_config():
+    assert {s.q_dtype for s in model_specs(config("bloom-560m"), dtype="bfloat16")} == {"bfloat16"}
+    assert {s.q_dtype for s in model_specs(config("gemma-2-9b"), dtype="fp16")} == {"float16"}
+
+
+def test_bad_dtype_argument_raises():
+    with pytest.raises(ValueError, match=r"dtype='float32'"):
+        model_specs(config("llama-3-8b"), dtype="float32")
+
+
+def test_kv_layout_and_page_size_pass_through():
+    specs = model_specs(config("gpt-oss-20b"), kv_layout="HND", page_size=64)
+    assert len(specs) == 2
+    assert all((s.kv_layout, s.page_size) == ("HND", 64) for s in specs)
+
+
+def test_bad_kv_layout_names_source_and_kind():
+    with pytest.raises(ValueError, match=r"llama-3-8b\.json: layer kind 'full_attention'.*kv_layout='XYZ'"):
+        model_specs(config("llama-3-8b"), kv_layout="XYZ")
+
+
+def test_dict_input():
+    cfg = read("gemma-2-9b")
+    model = load_model_config(cfg)
+    assert model.name == "gemma2"  # no file stem, no _name_or_path: the model type
+    assert model.specs() == model_specs(config("gemma-2-9b"))
+    cfg["_name_or_path"] = "google/gemma-2-9b"
+    assert load_model_config(cfg).name == "google/gemma-2-9b"
+
+
+def test_name_or_path_wins_over_file_stem(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**read("llama-3-8b"), "_name_or_path": "meta-llama/Meta-Llama-3-8B"}))
+    assert load_model_config(path).name == "meta-llama/Meta-Llama-3-8B"
+    assert load_model_config(str(path)).specs() == model_specs(config("llama-3-8b"))
+
+
+def test_missing_dtype_defaults_to_bfloat16():
+    cfg = read("bloom-560m")
+    del cfg["torch_dtype"]
+    assert model_specs(cfg)[0].q_dtype == "bfloat16"
+
+
+def test_dtype_key_is_read_like_torch_dtype():
+    cfg = read("llama-3-8b")
+    del cfg["torch_dtype"]
+    cfg["dtype"] = "float16"
+    assert model_specs(cfg)[0].q_dtype == "float16"
+
+
+# ---- layer placement rules ---------------------------------------------------------------------
+def test_layer_types_win_over_model_rule():
+    cfg = read("gemma-2-9b")
+    cfg["num_hidden_layers"] = 4
+    cfg["layer_types"] = ["full_attention", "full_attention", "sliding_attention", "full_attention"]
+    k = kinds(load_model_config(cfg))
+    assert k["full_attention"].layers == (0, 1, 3)
+    assert k["sliding_attention"].layers == (2,)
+    assert list(k) == ["full_attention", "sliding_attention"]
+
+
+def test_gemma3_pattern_from_config():
+    cfg = {**read("gemma-3-1b"), "num_hidden_layers": 8, "sliding_window_pattern": 4}
+    assert kinds(load_model_config(cfg))["full_attention"].layers == (3, 7)
+
+
+def test_gemma3_pattern_defaults_to_6():
+    cfg = read("gemma-3-1b")
+    del cfg["sliding_window_pattern"]
+    assert kinds(load_model_config(cfg))["full_attention"].layers == (5, 11, 17, 23)
+
+
+def test_gemma3_multimodal_reads_text_config():
+    text = read("gemma-3-1b")
+    cfg = {"model_type": "gemma3", "torch_dtype": "float16",
+           "text_config": {k: v for k, v in text.items() if k != "torch_dtype"}}
+    model = load_model_config(cfg)
+    assert model.model_type == "gemma3_text"
+    assert model.specs() == model_specs(text, dtype="float16")
+
+
+def test_null_sliding_window_means_no_window():
+    cfg = {**read("mistral-7b-v0.1"), "sliding_window": None}
+    (k,) = load_model_config(cfg).layer_kinds
+    assert (k.name, k.spec.window_left) == ("full_attention", -1)
+
+
+def test_use_sliding_window_false_means_no_window():
+    cfg = {**read("llama-3-8b"), "model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False}
+    assert [s.window_left for s in model_specs(cfg)] == [-1]
+
+
+# ---- model types: unknown and implied features --------------------------------------------------
+def test_unknown_model_type_maps_generically():
+    cfg = {"model_type": "brand_new", "hidden_size": 2560, "num_hidden_layers": 3,
+           "num_attention_heads": 32, "num_key_value_heads": 4}
+    model = load_model_config(cfg)
+    assert model.layer_kinds == (LayerKind("full_attention", spec(32, 4, 80), (0, 1, 2)),)
+
+
+def test_implied_features_table():
+    assert IMPLIED_FEATURES["gpt_oss"]({}) == {"sinks": True}
+    assert IMPLIED_FEATURES["bloom"]({}) == {"alibi": True}
+
+
+def test_mpt_implies_alibi_and_reads_its_aliases():
+    cfg = {"model_type": "mpt", "d_model": 4096, "n_heads": 32, "n_layers": 32, "attn_config": {"alibi": True}}
+    assert model_specs(cfg) == [spec(32, 32, 128, alibi=True)]
+
+
+def test_falcon_alibi_and_multi_query():
+    base = {"model_type": "falcon", "hidden_size": 4544, "num_attention_heads": 71, "num_hidden_layers": 32}
+    falcon_7b = {**base, "multi_query": True, "alibi": False}
+    assert model_specs(falcon_7b) == [spec(71, 1, 64)]
+    falcon_rw = {"model_type": "falcon", "hidden_size": 2048, "n_head": 32, "n_layer": 24,
+                 "multi_query": False, "alibi": True}
+    assert model_specs(falcon_rw) == [spec(32, 32, 64, alibi=True)]
+    falcon_40b = {**base, "num_attention_heads": 128, "hidden_size": 8192, "new_decoder_architecture": True,
+                  "num_kv_heads": 8}
+    assert model_specs(falcon_40b) == [spec(128, 8, 64)]
+
+
+# ---- errors ------------------------------------------------------------------------------------
+def write(tmp_path: Path, data, name: str = "config.json") -> Path:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+def test_missing_field_names_field_and_file(tmp_path):
+    cfg = read("llama-3-8b")
+    del cfg["num_attention_heads"]
+    path = write(tmp_path, cfg)
+    with pytest.raises(ValueError, match=rf"{path}: missing field num_attention_heads/n_head"):
+        load_model_config(path)
+
+
+def test_missing_hidden_size_and_head_dim(tmp_path):
+    cfg = read("llama-3-8b")
+    del cfg["hidden_size"]
+    with pytest.raises(ValueError, match=r"missing field hidden_size"):
+        load_model_config(write(tmp_path, cfg))
+
+
+def test_missing_model_type():
+    cfg = read("llama-3-8b")
+    del cfg["model_type"]
+    with pytest.raises(ValueError, match=r"model_type=None"):
+        load_model_config(cfg)
+
+
+def test_float32_config_raises_with_fix(tmp_path):
+    path = write(tmp_path, {**read("llama-3-8b"), "torch_dtype": "float32"})
+    with pytest.raises(ValueError, match=rf"{path}: torch_dtype='float32'.*dtype=\"bfloat16\""):
+        load_model_config(path)
+    assert model_specs(path, dtype="bfloat16")[0].q_dtype == "bfloat16"  # the suggested fix works
+
+
+def test_unknown_config_dtype(tmp_path):
+    with pytest.raises(ValueError, match=r"torch_dtype='float8_e4m3fn'"):
+        load_model_config(write(tmp_path, {**read("llama-3-8b"), "torch_dtype": "float8_e4m3fn"}))
+
+
+def test_head_dim_72_surfaces_spec_error_with_source_and_kind(tmp_path):
+    # hidden 2304 / 32 heads = 72: not a multiple of 16, the kernels cannot serve it.
+    path = write(tmp_path, {**read("mistral-7b-v0.1"), "hidden_size": 2304}, "hd72.json")
+    with pytest.raises(ValueError, match=rf"{path}: layer kind 'sliding_attention' \(layers 0, 1.*"
+                                         r"head_dim_qk=72: expected a multiple of 16") as info:
+        load_model_config(path)
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_hidden_size_not_divisible():
+    with pytest.raises(ValueError, match=r"hidden_size=4097 is not a multiple of num_attention_heads=32"):
+        load_model_config({**read("llama-3-8b"), "hidden_size": 4097})
+
+
+@pytest.mark.parametrize("field,value", [("num_attention_heads", "32"), ("num_hidden_layers", 0),
+                                         ("num_key_value_heads", -8), ("head_dim", 64.0)])
+def test_bad_int_fields(field, value):
+    with pytest.raises(ValueError, match=rf"{field}={value!r}: expected a positive int"):
+        load_model_config({**read("llama-3-8b"), field: value})
+
+
+def test_bad_softcap_and_scalar():
+    with pytest.raises(ValueError, match=r"attn_logit_softcapping=-1.*positive number or null"):
+        load_model_config({**read("gemma-2-9b"), "attn_logit_softcapping": -1})
+    with pytest.raises(ValueError, match=r"query_pre_attn_scalar='256'"):
+        load_model_config({**read("gemma-2-9b"), "query_pre_attn_scalar": "256"})
+
+
+def test_bad_sliding_window():
+    with pytest.raises(ValueError, match=r"sliding_window=0: sliding_attention layers need a positive int"):
+        load_model_config({**read("mistral-7b-v0.1"), "sliding_window": 0})
+    with pytest.raises(ValueError, match=r"sliding_window=None"):  # gemma-2 rule needs a window
+        load_model_config({**read("gemma-2-9b"), "sliding_window": None})
+
+
+def test_bad_layer_types():
+    cfg = read("gpt-oss-20b")
+    with pytest.raises(ValueError, match=r"layer_types has 23 entries: expected .*num_hidden_layers=24"):
+        load_model_config({**cfg, "layer_types": cfg["layer_types"][:-1]})
+    bad = ["chunked_attention"] + cfg["layer_types"][1:]
+    with pytest.raises(ValueError, match=r"layer_types\[0\]='chunked_attention': expected one of"):
+        load_model_config({**cfg, "layer_types": bad})
+
+
+def test_mla_is_rejected_not_mapped_wrongly():
+    cfg = {"model_type": "deepseek_v2", "hidden_size": 2048, "num_attention_heads": 16,
+           "num_hidden_layers": 27, "kv_lora_rank": 512}
+    with pytest.raises(ValueError, match=r"kv_lora_rank=512: multi-head latent attention"):
+        load_model_config(cfg)
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope" / "config.json"
+    with pytest.raises(FileNotFoundError, match=rf"{path}: model config not found"):
+        load_model_config(path)
+
+
+def test_invalid_json(tmp_path):
+    path = write(tmp_path, '{"model_type": "llama",', "broken.json")
+    with pytest.raises(ValueError, match=rf"{path}: not valid JSON"):
+        load_model_config(path)
+
+
+def test_json_not_an_object(tmp_path):
+    with pytest.raises(ValueError, match=r"top level is a list"):
+        load_model_config(write(tmp_path, "[1, 2]"))
