@@ -17,7 +17,7 @@ __all__ = ["AttentionSpec", "Param", "Variant", "__version__", "paged_attention"
 def __getattr__(name: str):
     # Torch-dependent entry points load lazily so a build box without torch can import jitattn.
     if name in ("paged_attention", "load_kernel"):
-        from jitattn import api
+        from jitattn import runtime
 
-        return getattr(api, name)
+        return getattr(runtime, name)
     raise AttributeError(f"module 'jitattn' has no attribute {name!r}")

@@ -1,0 +1,211 @@
+"""Call-time checks of the tensors of a paged attention call, shared by every backend.
+
+Every check runs on the host, before any launch, from shapes, dtypes, strides and devices alone
+(no device sync). Each error names the tensor, the dimension, the value and what was expected.
+:func:`check_metadata_values` goes further (sequence lengths against the page table) at the cost
+of a device-to-host copy; the kernels also defend themselves against bad metadata by writing NaN
+to the affected rows instead of reading out of bounds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from jitattn.spec import AttentionSpec
+from jitattn.variant import Param
+
+_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                 "int32": torch.int32, "int64": torch.int64}
+
+
+@dataclass(frozen=True)
+class PagedCall:
+    """Sizes derived from a checked call."""
+
+    batch: int
+    total_q: int
+    num_pages: int
+    max_pages_per_seq: int
+
+
+def _fail(msg: str) -> None:
+    raise ValueError(msg)
+
+
+def _check_tensor(name: str, t: Any, *, dtype: torch.dtype, ndim: int, device: torch.device | None) -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        _fail(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if t.dim() != ndim:
+        _fail(f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        _fail(f"{name}: expected device {device} (the device of q), got {t.device}")
+
+
+def _check_dim(name: str, t: torch.Tensor, dim: int, expected: int, what: str) -> None:
+    if t.shape[dim] != expected:
+        _fail(f"{name}: dim {dim} ({what}) must be {expected}, got {t.shape[dim]} (shape {tuple(t.shape)})")
+
+
+def kv_cache_shape(spec: AttentionSpec, num_pages: int) -> tuple[int, ...]:
+    """The cache shape a spec expects: NHD ``(pages, 2, page_size, H_kv, D)``, HND ``(pages, 2, H_kv, page_size, D)``."""
+    if spec.kv_layout == "NHD":
+        return (num_pages, 2, spec.page_size, spec.num_kv_heads, spec.head_dim_qk)
+    return (num_pages, 2, spec.num_kv_heads, spec.page_size, spec.head_dim_qk)
+
+
+def check_paged_call(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, sinks: torch.Tensor | None = None,
+                     alibi_slopes: torch.Tensor | None = None, params: Mapping[str, Any] | None = None,
+                     out: torch.Tensor | None = None, for_kernel: bool = False) -> PagedCall:
+    """Check a paged call's tensors against the spec (see :func:`jitattn.reference.paged_attention` for shapes).
+
+    Args:
+        for_kernel: also require what the CUDA kernels need: a CUDA device, 16-byte aligned rows,
+            contiguous inner dims.
+
+    Raises:
+        ValueError: the first problem found, naming the tensor, the dimension and the expectation.
+    """
+    dev = q.device if isinstance(q, torch.Tensor) else None
+    _check_tensor("q", q, dtype=_TORCH_DTYPES[spec.q_dtype], ndim=3, device=None)
+    _check_dim("q", q, 1, spec.num_qo_heads, "num_qo_heads")
+    _check_dim("q", q, 2, spec.head_dim_qk, "head_dim_qk")
+    _check_tensor("kv_cache", kv_cache, dtype=_TORCH_DTYPES[spec.kv_dtype], ndim=5, device=dev)
+    expected = kv_cache_shape(spec, kv_cache.shape[0])
+    names = ("num_pages", "K/V", "page_size" if spec.kv_layout == "NHD" else "num_kv_heads",
+             "num_kv_heads" if spec.kv_layout == "NHD" else "page_size", "head_dim")
+    for d in range(1, 5):
+        if kv_cache.shape[d] != expected[d]:
+            _fail(f"kv_cache: dim {d} ({names[d]}) must be {expected[d]} for {spec.kv_layout} layout "
+                  f"{expected[1:]} after num_pages, got shape {tuple(kv_cache.shape)}")
+    _check_tensor("query_start_loc", query_start_loc, dtype=torch.int32, ndim=1, device=dev)
+    batch = query_start_loc.shape[0] - 1
+    if batch < 1:
+        _fail(f"query_start_loc: expected shape (batch + 1,) with batch >= 1, got {tuple(query_start_loc.shape)}")
+    _check_tensor("seq_lens", seq_lens, dtype=torch.int32, ndim=1, device=dev)
+    _check_dim("seq_lens", seq_lens, 0, batch, "batch, from query_start_loc")
+    _check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=dev)
+    _check_dim("block_table", block_table, 0, batch, "batch, from query_start_loc")
+    _check_vector("sinks", sinks, spec.sinks, spec.num_qo_heads, dev, "spec.sinks")
+    _check_vector("alibi_slopes", alibi_slopes, spec.alibi, spec.num_qo_heads, dev, "spec.alibi", optional=True)
+    check_params(spec, params or {}, batch=batch, total_q=q.shape[0], device=dev)
+    if out is not None:
+        _check_tensor("out", out, dtype=_TORCH_DTYPES[spec.o_dtype], ndim=3, device=dev)
+        if tuple(out.shape) != (q.shape[0], spec.num_qo_heads, spec.head_dim_vo) or not out.is_contiguous():
+            _fail(f"out: expected a contiguous ({q.shape[0]}, {spec.num_qo_heads}, {spec.head_dim_vo}) tensor, "
+                  f"got shape {tuple(out.shape)} strides {out.stride()}")
+    if for_kernel:
+        _check_kernel_layout(spec, q, kv_cache, block_table, seq_lens, query_start_loc)
+    return PagedCall(batch=batch, total_q=q.shape[0], num_pages=kv_cache.shape[0],
+                     max_pages_per_seq=block_table.shape[1])
+
+
+def _check_vector(name: str, t: torch.Tensor | None, wanted: bool, n: int, dev: torch.device | None, flag: str,
+                  optional: bool = False) -> None:
+    if t is None:
+        if wanted and not optional:
+            _fail(f"{name}: {flag}=True, so a float32 ({n},) tensor is required")
+        return
+    if not wanted:
+        _fail(f"{name}: given, but {flag}=False; build the spec with {flag.split('.')[1]}=True or drop the argument")
+    _check_tensor(name, t, dtype=torch.float32, ndim=1, device=dev)
+    _check_dim(name, t, 0, n, "num_qo_heads")
+    if not t.is_contiguous():
+        _fail(f"{name}: must be contiguous")
+
+
+def _check_kernel_layout(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> None:
+    if q.device.type != "cuda":
+        _fail(f"q: the jit backend runs on CUDA devices, got {q.device}; use the reference backend on CPU")
+    if q.stride(2) != 1 or q.stride(1) != spec.head_dim_qk:
+        _fail(f"q: heads and head_dim must be contiguous (strides (*, {spec.head_dim_qk}, 1)), got {q.stride()}")
+    if q.stride(0) % 8 or q.data_ptr() % 16:
+        _fail(f"q: each token's row must start 16-byte aligned (stride(0)={q.stride(0)} elements, "
+              f"data_ptr % 16 = {q.data_ptr() % 16}); pass q.contiguous()")
+    inner = kv_cache_shape(spec, 1)[1:]
+    want = tuple(math.prod(inner[i + 1:]) for i in range(len(inner)))
+    if kv_cache.stride()[1:] != want:
+        _fail(f"kv_cache: dims 1-4 must be contiguous (strides {want}), got {kv_cache.stride()[1:]}; "
+              f"pages may be strided, nothing inside a page may")
+    if kv_cache.stride(0) % 8 or kv_cache.data_ptr() % 16:
+        _fail(f"kv_cache: pages must start 16-byte aligned (stride(0)={kv_cache.stride(0)} elements, "
+              f"data_ptr % 16 = {kv_cache.data_ptr() % 16})")
+    if block_table.stride(1) != 1:
+        _fail(f"block_table: rows must be contiguous (stride(1) == 1), got strides {block_table.stride()}")
+    for name, t in (("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+        if not t.is_contiguous():
+            _fail(f"{name}: must be contiguous")
+
+
+def _resolve_dim(dim: int | str, *, batch: int, total_q: int, spec: AttentionSpec) -> int | None:
+    if isinstance(dim, int):
+        return dim
+    return {"batch": batch, "total_q": total_q, "num_qo_heads": spec.num_qo_heads,
+            "num_kv_heads": spec.num_kv_heads}.get(dim)  # "*": any
+
+
+def check_params(spec: AttentionSpec, params: Mapping[str, Any], *, batch: int, total_q: int,
+                 device: torch.device | None) -> None:
+    """Every declared variant parameter present with its dtype and shape; nothing undeclared.
+
+    Raises:
+        ValueError: naming the parameter, what was expected and what was given.
+    """
+    declared: dict[str, Param] = {p.name: p for p in spec.params}
+    unknown = sorted(set(params) - set(declared))
+    if unknown:
+        _fail(f"params: unknown names {unknown}; the variant declares {sorted(declared) or 'none'}")
+    for name, p in declared.items():
+        if name not in params:
+            _fail(f"params[{name!r}]: missing; the variant declares it as {p.dtype} shape {p.shape}")
+        value = params[name]
+        if p.is_scalar:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if p.dtype == "int32":
+                ok = ok and isinstance(value, int)
+            if not ok:
+                _fail(f"params[{name!r}]: expected a Python {'int' if p.dtype == 'int32' else 'float'} scalar "
+                      f"({p.dtype}), got {value!r}")
+            continue
+        _check_tensor(f"params[{name!r}]", value, dtype=_TORCH_DTYPES[p.dtype], ndim=len(p.shape), device=device)
+        for d, dim in enumerate(p.shape):
+            want = _resolve_dim(dim, batch=batch, total_q=total_q, spec=spec)
+            if want is not None and value.shape[d] != want:
+                _fail(f"params[{name!r}]: dim {d} ({dim}) must be {want}, got shape {tuple(value.shape)}")
+        if not value.is_contiguous():
+            _fail(f"params[{name!r}]: must be contiguous")
+
+
+def check_metadata_values(spec: AttentionSpec, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                          block_table: torch.Tensor, num_pages: int, total_q: int) -> None:
+    """Check the metadata's values (copies them to the host: a device sync; not during graph capture).
+
+    Raises:
+        ValueError: non-monotone query_start_loc, a sequence with more queries than keys, a sequence
+            longer than its block_table row holds, or a page id outside the cache.
+    """
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    if qsl[0] != 0 or qsl[-1] != total_q:
+        _fail(f"query_start_loc: must start at 0 and end at total_q={total_q}, got {qsl[0]} ... {qsl[-1]}")
+    capacity = block_table.shape[1] * spec.page_size
+    table = block_table.cpu()
+    for b, kv_len in enumerate(lens):
+        qo_len = qsl[b + 1] - qsl[b]
+        if qo_len < 0:
+            _fail(f"query_start_loc: decreases at sequence {b} ({qsl[b]} -> {qsl[b + 1]})")
+        if qo_len > kv_len:
+            _fail(f"seq_lens[{b}]={kv_len} but the sequence brings {qo_len} queries; seq_lens counts new tokens too")
+        if kv_len > capacity:
+            _fail(f"seq_lens[{b}]={kv_len} exceeds block_table capacity {block_table.shape[1]} pages x "
+                  f"{spec.page_size} = {capacity}")
+        used = table[b, : -(-kv_len // spec.page_size)]
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_pages):
+            _fail(f"block_table[{b}]: page ids must be in [0, {num_pages}), got {used.tolist()}")

@@ -1,0 +1,208 @@
+"""The reference: every spec feature in plain torch, over the same paged inputs as the kernels.
+
+It is the oracle of every kernel test and the fallback backend on any device. It favours clarity
+over speed: one sequence at a time, fp32 (or fp64) arithmetic, query rows in chunks so that the
+score matrix stays under ``max_score_bytes``.
+
+Semantics (identical to the kernels'; see :mod:`jitattn.spec` and :mod:`jitattn.variant`):
+``s = sm_scale * q.k``; soft-cap; ALiBi ``slope_h * (j - p)``; the variant's logits transform; then
+masking (causal, windows, the variant's mask); softmax whose denominator also holds
+``exp(sink_h)`` when the spec has sinks. ``lse = log(sum_j exp(s_j) [+ exp(sink_h)])`` in natural
+log. A row that sees no key gets output 0 and lse ``-inf`` (``sink_h`` with sinks), never NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import torch
+
+from jitattn.spec import AttentionSpec
+from jitattn.variant import alibi_slopes as _alibi_slopes
+
+_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a spec dtype name (``"bfloat16"`` -> ``torch.bfloat16``)."""
+    return _TORCH_DTYPES[name]
+
+
+def default_alibi_slopes(spec: AttentionSpec, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Standard ALiBi slopes for ``spec.num_qo_heads`` heads: float32 ``(num_qo_heads,)``."""
+    return torch.tensor(_alibi_slopes(spec.num_qo_heads), dtype=torch.float32, device=device)
+
+
+def gather_kv(spec: AttentionSpec, kv_cache: torch.Tensor, block_table: torch.Tensor, b: int,
+              kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence ``b``'s keys and values from the paged cache, each ``(kv_len, num_kv_heads, head_dim)``."""
+    num_pages = -(-kv_len // spec.page_size)
+    pages = kv_cache[block_table[b, :num_pages].long()]  # (n, 2, P, H, D) or (n, 2, H, P, D)
+    if spec.kv_layout == "HND":
+        pages = pages.transpose(2, 3)  # (n, 2, P, H, D)
+    k = pages[:, 0].reshape(-1, spec.num_kv_heads, spec.head_dim_qk)[:kv_len]
+    v = pages[:, 1].reshape(-1, spec.num_kv_heads, spec.head_dim_vo)[:kv_len]
+    return k, v
+
+
+def visible(spec: AttentionSpec, qo_pos: torch.Tensor, kv_pos: torch.Tensor) -> torch.Tensor:
+    """Structural visibility (causal, windows): bool ``(len(qo_pos), len(kv_pos))``."""
+    diff = qo_pos[:, None] - kv_pos[None, :]  # p - j
+    ok = torch.ones_like(diff, dtype=torch.bool)
+    if spec.causal:
+        ok &= diff >= 0
+    if spec.window_left >= 0:
+        ok &= diff <= spec.window_left
+    if spec.window_right >= 0:
+        ok &= -diff <= spec.window_right
+    return ok
+
+
+def _scores(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, b: int, qo_pos: torch.Tensor,
+            kv_pos: torch.Tensor, slopes: torch.Tensor | None, params: Mapping[str, torch.Tensor]
+            ) -> torch.Tensor:
+    """Transformed, masked logits (-inf where hidden): ``(num_qo_heads, rows, kv_len)``."""
+    s = torch.einsum("qhd,khd->hqk", q, k) * spec.sm_scale  # (H, rows, L)
+    if spec.logits_soft_cap > 0:
+        s = spec.logits_soft_cap * torch.tanh(s / spec.logits_soft_cap)
+    if slopes is not None:
+        s = s + slopes[:, None, None] * (kv_pos[None, None, :] - qo_pos[None, :, None]).to(s.dtype)
+    head = torch.arange(spec.num_qo_heads, device=q.device)[:, None, None]
+    qi, ki = qo_pos[None, :, None], kv_pos[None, None, :]
+    variant = spec.variant
+    if variant is not None and variant.has_transform:
+        if variant.reference_transform is None:
+            raise NotImplementedError(f"variant {variant.name!r} has a logits_transform but no reference_transform")
+        s = variant.reference_transform(s, b, head, qi, ki, params).to(s.dtype).expand_as(s)
+    mask = visible(spec, qo_pos, kv_pos)[None]
+    if variant is not None and variant.has_mask:
+        if variant.reference_mask is None:
+            raise NotImplementedError(f"variant {variant.name!r} has a logits_mask but no reference_mask")
+        mask = mask & variant.reference_mask(b, head, qi, ki, params).to(torch.bool)
+    return s.masked_fill(~mask, float("-inf"))
+
+
+def _softmax_out(s: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over keys (with sink logits in the denominator) times V: out ``(rows, H, D)``, lse ``(rows, H)``."""
+    m = s.amax(dim=-1)  # (H, rows)
+    if sinks is not None:
+        m = torch.maximum(m, sinks[:, None].to(s.dtype))
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(s - m_safe[..., None])  # exp(-inf) = 0 for hidden keys
+    denom = p.sum(dim=-1)
+    if sinks is not None:
+        denom = denom + torch.exp(sinks[:, None].to(s.dtype) - m_safe)
+    out = torch.einsum("hqk,khd->qhd", p, v) / torch.where(denom > 0, denom, torch.ones_like(denom)).T[..., None]
+    lse = torch.where(denom > 0, torch.log(denom) + m_safe, torch.full_like(denom, float("-inf")))
+    return out, lse.T
+
+
+def paged_attention(
+    spec: AttentionSpec,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    params: Mapping[str, torch.Tensor] | None = None,
+    return_lse: bool = False,
+    compute_dtype: torch.dtype = torch.float32,
+    max_score_bytes: int = 1 << 30,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a batch of sequences over a paged KV cache, in plain torch.
+
+    Args:
+        spec: the variant.
+        q: ``(total_q, num_qo_heads, head_dim_qk)``, queries of all sequences back to back.
+        kv_cache: NHD ``(num_pages, 2, page_size, num_kv_heads, head_dim)`` or HND
+            ``(num_pages, 2, num_kv_heads, page_size, head_dim)``; index 0 of dim 1 is K, 1 is V.
+        block_table: int ``(batch, max_pages_per_seq)``, page ids of each sequence in order.
+        seq_lens: int ``(batch,)``, KV length of each sequence (new tokens included).
+        query_start_loc: int ``(batch + 1,)``, cumulative query counts; sequence ``b``'s
+            queries are rows ``query_start_loc[b] : query_start_loc[b + 1]`` of ``q``, at
+            positions ``seq_lens[b] - qo_len ... seq_lens[b] - 1``.
+        sinks: float32 ``(num_qo_heads,)``, required when ``spec.sinks``.
+        alibi_slopes: float32 ``(num_qo_heads,)``; defaults to the standard slopes when ``spec.alibi``.
+        params: the variant's parameter tensors by name.
+        return_lse: also return the natural-log lse, float32 ``(total_q, num_qo_heads)``.
+        compute_dtype: float32 (default) or float64 arithmetic.
+        max_score_bytes: query rows are processed in chunks so one score matrix stays under this.
+
+    Returns:
+        ``out`` ``(total_q, num_qo_heads, head_dim_vo)`` in ``spec.o_dtype``, and ``lse`` if asked.
+
+    Raises:
+        ValueError: missing sinks, or a sequence with more queries than keys.
+        NotImplementedError: a variant functor without its torch reference.
+    """
+    if spec.sinks and sinks is None:
+        raise ValueError("sinks: the spec has sinks=True, so a float32 (num_qo_heads,) tensor is required")
+    if spec.alibi and alibi_slopes is None:
+        alibi_slopes = default_alibi_slopes(spec, q.device)
+    params = dict(params or {})
+    total_q = q.shape[0]
+    out = torch.zeros(total_q, spec.num_qo_heads, spec.head_dim_vo, dtype=torch_dtype(spec.o_dtype), device=q.device)
+    lse = torch.full((total_q, spec.num_qo_heads), float("-inf"), dtype=torch.float32, device=q.device)
+    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    slopes = alibi_slopes.to(compute_dtype) if spec.alibi else None
+    sink_c = sinks.to(compute_dtype) if spec.sinks else None
+    for b, kv_len in enumerate(lens):
+        q0, q1 = qsl[b], qsl[b + 1]
+        if q1 - q0 > kv_len:
+            raise ValueError(f"sequence {b}: {q1 - q0} queries but seq_lens[{b}]={kv_len}; seq_lens counts new tokens too")
+        if q1 == q0:
+            continue
+        k, v = gather_kv(spec, kv_cache, block_table, b, kv_len)
+        k = k.to(compute_dtype).repeat_interleave(spec.group_size, dim=1)  # (L, Hq, D)
+        v = v.to(compute_dtype).repeat_interleave(spec.group_size, dim=1)
+        kv_pos = torch.arange(kv_len, device=q.device)
+        rows = max(1, max_score_bytes // max(1, 8 * spec.num_qo_heads * max(kv_len, 1)))
+        for r0 in range(q0, q1, rows):
+            r1 = min(q1, r0 + rows)
+            qo_pos = torch.arange(kv_len - (q1 - r0), kv_len - (q1 - r1), device=q.device)
+            s = _scores(spec, q[r0:r1].to(compute_dtype), k, b, qo_pos, kv_pos, slopes, params)
+            o, l = _softmax_out(s, v, sink_c)
+            out[r0:r1] = o.to(out.dtype)
+            lse[r0:r1] = l.float()
+    return (out, lse) if return_lse else out
+
+
+def make_paged_kv(k: torch.Tensor, v: torch.Tensor, seq_lens: list[int], spec: AttentionSpec, *,
+                  shuffle_pages: bool = True, extra_pages: int = 0, generator: torch.Generator | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack contiguous per-sequence K/V into a paged cache (a test and benchmark helper).
+
+    Args:
+        k, v: ``(sum(seq_lens), num_kv_heads, head_dim)``, sequences back to back.
+        seq_lens: KV length of each sequence.
+        spec: gives page_size and kv_layout.
+        shuffle_pages: place pages in random order, as a real allocator would.
+        extra_pages: unused pages added to the pool (filled with NaN, so a kernel that reads them shows it).
+
+    Returns:
+        ``kv_cache`` in the spec's layout and ``block_table`` int32 ``(batch, max_pages)``
+        (unused entries point at page 0).
+    """
+    ps, h, d = spec.page_size, spec.num_kv_heads, spec.head_dim_qk
+    pages_per = [math.ceil(n / ps) for n in seq_lens]
+    total = sum(pages_per) + extra_pages
+    order = torch.randperm(total, generator=generator) if shuffle_pages else torch.arange(total)
+    cache = torch.full((total, 2, ps, h, d), float("nan"), dtype=k.dtype, device=k.device)
+    table = torch.zeros(len(seq_lens), max(pages_per + [1]), dtype=torch.int32)
+    start, page = 0, 0
+    for b, n in enumerate(seq_lens):
+        for i in range(pages_per[b]):
+            pid = int(order[page]); page += 1
+            t0, t1 = start + i * ps, min(start + n, start + (i + 1) * ps)
+            cache[pid, 0, : t1 - t0] = k[t0:t1]
+            cache[pid, 1, : t1 - t0] = v[t0:t1]
+            table[b, i] = pid
+        start += n
+    if spec.kv_layout == "HND":
+        cache = cache.transpose(2, 3).contiguous()
+    return cache, table.to(k.device)

@@ -1,0 +1,206 @@
+"""Render: an AttentionSpec becomes one CUDA source file, its functors injected.
+
+The templates (``templates/`` in a checkout, ``jitattn/templates`` in a wheel) are plain CUDA
+headers plus one jinja2 file, ``attention.cu.j2``, which substitutes only types, constants and the
+functor expressions; tile shapes live in the headers' traits structs.
+
+The kernel arguments travel as one ``__grid_constant__`` struct. :data:`BASE_FIELDS` plus the
+variant's parameters define it; the same list renders the C++ struct and gives the host its byte
+layout (:func:`params_layout`), and the rendered source ``static_assert``\\ s the size, so the two
+sides cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import jinja2
+
+from jitattn.spec import AttentionSpec
+
+TEMPLATE_NAME = "attention.cu.j2"
+RENDERED_FILE = "kernel.cu"
+
+CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
+
+#: Kernel entry points in every rendered module (one module per spec, so plain names suffice).
+KERNEL_NAMES = {
+    "decode": "jitattn_decode",
+    "merge": "jitattn_merge_splits",
+    "prefill": "jitattn_prefill",
+    "geometry": "jitattn_geometry",
+}
+
+
+@dataclass(frozen=True)
+class Field:
+    """One member of the kernel's ``Params`` struct.
+
+    ``kind`` is the host-side packing: ``ptr`` (8-byte device address), ``i64``, ``i32`` or ``f32``.
+    """
+
+    name: str
+    kind: str
+    cuda_type: str
+    doc: str = ""
+
+    @property
+    def size(self) -> int:
+        return 8 if self.kind in ("ptr", "i64") else 4
+
+
+#: Fixed members; ``{q}``, ``{kv}``, ``{o}`` are replaced by the spec's element types. Strides are in elements.
+BASE_FIELDS: tuple[Field, ...] = (
+    Field("q", "ptr", "const {q}*", "(total_q, num_qo_heads, head_dim_qk)"),
+    Field("kv_cache", "ptr", "const {kv}*", "paged cache, NHD or HND"),
+    Field("o", "ptr", "{o}*", "(total_q, num_qo_heads, head_dim_vo)"),
+    Field("lse", "ptr", "float*", "(total_q, num_qo_heads) natural log, or null"),
+    Field("block_table", "ptr", "const int*", "(batch, block_table_stride)"),
+    Field("seq_lens", "ptr", "const int*", "(batch,)"),
+    Field("query_start_loc", "ptr", "const int*", "(batch + 1,)"),
+    Field("sinks", "ptr", "const float*", "(num_qo_heads,) or null"),
+    Field("alibi_slopes", "ptr", "const float*", "(num_qo_heads,) or null"),
+    Field("partial_o", "ptr", "float*", "split-KV workspace (num_splits, batch, num_qo_heads, head_dim_vo)"),
+    Field("partial_lse", "ptr", "float*", "split-KV workspace (num_splits, batch, num_qo_heads), base 2"),
+    Field("q_stride_token", "i64", "long long", "elements between consecutive query tokens"),
+    Field("kv_stride_page", "i64", "long long", "elements between consecutive pages"),
+    Field("kv_stride_kv", "i64", "long long", "elements from a page's K to its V"),
+    Field("block_table_stride", "i32", "int", "elements between block_table rows"),
+    Field("batch_size", "i32", "int"),
+    Field("total_q", "i32", "int", "rows of q; query_start_loc entries past it mark a sequence invalid"),
+    Field("num_pages", "i32", "int", "pages in kv_cache; block_table entries past it mark a sequence invalid"),
+    Field("num_splits", "i32", "int", "split-KV factor of the decode launch"),
+    Field("prefill_skip_decode_rows", "i32", "int", "1: the prefill kernel leaves one-query sequences to decode"),
+)
+
+
+def params_fields(spec: AttentionSpec) -> tuple[Field, ...]:
+    """All ``Params`` members for a spec, 8-byte members first (so the layout has no holes)."""
+    types = {"q": CTYPES[spec.q_dtype], "kv": CTYPES[spec.kv_dtype], "o": CTYPES[spec.o_dtype]}
+    base = [Field(f.name, f.kind, f.cuda_type.format(**types), f.doc) for f in BASE_FIELDS]
+    extra = []
+    for p in spec.params:
+        kind = "ptr" if not p.is_scalar else ("i32" if p.dtype == "int32" else "f32")
+        extra.append(Field(p.name, kind, p.cuda_type, f"variant parameter {p.dtype}{list(p.shape)}"))
+    fields = base + extra
+    return tuple(sorted(fields, key=lambda f: -f.size))  # stable: declared order within a size
+
+
+def params_layout(fields: tuple[Field, ...]) -> tuple[list[tuple[Field, int]], int]:
+    """Byte offset of each field and the struct size (C rules: natural alignment, size rounded to 8)."""
+    offset, placed = 0, []
+    for f in fields:
+        offset = -(-offset // f.size) * f.size
+        placed.append((f, offset))
+        offset += f.size
+    return placed, -(-offset // 8) * 8
+
+
+@dataclass(frozen=True)
+class RenderedSource:
+    """A rendered kernel source and what the host needs to call it."""
+
+    text: str
+    fields: tuple[Field, ...]
+    params_size: int
+    names: dict[str, str]
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()
+
+
+def template_dir() -> Path:
+    """The templates: ``jitattn/templates`` in an installed wheel, ``templates/`` in a checkout.
+
+    Raises:
+        FileNotFoundError: neither exists (a broken install), with both paths.
+    """
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "templates", here.parent / "templates"):
+        if (candidate / TEMPLATE_NAME).is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"jitattn templates not found: looked for {TEMPLATE_NAME} in {here / 'templates'} and "
+        f"{here.parent / 'templates'}; reinstall jitattn")
+
+
+@lru_cache(maxsize=None)
+def _template_files_digest(directory: str) -> tuple[tuple[str, str], ...]:
+    out = []
+    for path in sorted(Path(directory).iterdir()):
+        if path.suffix in (".cuh", ".j2", ".h", ".cu"):
+            out.append((path.name, hashlib.sha256(path.read_bytes()).hexdigest()))
+    return tuple(out)
+
+
+def template_hashes() -> dict[str, str]:
+    """sha256 of every template and header file: part of the cache key, so editing one rebuilds."""
+    return dict(_template_files_digest(str(template_dir())))
+
+
+def _cfloat(x: float) -> str:
+    return f"{float(x):.9e}f"
+
+
+def _cbool(x: bool) -> str:
+    return "true" if x else "false"
+
+
+@lru_cache(maxsize=4)
+def _environment(directory: str) -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(directory), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, autoescape=False)
+    env.globals.update(cfloat=_cfloat, cbool=_cbool, ctype=CTYPES)
+    return env
+
+
+_RESTORE = re.compile(r'^#line __RESTORE_LINE__ "__RENDERED_FILE__"$')
+
+
+def _restore_line_directives(text: str) -> str:
+    """After a functor's ``#line 1 "<functor>"``, point nvcc back at the rendered file's true lines."""
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        if _RESTORE.match(line):
+            lines[i] = f'#line {i + 2} "{RENDERED_FILE}"'
+    return "\n".join(lines)
+
+
+def render(spec: AttentionSpec) -> RenderedSource:
+    """Render the CUDA source of one spec (decode, split-merge and prefill kernels in one module).
+
+    Raises:
+        FileNotFoundError: the templates are missing.
+        jinja2.TemplateError: a broken template (a bug in jitattn, not in the spec).
+    """
+    fields = params_fields(spec)
+    _, size = params_layout(fields)
+    variant = spec.variant
+    context = {
+        "spec": spec,
+        "fields": fields,
+        "params_size": size,
+        "names": KERNEL_NAMES,
+        "transform": variant.logits_transform if variant else None,
+        "mask": variant.logits_mask if variant else None,
+    }
+    text = _environment(str(template_dir())).get_template(TEMPLATE_NAME).render(**context)
+    return RenderedSource(_restore_line_directives(text), fields, size, dict(KERNEL_NAMES))
+
+
+def functor_at(text: str, line: int) -> str | None:
+    """The functor whose ``>>> functor`` region of the rendered text holds 1-based ``line``, if any."""
+    current = None
+    for i, content in enumerate(text.split("\n"), start=1):
+        if "// >>> functor " in content:
+            current = content.split("// >>> functor ", 1)[1].split()[0]
+        elif "// <<< functor " in content:
+            current = None
+        if i == line:
+            return current
+    return None

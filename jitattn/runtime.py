@@ -1,0 +1,243 @@
+"""Runtime: load a spec's cubin with CuPy and launch its kernels on torch's current stream.
+
+No C++ extension and no torch ABI coupling: the cubin is loaded with ``cupy.RawModule(path=...)``,
+the kernel arguments travel as one packed struct (layout from :mod:`jitattn.render`), and launches
+go to ``torch.cuda.current_stream()`` through ``cupy.cuda.ExternalStream``, so they order with
+torch's own work and can be captured in CUDA graphs. Launch geometry (block sizes, shared memory,
+tile shapes) is read from the cubin itself, never re-derived in Python.
+
+One call of :meth:`JitKernel.paged_attention` serves a mixed batch: sequences that bring one query
+go to the decode kernel (split-KV when the batch cannot fill the GPU), the rest to the prefill
+kernel, from the same ``query_start_loc`` / ``seq_lens`` metadata.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from jitattn import settings
+from jitattn.build import archs_for_capability
+from jitattn.cache import CacheEntry, KernelCache, MissingKernelError, missing_message
+from jitattn.checks import check_metadata_values, check_paged_call
+from jitattn.reference import default_alibi_slopes, torch_dtype
+from jitattn.render import KERNEL_NAMES, params_fields, params_layout, render
+from jitattn.spec import AttentionSpec
+
+_NP_KIND = {"ptr": np.uint64, "i64": np.int64, "i32": np.int32, "f32": np.float32}
+_GEOMETRY = ("decode_threads", "decode_smem", "decode_tile_keys", "prefill_threads", "prefill_smem",
+             "prefill_block_m", "prefill_block_n", "params_size")
+_MERGE_THREADS = 128
+_DEFAULT_SMEM_LIMIT = 48 * 1024
+
+
+def _import_cupy():
+    try:
+        import cupy
+    except ImportError as exc:
+        raise ImportError(
+            "running jitattn kernels needs CuPy for your CUDA version: pip install 'jitattn[cuda12]' or "
+            "'jitattn[cuda13]' (cupy-cuda12x / cupy-cuda13x)") from exc
+    return cupy
+
+
+def params_dtype(spec: AttentionSpec) -> np.dtype:
+    """The numpy structured dtype that matches the rendered ``Params`` struct byte for byte."""
+    placed, size = params_layout(params_fields(spec))
+    return np.dtype({"names": [f.name for f, _ in placed], "formats": [_NP_KIND[f.kind] for f, _ in placed],
+                     "offsets": [off for _, off in placed], "itemsize": size})
+
+
+def select_entry(spec: AttentionSpec, capability: tuple[int, int], cache: KernelCache | None = None) -> CacheEntry:
+    """The cache entry to run on a device of this compute capability, compiling it if allowed.
+
+    Takes the best cached arch that runs on the device; on a miss builds the best arch.
+
+    Raises:
+        RuntimeError: no known arch runs on this capability.
+        MissingKernelError: nothing cached and JITATTN_DISABLE_JIT=1.
+    """
+    archs = archs_for_capability(*capability)
+    if not archs:
+        raise RuntimeError(f"jitattn builds no arch that runs on compute capability {capability}")
+    cache = cache or KernelCache()
+    from jitattn.cache import key_inputs
+
+    source = render(spec)
+    for arch in archs:
+        entry = cache.lookup(key_inputs(spec, source, arch).key)
+        if entry is not None:
+            return entry
+    if settings.disable_jit():
+        raise MissingKernelError(missing_message(spec, archs[0], key_inputs(spec, source, archs[0]).key,
+                                                 (cache.root, *cache.layers)))
+    return cache.get_or_build(spec, archs[0])[0]
+
+
+class JitKernel:
+    """The compiled kernels of one spec, loaded on one CUDA device.
+
+    Args:
+        spec: the variant.
+        device: a CUDA device (default: the current one).
+
+    Raises:
+        MissingKernelError: not cached under JITATTN_DISABLE_JIT=1.
+        jitattn.build.CompileError: nvcc rejected the rendered source.
+        ImportError: CuPy is not installed.
+    """
+
+    def __init__(self, spec: AttentionSpec, device: torch.device | str | int | None = None):
+        cp = _import_cupy()
+        self.spec = spec
+        self.device = _cuda_device(device)
+        self.entry = select_entry(spec, torch.cuda.get_device_capability(self.device))
+        with cp.cuda.Device(self.device.index):
+            self._module = cp.RawModule(path=str(self.entry.cubin))
+            self._fn = {k: self._module.get_function(v) for k, v in KERNEL_NAMES.items() if k != "geometry"}
+            raw = cp.ndarray((len(_GEOMETRY),), cp.int32, self._module.get_global(KERNEL_NAMES["geometry"])).get()
+        self.geometry = dict(zip(_GEOMETRY, (int(x) for x in raw)))
+        self._dtype = params_dtype(spec)
+        if self.geometry["params_size"] != self._dtype.itemsize:
+            raise RuntimeError(f"{self.entry.cubin}: Params is {self.geometry['params_size']} bytes in the cubin but "
+                               f"{self._dtype.itemsize} on the host; the cache entry is stale, clear it")
+        for name in ("decode", "prefill"):
+            smem = self.geometry[f"{name}_smem"]
+            if smem > _DEFAULT_SMEM_LIMIT:
+                self._fn[name].max_dynamic_shared_size_bytes = smem
+        props = torch.cuda.get_device_properties(self.device)
+        self._num_sms = props.multi_processor_count
+        self._streams: dict[int, Any] = {}
+        self._cp = cp
+
+    # ---- launch helpers --------------------------------------------------------------------------
+    def _stream(self):
+        ptr = torch.cuda.current_stream(self.device).cuda_stream
+        stream = self._streams.get(ptr)
+        if stream is None:
+            stream = self._streams[ptr] = self._cp.cuda.ExternalStream(ptr, self.device.index)
+        return stream
+
+    def num_splits(self, batch: int, max_kv_len: int) -> int:
+        """Split-KV factor for a decode batch: enough blocks for one wave, at least 2 tiles per split."""
+        blocks = batch * self.spec.num_kv_heads
+        threads, smem = self.geometry["decode_threads"], self.geometry["decode_smem"]
+        per_sm = max(1, min(2048 // threads, (227 * 1024) // max(smem + 1024, 1)))
+        target = self._num_sms * per_sm
+        if blocks >= target:
+            return 1
+        max_useful = max(1, math.ceil(max_kv_len / (2 * self.geometry["decode_tile_keys"])))
+        return max(1, min(math.ceil(target / blocks), max_useful, 256))
+
+    def _launch(self, name: str, grid: tuple[int, int, int], block: int, smem: int, args: np.ndarray) -> None:
+        with self._cp.cuda.Device(self.device.index), self._stream():
+            self._fn[name](grid, (block, 1, 1), (args,), shared_mem=smem)
+
+    # ---- the call ---------------------------------------------------------------------------------
+    def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, sinks: torch.Tensor | None = None,
+                        alibi_slopes: torch.Tensor | None = None, params: Mapping[str, Any] | None = None,
+                        return_lse: bool = False, out: torch.Tensor | None = None, max_query_len: int | None = None,
+                        validate: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attention over the paged KV cache; same contract as :func:`jitattn.reference.paged_attention`.
+
+        Args:
+            max_query_len: optional host-side hint; ``1`` promises a pure decode batch (only the decode
+                kernel is launched; a sequence with another query count is then left unwritten).
+            validate: also check the metadata values (a device sync; not under graph capture).
+            out: optional preallocated output ``(total_q, num_qo_heads, head_dim_vo)``.
+
+        Returns:
+            ``out`` and, when ``return_lse``, lse float32 ``(total_q, num_qo_heads)`` (natural log).
+            Rows whose sequence has invalid metadata (more queries than keys, more keys than its
+            block_table row holds, a page id outside the cache) are NaN.
+
+        Raises:
+            ValueError: a tensor does not match the spec (before any launch).
+        """
+        spec = self.spec
+        params = dict(params or {})
+        call = check_paged_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc, sinks=sinks,
+                                alibi_slopes=alibi_slopes, params=params, out=out, for_kernel=True)
+        if q.device != self.device:
+            raise ValueError(f"q: on {q.device}, but this kernel was loaded on {self.device}")
+        if validate:
+            check_metadata_values(spec, seq_lens, query_start_loc, block_table, call.num_pages, call.total_q)
+        if spec.alibi and alibi_slopes is None:
+            alibi_slopes = default_alibi_slopes(spec, q.device)
+        total_q, batch = call.total_q, call.batch
+        if out is None:
+            out = torch.empty(total_q, spec.num_qo_heads, spec.head_dim_vo, dtype=torch_dtype(spec.o_dtype),
+                              device=q.device)
+        lse = torch.empty(total_q, spec.num_qo_heads, dtype=torch.float32, device=q.device) if return_lse else None
+        if total_q == 0:
+            return (out, lse) if return_lse else out
+        splits = self.num_splits(batch, call.max_pages_per_seq * spec.page_size)
+        partial_o = partial_lse = None
+        if splits > 1:
+            partial_o = torch.empty(splits, batch, spec.num_qo_heads, spec.head_dim_vo, dtype=torch.float32,
+                                    device=q.device)
+            partial_lse = torch.empty(splits, batch, spec.num_qo_heads, dtype=torch.float32, device=q.device)
+        decode_only = max_query_len == 1
+        args = np.zeros((1,), dtype=self._dtype)
+        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+        fields = {
+            "q": ptr(q), "kv_cache": ptr(kv_cache), "o": ptr(out), "lse": ptr(lse), "block_table": ptr(block_table),
+            "seq_lens": ptr(seq_lens), "query_start_loc": ptr(query_start_loc), "sinks": ptr(sinks),
+            "alibi_slopes": ptr(alibi_slopes), "partial_o": ptr(partial_o), "partial_lse": ptr(partial_lse),
+            "q_stride_token": q.stride(0), "kv_stride_page": kv_cache.stride(0), "kv_stride_kv": kv_cache.stride(1),
+            "block_table_stride": block_table.stride(0), "batch_size": batch, "total_q": total_q,
+            "num_pages": call.num_pages, "num_splits": splits, "prefill_skip_decode_rows": 1,
+        }
+        for p in spec.params:
+            fields[p.name] = params[p.name] if p.is_scalar else params[p.name].data_ptr()
+        for name, value in fields.items():
+            args[name] = value
+        g = self.geometry
+        self._launch("decode", (splits, spec.num_kv_heads, batch), g["decode_threads"], g["decode_smem"], args)
+        if splits > 1:
+            self._launch("merge", (batch, spec.num_qo_heads, 1), _MERGE_THREADS, 0, args)
+        if not decode_only:
+            tiles = math.ceil(total_q * spec.group_size / g["prefill_block_m"]) + batch
+            self._launch("prefill", (tiles, spec.num_kv_heads, 1), g["prefill_threads"], g["prefill_smem"], args)
+        return (out, lse) if return_lse else out
+
+
+_KERNELS: dict[tuple[AttentionSpec, int], JitKernel] = {}
+_KERNELS_LOCK = threading.Lock()
+
+
+def _cuda_device(device: torch.device | str | int | None) -> torch.device:
+    """A CUDA device with an explicit index (the current device when none is given)."""
+    if isinstance(device, int):
+        device = torch.device("cuda", device)
+    dev = torch.device("cuda") if device is None else torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"device={dev}: jitattn kernels run on CUDA devices; use jitattn.reference on {dev.type}")
+    return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def load_kernel(spec: AttentionSpec, device: torch.device | str | int | None = None) -> JitKernel:
+    """The :class:`JitKernel` of ``spec`` on ``device`` (built or loaded once per process, then reused)."""
+    dev = _cuda_device(device)
+    key = (spec, dev.index)
+    with _KERNELS_LOCK:
+        kernel = _KERNELS.get(key)
+        if kernel is None:
+            kernel = _KERNELS[key] = JitKernel(spec, dev)
+    return kernel
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, spec: AttentionSpec, **kwargs: Any
+                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Run ``spec``'s compiled kernels on these inputs (compiling and caching them on first use).
+
+    Shapes, dtypes and semantics: :func:`jitattn.reference.paged_attention`; keyword arguments:
+    :meth:`JitKernel.paged_attention`.
+    """
+    return load_kernel(spec, q.device).paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, **kwargs)

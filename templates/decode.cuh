@@ -1,0 +1,306 @@
+// jitattn: decode over the paged KV cache. One query row per sequence; memory-bound.
+//
+// One thread block serves (sequence, kv_head, split): all query heads of the GQA group share one
+// read of each K/V row. K and V tiles stream into shared memory through cp.async, kStages deep,
+// 16 bytes per thread per load. Threads form a (kBdx, kBdy, kBdz) grid: kBdx lanes along the head
+// dim, kBdy query heads of the group, kBdz key slots. Each (ty, tz) keeps its own online-softmax
+// state; states merge across tz at the end, and across splits in the merge kernel (split-KV,
+// partial states combined by log-sum-exp as in FlashDecoding, Dao et al. 2023).
+#pragma once
+
+#include "common.cuh"
+#include "variant.cuh"
+
+namespace jitattn {
+
+template <class S>
+struct DecodeTraits {
+  using DTypeKV = typename S::DTypeKV;
+  static constexpr int kHeadDim = S::kHeadDimQK;
+  static constexpr int kVec = 16 / sizeof(DTypeKV);  // elements per 16-byte load
+  static constexpr int kChunks = kHeadDim / kVec;     // 16-byte chunks per K/V row
+  static constexpr int kBdx = next_pow2(kChunks);     // lanes along head_dim (idle lanes when not a power of two)
+  static constexpr int kMaxBdy = cmax(1, 128 / kBdx);
+  static constexpr int kHeadsPerThread = ceil_div(S::kGroupSize, cmin(S::kGroupSize, kMaxBdy));
+  static constexpr int kBdy = ceil_div(S::kGroupSize, kHeadsPerThread);
+  // Enough key slots for ~128 threads, rounded so the block is whole warps.
+  static constexpr int kBdz = round_up(ceil_div(128, kBdx * kBdy), 32 / gcd(kBdx * kBdy, 32));
+  static constexpr int kThreads = kBdx * kBdy * kBdz;
+  static constexpr int kKeysPerThread = ceil_div(32, kBdz);
+  static constexpr int kTileKeys = kBdz * kKeysPerThread;  // keys per pipeline stage
+  static constexpr int kRowBytes = kHeadDim * sizeof(DTypeKV);
+  static constexpr int kStageBytes = 2 * kTileKeys * kRowBytes;  // K and V of one tile
+  static constexpr int kStages = cmax(2, cmin(4, (64 * 1024) / kStageBytes));
+  static constexpr int kMergeBytes = kBdz * kBdy * kHeadsPerThread * (kHeadDim + 2) * 4;
+  static constexpr int kSmemBytes = cmax(kStages * kStageBytes, kMergeBytes);
+
+  static_assert(kHeadDim % kVec == 0, "head_dim must be a whole number of 16-byte chunks");
+  static_assert(kBdx <= 32, "one K/V row must fit in one warp's lanes (head_dim <= 256)");
+  static_assert(kThreads % 32 == 0 && kThreads <= 1024, "decode block must be whole warps");
+};
+
+// Address of row `kv_idx` (K if which == 0, V if 1) of sequence `batch`, head `kv_head`, chunk 0.
+// A page id outside [0, num_pages) sets `bad` and reads page 0 instead: invalid metadata turns the
+// sequence's output into NaN (loud) rather than an out-of-bounds read (a crash).
+template <class S>
+__device__ __forceinline__ const typename S::DTypeKV* kv_row(const Params& p, int batch, int kv_head, int kv_idx,
+                                                             int which, bool& bad) {
+  int page = p.block_table[static_cast<long long>(batch) * p.block_table_stride + kv_idx / S::kPageSize];
+  if (static_cast<unsigned>(page) >= static_cast<unsigned>(p.num_pages)) {
+    bad = true;
+    page = 0;
+  }
+  const int slot = kv_idx % S::kPageSize;
+  long long off = static_cast<long long>(page) * p.kv_stride_page + which * p.kv_stride_kv;
+  if constexpr (S::kLayoutHND) {
+    off += (static_cast<long long>(kv_head) * S::kPageSize + slot) * S::kHeadDimQK;
+  } else {
+    off += (static_cast<long long>(slot) * S::kNumKvHeads + kv_head) * S::kHeadDimQK;
+  }
+  return p.kv_cache + off;
+}
+
+// Sequence metadata the kernels can check without a host sync. A sequence that fails writes NaN.
+template <class S>
+__device__ __forceinline__ bool sequence_ok(const Params& p, int qo_len, int kv_len) {
+  return qo_len <= kv_len && kv_len <= p.block_table_stride * S::kPageSize;
+}
+
+// Issue cp.async for keys [start, start + kTileKeys) into one stage; rows at or past `end` are zero-filled.
+template <class S>
+__device__ __forceinline__ void decode_load_tile(const Params& p, uint8_t* stage, int batch, int kv_head, int start,
+                                                 int end, bool& bad) {
+  using T = DecodeTraits<S>;
+  using DT = typename S::DTypeKV;
+  DT* sk = reinterpret_cast<DT*>(stage);
+  DT* sv = sk + T::kTileKeys * T::kHeadDim;
+#pragma unroll
+  for (int c = threadIdx.x; c < T::kTileKeys * T::kChunks; c += T::kThreads) {
+    const int row = c / T::kChunks, chunk = c % T::kChunks;
+    const int kv_idx = start + row;
+    const bool in = kv_idx < end;
+    const DT* k = in ? kv_row<S>(p, batch, kv_head, kv_idx, 0, bad) + chunk * T::kVec : p.kv_cache;
+    const DT* v = in ? kv_row<S>(p, batch, kv_head, kv_idx, 1, bad) + chunk * T::kVec : p.kv_cache;
+    cp_async_16(sk + row * T::kHeadDim + chunk * T::kVec, k, in);
+    cp_async_16(sv + row * T::kHeadDim + chunk * T::kVec, v, in);
+  }
+}
+
+template <class S>
+__device__ __forceinline__ void decode_kernel(const Params& p) {
+  using T = DecodeTraits<S>;
+  using DT = typename S::DTypeKV;
+  constexpr int H = T::kHeadsPerThread, KPT = T::kKeysPerThread, V = T::kVec;
+  extern __shared__ __align__(16) uint8_t smem[];
+
+  const int split = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+  const int q_row = p.query_start_loc[batch];
+  if (p.query_start_loc[batch + 1] - q_row != 1) return;  // not a decode row: the prefill kernel serves it
+  if (q_row < 0 || q_row >= p.total_q) return;             // no row of q to read or write
+  const int kv_len = p.seq_lens[batch];
+  const int qo_idx = kv_len - 1;
+  bool bad = !sequence_ok<S>(p, 1, kv_len);
+  int kv_begin, kv_end;
+  visible_kv_range<S>(qo_idx, qo_idx, kv_len, kv_begin, kv_end);
+  if (bad) kv_end = kv_begin;
+  const int chunk_len = round_up(ceil_div(max(kv_end - kv_begin, 0), p.num_splits), T::kTileKeys);
+  const int lo = kv_begin + split * chunk_len;
+  const int hi = min(kv_end, lo + chunk_len);
+
+  const int tx = threadIdx.x % T::kBdx;
+  const int ty = (threadIdx.x / T::kBdx) % T::kBdy;
+  const int tz = threadIdx.x / (T::kBdx * T::kBdy);
+  const bool lane_has_dims = tx < T::kChunks;
+
+  // Query heads of this thread: group-local g = ty * H + h.
+  float q[H][V], o[H][V], slope[H];
+  SoftmaxState st[H];
+#pragma unroll
+  for (int h = 0; h < H; ++h) {
+    const int g = ty * H + h;
+    const int qo_head = kv_head * S::kGroupSize + min(g, S::kGroupSize - 1);
+    uint4 raw = make_uint4(0, 0, 0, 0);
+    if (lane_has_dims && g < S::kGroupSize)
+      raw = *reinterpret_cast<const uint4*>(p.q + q_row * p.q_stride_token + qo_head * S::kHeadDimQK + tx * V);
+    unpack16<typename S::DTypeQ>(raw, q[h]);
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      q[h][i] *= q_prescale<S>();
+      o[h][i] = 0.f;
+    }
+    slope[h] = S::kHasAlibi ? p.alibi_slopes[qo_head] : 0.f;
+    st[h] = SoftmaxState{kNegInf, 0.f};
+  }
+
+  // Prologue: kStages - 1 tiles in flight.
+#pragma unroll
+  for (int s = 0; s < T::kStages - 1; ++s) {
+    const int start = lo + s * T::kTileKeys;
+    if (start < hi) decode_load_tile<S>(p, smem + s * T::kStageBytes, batch, kv_head, start, hi, bad);
+    cp_async_commit();
+  }
+
+  int it = 0;
+  for (int start = lo; start < hi; start += T::kTileKeys, ++it) {
+    cp_async_wait<T::kStages - 2>();
+    __syncthreads();  // tile `it` landed for all threads; stage (it - 1) is free again
+    {
+      const int next = start + (T::kStages - 1) * T::kTileKeys;
+      if (next < hi)
+        decode_load_tile<S>(p, smem + ((it + T::kStages - 1) % T::kStages) * T::kStageBytes, batch, kv_head, next, hi,
+                            bad);
+      cp_async_commit();
+    }
+    const DT* sk = reinterpret_cast<const DT*>(smem + (it % T::kStages) * T::kStageBytes);
+    const DT* sv = sk + T::kTileKeys * T::kHeadDim;
+
+    float s[H][KPT];
+#pragma unroll
+    for (int j = 0; j < KPT; ++j) {
+      const int row = tz + j * T::kBdz;
+      float kf[V];
+      uint4 raw = make_uint4(0, 0, 0, 0);
+      if (lane_has_dims) raw = *reinterpret_cast<const uint4*>(sk + row * T::kHeadDim + tx * V);
+      unpack16<DT>(raw, kf);
+#pragma unroll
+      for (int h = 0; h < H; ++h) {
+        float acc = 0.f;
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc = fmaf(q[h][i], kf[i], acc);
+        s[h][j] = group_sum<T::kBdx>(acc);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+      const int qo_head = kv_head * S::kGroupSize + min(ty * H + h, S::kGroupSize - 1);
+      float tile_max = kNegInf;
+#pragma unroll
+      for (int j = 0; j < KPT; ++j) {
+        const int kv_idx = start + tz + j * T::kBdz;
+        float v = transform_logit<S>(p, s[h][j], slope[h], batch, qo_head, kv_head, qo_idx, kv_idx, 1, kv_len);
+        const bool ok = kv_idx < hi && custom_visible<S>(p, batch, qo_head, kv_head, qo_idx, kv_idx, 1, kv_len);
+        s[h][j] = ok ? v : kNegInf;
+        tile_max = fmaxf(tile_max, s[h][j]);
+      }
+      const float m_new = fmaxf(st[h].m, tile_max);
+      const float m_use = m_new == kNegInf ? 0.f : m_new;
+      const float alpha = rescale_factor(st[h].m, m_use);
+      st[h].d *= alpha;
+#pragma unroll
+      for (int i = 0; i < V; ++i) o[h][i] *= alpha;
+#pragma unroll
+      for (int j = 0; j < KPT; ++j) {
+        s[h][j] = fast_exp2(s[h][j] - m_use);
+        st[h].d += s[h][j];
+      }
+      st[h].m = m_new;
+    }
+#pragma unroll
+    for (int j = 0; j < KPT; ++j) {
+      const int row = tz + j * T::kBdz;
+      float vf[V];
+      uint4 raw = make_uint4(0, 0, 0, 0);
+      if (lane_has_dims) raw = *reinterpret_cast<const uint4*>(sv + row * T::kHeadDim + tx * V);
+      unpack16<DT>(raw, vf);
+#pragma unroll
+      for (int h = 0; h < H; ++h)
+#pragma unroll
+        for (int i = 0; i < V; ++i) o[h][i] = fmaf(s[h][j], vf[i], o[h][i]);
+    }
+  }
+  cp_async_wait<0>();
+  // All stages idle (shared memory is reused for the merge below); any thread's bad metadata poisons the row.
+  const float poison = __syncthreads_or(bad) ? __int_as_float(0x7fc00000) : 0.f;
+
+  // Merge the kBdz key-slot states of each head: scratch [tz][ty][h] = {m, d, o[kHeadDim]}.
+  float* scratch = reinterpret_cast<float*>(smem);
+  constexpr int kSlot = T::kHeadDim + 2;
+#pragma unroll
+  for (int h = 0; h < H; ++h) {
+    float* slot = scratch + ((tz * T::kBdy + ty) * H + h) * kSlot;
+    if (tx == 0) {
+      slot[0] = st[h].m;
+      slot[1] = st[h].d;
+    }
+    if (lane_has_dims)
+#pragma unroll
+      for (int i = 0; i < V; ++i) slot[2 + tx * V + i] = o[h][i];
+  }
+  __syncthreads();
+  if (tz != 0) return;
+#pragma unroll
+  for (int h = 0; h < H; ++h) {
+    const int g = ty * H + h;
+    if (g >= S::kGroupSize) continue;
+    const int qo_head = kv_head * S::kGroupSize + g;
+    float m = kNegInf;
+    for (int z = 0; z < T::kBdz; ++z) m = fmaxf(m, scratch[((z * T::kBdy + ty) * H + h) * kSlot]);
+    float d = 0.f, acc[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i) acc[i] = 0.f;
+    for (int z = 0; z < T::kBdz; ++z) {
+      const float* slot = scratch + ((z * T::kBdy + ty) * H + h) * kSlot;
+      const float w = rescale_factor(slot[0], m);
+      d += slot[1] * w;
+      if (lane_has_dims)
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc[i] += slot[2 + tx * V + i] * w;
+    }
+    const long long row_head = static_cast<long long>(q_row) * S::kNumQoHeads + qo_head;
+    if (p.num_splits == 1) {
+      float lse;
+      const float scale = finalize_state<S>(p, qo_head, SoftmaxState{m, d}, lse);
+      if (lane_has_dims) {
+        typename S::DTypeO out[V];
+#pragma unroll
+        for (int i = 0; i < V; ++i) out[i] = from_float<typename S::DTypeO>(acc[i] * scale + poison);
+        static_assert(sizeof(out) == 16, "output chunk must be 16 bytes");
+        *reinterpret_cast<uint4*>(p.o + row_head * S::kHeadDimVO + tx * V) = *reinterpret_cast<uint4*>(out);
+      }
+      if (tx == 0 && p.lse != nullptr) p.lse[row_head] = lse + poison;
+    } else {
+      // Partial state of this split, normalised, in base 2: merged (and sinks added) by merge_splits.
+      const long long part = (static_cast<long long>(split) * p.batch_size + batch) * S::kNumQoHeads + qo_head;
+      const float inv = d > 0.f ? 1.0f / d : 0.f;
+      if (lane_has_dims)
+#pragma unroll
+        for (int i = 0; i < V; ++i) p.partial_o[part * S::kHeadDimVO + tx * V + i] = acc[i] * inv + poison;
+      if (tx == 0) p.partial_lse[part] = (d > 0.f ? m + __log2f(d) : kNegInf) + poison;
+    }
+  }
+}
+
+// Combines the num_splits partial states of each decode row (grid: batch x num_qo_heads).
+template <class S>
+__device__ __forceinline__ void merge_splits_kernel(const Params& p) {
+  const int batch = blockIdx.x, qo_head = blockIdx.y;
+  const int q_row = p.query_start_loc[batch];
+  if (p.query_start_loc[batch + 1] - q_row != 1) return;
+  const long long stride = static_cast<long long>(p.batch_size) * S::kNumQoHeads;
+  const long long base = static_cast<long long>(batch) * S::kNumQoHeads + qo_head;
+  float m = kNegInf;
+  bool bad = false;  // fmaxf drops NaN, so a poisoned split is looked for explicitly
+  for (int s = 0; s < p.num_splits; ++s) {
+    const float l = p.partial_lse[s * stride + base];
+    bad = bad || isnan(l);
+    m = fmaxf(m, l);
+  }
+  const float poison = bad ? __int_as_float(0x7fc00000) : 0.f;
+  float d = 0.f;
+  for (int s = 0; s < p.num_splits; ++s) d += rescale_factor(p.partial_lse[s * stride + base], m);
+  // The merged state is (m, d) over normalised partials; fold in the sink and finish.
+  float lse;
+  const float scale = finalize_state<S>(p, qo_head, SoftmaxState{m, d}, lse);
+  const long long row_head = static_cast<long long>(q_row) * S::kNumQoHeads + qo_head;
+  for (int i = threadIdx.x; i < S::kHeadDimVO; i += blockDim.x) {
+    float acc = 0.f;
+    for (int s = 0; s < p.num_splits; ++s) {
+      const float w = rescale_factor(p.partial_lse[s * stride + base], m);
+      if (w != 0.f) acc += w * p.partial_o[(s * stride + base) * S::kHeadDimVO + i];
+    }
+    p.o[row_head * S::kHeadDimVO + i] = from_float<typename S::DTypeO>(acc * scale + poison);
+  }
+  if (threadIdx.x == 0 && p.lse != nullptr) p.lse[row_head] = lse + poison;
+}
+
+}  // namespace jitattn

@@ -1,0 +1,286 @@
+// jitattn: prefill / append over the paged KV cache on tensor cores. Compute-bound.
+//
+// FlashAttention-2 structure (Dao 2023, "FlashAttention-2", sections 3.1-3.2): a thread block owns
+// kBlockM packed query rows of one KV head (the query heads of a GQA group are packed into the rows:
+// packed row r = token * group_size + head_in_group), walks the visible K/V tiles of kBlockN keys,
+// and keeps the output in registers. Each warp owns 16 rows: S = Q K^T and O += P V are
+// mma.sync m16n8k16 (fp32 accumulate); Q, K, V come from shared memory through ldmatrix; K/V tiles
+// arrive through cp.async two stages deep; P goes from the S accumulators to A fragments without
+// touching shared memory. Tiles outside the causal/window bounds are never loaded; element masks are
+// applied on boundary tiles only (and everywhere when the variant has its own mask).
+#pragma once
+
+#include "common.cuh"
+#include "decode.cuh"
+#include "variant.cuh"
+
+namespace jitattn {
+
+template <class S>
+struct PrefillTraits {
+  using DT = typename S::DTypeQ;
+  static_assert(sizeof(DT) == 2, "tensor-core path takes 16-bit q/k/v");
+  static constexpr int kHeadDim = S::kHeadDimQK;
+  static constexpr int kNumWarps = 4;
+  static constexpr int kThreads = 32 * kNumWarps;
+  static constexpr int kBlockM = 16 * kNumWarps;  // packed query rows per block
+  static constexpr int kBlockN = kHeadDim <= 128 ? 64 : 32;  // keys per tile
+  static constexpr int kStages = 2;
+  // Rows padded by 16 bytes: 8 consecutive rows then fall in 8 distinct 16-byte bank groups,
+  // so ldmatrix is conflict-free for every head_dim that is a multiple of 16.
+  static constexpr int kRowStride = kHeadDim + 8;  // elements
+  static constexpr int kChunks = kHeadDim / 8;     // 16-byte chunks per row
+  static constexpr int kQBytes = kBlockM * kRowStride * 2;
+  static constexpr int kTileBytes = kBlockN * kRowStride * 2;  // one of K or V
+  static constexpr int kSmemBytes = kQBytes + kStages * 2 * kTileBytes;
+  static constexpr int kNTiles = kBlockN / 8;    // n-tiles of S per warp
+  static constexpr int kDTiles = kHeadDim / 8;   // n-tiles of O per warp
+  static_assert(kHeadDim % 16 == 0, "head_dim must be a multiple of 16 (mma k-step)");
+  static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16 (P is the A operand of P V)");
+};
+
+// Finds the (sequence, m-tile) this block serves. Sequences with one query are skipped when the
+// decode kernel serves them (p.prefill_skip_decode_rows). Warp 0 scans query_start_loc 32 sequences
+// at a time. Returns false when the block has no work (the grid is an upper bound on tile count).
+template <class S>
+__device__ __forceinline__ bool prefill_find_tile(const Params& p, int block, int& seq, int& tile) {
+  using T = PrefillTraits<S>;
+  __shared__ int found[2];
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    int base = 0, res_seq = -1, res_tile = 0;
+    for (int b0 = 0; b0 < p.batch_size && res_seq < 0; b0 += 32) {
+      const int b = b0 + lane;
+      int tiles = 0;
+      if (b < p.batch_size) {
+        const int q0 = p.query_start_loc[b], q1 = p.query_start_loc[b + 1];
+        const bool rows_exist = 0 <= q0 && q0 <= q1 && q1 <= p.total_q;  // else there is nothing to write
+        if (rows_exist && !(p.prefill_skip_decode_rows && q1 - q0 == 1))
+          tiles = ceil_div((q1 - q0) * S::kGroupSize, T::kBlockM);
+      }
+      int incl = tiles;
+#pragma unroll
+      for (int off = 1; off < 32; off *= 2) {
+        const int n = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += n;
+      }
+      const unsigned hit = __ballot_sync(0xffffffffu, base + incl > block);
+      if (hit) {
+        const int l = __ffs(hit) - 1;
+        res_seq = b0 + l;
+        res_tile = block - base - __shfl_sync(0xffffffffu, incl - tiles, l);
+      }
+      base += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    if (lane == 0) {
+      found[0] = res_seq;
+      found[1] = res_tile;
+    }
+  }
+  __syncthreads();
+  seq = found[0];
+  tile = found[1];
+  return seq >= 0;
+}
+
+// cp.async of keys [n0, n0 + kBlockN) (K and V) into one stage; keys at or past kv_end are zero-filled.
+template <class S>
+__device__ __forceinline__ void prefill_load_kv(const Params& p, typename S::DTypeKV* sk, typename S::DTypeKV* sv,
+                                                int batch, int kv_head, int n0, int kv_end, bool& bad) {
+  using T = PrefillTraits<S>;
+#pragma unroll
+  for (int c = threadIdx.x; c < T::kBlockN * T::kChunks; c += T::kThreads) {
+    const int row = c / T::kChunks, chunk = c % T::kChunks;
+    const int kv_idx = n0 + row;
+    const bool in = kv_idx < kv_end;
+    const auto* k = in ? kv_row<S>(p, batch, kv_head, kv_idx, 0, bad) + chunk * 8 : p.kv_cache;
+    const auto* v = in ? kv_row<S>(p, batch, kv_head, kv_idx, 1, bad) + chunk * 8 : p.kv_cache;
+    cp_async_16(sk + row * T::kRowStride + chunk * 8, k, in);
+    cp_async_16(sv + row * T::kRowStride + chunk * 8, v, in);
+  }
+}
+
+template <class S>
+__device__ __forceinline__ void prefill_kernel(const Params& p) {
+  using T = PrefillTraits<S>;
+  using DT = typename T::DT;
+  extern __shared__ __align__(16) uint8_t smem[];
+  DT* sq = reinterpret_cast<DT*>(smem);
+  DT* skv = reinterpret_cast<DT*>(smem + T::kQBytes);  // [stage][K|V][kBlockN][kRowStride]
+  auto stage_k = [&](int s) { return skv + (2 * s) * T::kBlockN * T::kRowStride; };
+  auto stage_v = [&](int s) { return skv + (2 * s + 1) * T::kBlockN * T::kRowStride; };
+
+  // Heavy (late, causal) tiles first: walk the grid backwards.
+  int batch, tile;
+  if (!prefill_find_tile<S>(p, gridDim.x - 1 - blockIdx.x, batch, tile)) return;
+  const int kv_head = blockIdx.y;
+  const int q_start = p.query_start_loc[batch];
+  const int qo_len = p.query_start_loc[batch + 1] - q_start;
+  const int kv_len = p.seq_lens[batch];
+  const int packed0 = tile * T::kBlockM;
+  const int packed_end = min(qo_len * S::kGroupSize, packed0 + T::kBlockM);
+  const int qo_base = kv_len - qo_len;  // position of this sequence's first query
+  const int pos_lo = qo_base + packed0 / S::kGroupSize;
+  const int pos_hi = qo_base + (packed_end - 1) / S::kGroupSize;
+  bool bad = !sequence_ok<S>(p, qo_len, kv_len);
+  int kv_begin, kv_end;
+  visible_kv_range<S>(pos_lo, pos_hi, kv_len, kv_begin, kv_end);
+  if (bad) kv_end = kv_begin;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, tig = lane % 4;  // mma fragment coordinates: row group, thread in group
+
+  // Q tile -> shared memory (rows past the sequence zero-filled).
+#pragma unroll
+  for (int c = threadIdx.x; c < T::kBlockM * T::kChunks; c += T::kThreads) {
+    const int row = c / T::kChunks, chunk = c % T::kChunks;
+    const int packed = packed0 + row;
+    const bool in = packed < packed_end;
+    const int token = packed / S::kGroupSize, qo_head = kv_head * S::kGroupSize + packed % S::kGroupSize;
+    const DT* src = in ? p.q + static_cast<long long>(q_start + token) * p.q_stride_token +
+                             qo_head * S::kHeadDimQK + chunk * 8
+                       : p.q;
+    cp_async_16(sq + row * T::kRowStride + chunk * 8, src, in);
+  }
+  const int n_first = (kv_begin / T::kBlockN) * T::kBlockN;
+  if (n_first < kv_end) prefill_load_kv<S>(p, stage_k(0), stage_v(0), batch, kv_head, n_first, kv_end, bad);
+  cp_async_commit();
+
+  // Per-thread rows: r = 0 -> warp row g, r = 1 -> warp row g + 8.
+  int row_pos[2], row_head[2];
+  float row_slope[2];
+  bool row_valid[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int packed = packed0 + warp * 16 + g + 8 * r;
+    row_valid[r] = packed < packed_end;
+    row_pos[r] = qo_base + packed / S::kGroupSize;
+    row_head[r] = kv_head * S::kGroupSize + packed % S::kGroupSize;
+    row_slope[r] = S::kHasAlibi ? p.alibi_slopes[row_head[r]] : 0.f;
+  }
+  float o[T::kDTiles][4];
+#pragma unroll
+  for (int d = 0; d < T::kDTiles; ++d)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o[d][i] = 0.f;
+  SoftmaxState st[2] = {{kNegInf, 0.f}, {kNegInf, 0.f}};
+  constexpr float kScale = q_prescale<S>();
+
+  int it = 0;
+  for (int n0 = n_first; n0 < kv_end; n0 += T::kBlockN, ++it) {
+    const int stage = it % T::kStages;
+    {  // prefetch the next tile into the other stage (freed by the barrier at the end of the last step)
+      const int n1 = n0 + T::kBlockN;
+      if (n1 < kv_end) prefill_load_kv<S>(p, stage_k(stage ^ 1), stage_v(stage ^ 1), batch, kv_head, n1, kv_end, bad);
+      cp_async_commit();
+    }
+    cp_async_wait<1>();
+    __syncthreads();
+    const DT* sk = stage_k(stage);
+    const DT* sv = stage_v(stage);
+
+    // S = Q K^T for this warp's 16 rows x kBlockN keys.
+    float s[T::kNTiles][4];
+#pragma unroll
+    for (int n = 0; n < T::kNTiles; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[n][i] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
+      uint32_t a[4];
+      ldmatrix_x4(a, sq + (warp * 16 + lane % 16) * T::kRowStride + kk * 16 + (lane / 16) * 8);
+#pragma unroll
+      for (int n2 = 0; n2 < T::kNTiles / 2; ++n2) {
+        uint32_t b[4];
+        ldmatrix_x4(b, sk + (n2 * 16 + lane % 8 + (lane / 16) * 8) * T::kRowStride + kk * 16 + ((lane / 8) % 2) * 8);
+        mma_16816<DT>(s[2 * n2], a, b[0], b[1]);
+        mma_16816<DT>(s[2 * n2 + 1], a, b[2], b[3]);
+      }
+    }
+
+    // Variant, masks and the online softmax update (rows g and g + 8 of the warp tile).
+    const bool full_tile = !S::kHasMask && n0 + T::kBlockN <= kv_len &&
+                           (!S::kCausal || n0 + T::kBlockN - 1 <= pos_lo) &&
+                           (S::kWindowLeft < 0 || n0 >= pos_hi - S::kWindowLeft) &&
+                           (S::kWindowRight < 0 || n0 + T::kBlockN - 1 <= pos_lo + S::kWindowRight);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float tile_max = kNegInf;
+#pragma unroll
+      for (int n = 0; n < T::kNTiles; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int kv_idx = n0 + n * 8 + 2 * tig + e;
+          float v = transform_logit<S>(p, s[n][2 * r + e] * kScale, row_slope[r], batch, row_head[r], kv_head,
+                                       row_pos[r], kv_idx, qo_len, kv_len);
+          if (!full_tile) {
+            const bool ok = kv_idx < kv_end && kv_idx >= kv_begin && structurally_visible<S>(row_pos[r], kv_idx) &&
+                            custom_visible<S>(p, batch, row_head[r], kv_head, row_pos[r], kv_idx, qo_len, kv_len);
+            v = ok ? v : kNegInf;
+          }
+          s[n][2 * r + e] = v;
+          tile_max = fmaxf(tile_max, v);
+        }
+      tile_max = group_max<4>(tile_max);
+      const float m_new = fmaxf(st[r].m, tile_max);
+      const float m_use = m_new == kNegInf ? 0.f : m_new;
+      const float alpha = rescale_factor(st[r].m, m_use);
+      st[r].m = m_new;
+      st[r].d *= alpha;
+#pragma unroll
+      for (int d = 0; d < T::kDTiles; ++d) {
+        o[d][2 * r] *= alpha;
+        o[d][2 * r + 1] *= alpha;
+      }
+#pragma unroll
+      for (int n = 0; n < T::kNTiles; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pe = fast_exp2(s[n][2 * r + e] - m_use);
+          s[n][2 * r + e] = pe;
+          st[r].d += pe;  // this thread's share of the row sum; the quad is summed at the end
+        }
+    }
+
+    // O += P V: the S accumulators of n-tiles (2k, 2k+1) are exactly the A fragment of k-step k.
+#pragma unroll
+    for (int kk = 0; kk < T::kBlockN / 16; ++kk) {
+      uint32_t a[4];
+      a[0] = pack2<DT>(s[2 * kk][0], s[2 * kk][1]);
+      a[1] = pack2<DT>(s[2 * kk][2], s[2 * kk][3]);
+      a[2] = pack2<DT>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      a[3] = pack2<DT>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int d2 = 0; d2 < T::kDTiles / 2; ++d2) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, sv + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * T::kRowStride + d2 * 16 + (lane / 16) * 8);
+        mma_16816<DT>(o[2 * d2], a, b[0], b[1]);
+        mma_16816<DT>(o[2 * d2 + 1], a, b[2], b[3]);
+      }
+    }
+    __syncthreads();  // this stage is read by everyone before the next prefetch overwrites it
+  }
+  cp_async_wait<0>();
+  const float poison = __syncthreads_or(bad) ? __int_as_float(0x7fc00000) : 0.f;
+
+  // Epilogue: finish each row (sum the quad's partial sums, fold sinks) and store.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    st[r].d = group_sum<4>(st[r].d);
+    float lse;
+    const float scale = finalize_state<S>(p, row_head[r], st[r], lse);
+    if (!row_valid[r]) continue;
+    const int token = (packed0 + warp * 16 + g + 8 * r) / S::kGroupSize;
+    const long long row_head_idx = static_cast<long long>(q_start + token) * S::kNumQoHeads + row_head[r];
+    typename S::DTypeO* out = p.o + row_head_idx * S::kHeadDimVO;
+#pragma unroll
+    for (int d = 0; d < T::kDTiles; ++d) {
+      const uint32_t packed =
+          pack2<typename S::DTypeO>(o[d][2 * r] * scale + poison, o[d][2 * r + 1] * scale + poison);
+      *reinterpret_cast<uint32_t*>(out + d * 8 + 2 * tig) = packed;
+    }
+    if (tig == 0 && p.lse != nullptr) p.lse[row_head_idx] = lse + poison;
+  }
+}
+
+}  // namespace jitattn
