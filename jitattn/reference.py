@@ -13,7 +13,6 @@ log. A row that sees no key gets output 0 and lse ``-inf`` (``sink_h`` with sink
 
 from __future__ import annotations
 
-import math
 from typing import Mapping
 
 import torch
@@ -170,39 +169,3 @@ def paged_attention(
             out[r0:r1] = o.to(out.dtype)
             lse[r0:r1] = l.float()
     return (out, lse) if return_lse else out
-
-
-def make_paged_kv(k: torch.Tensor, v: torch.Tensor, seq_lens: list[int], spec: AttentionSpec, *,
-                  shuffle_pages: bool = True, extra_pages: int = 0, generator: torch.Generator | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pack contiguous per-sequence K/V into a paged cache (a test and benchmark helper).
-
-    Args:
-        k, v: ``(sum(seq_lens), num_kv_heads, head_dim)``, sequences back to back.
-        seq_lens: KV length of each sequence.
-        spec: gives page_size and kv_layout.
-        shuffle_pages: place pages in random order, as a real allocator would.
-        extra_pages: unused pages added to the pool (filled with NaN, so a kernel that reads them shows it).
-
-    Returns:
-        ``kv_cache`` in the spec's layout and ``block_table`` int32 ``(batch, max_pages)``
-        (unused entries point at page 0).
-    """
-    ps, h, d = spec.page_size, spec.num_kv_heads, spec.head_dim_qk
-    pages_per = [math.ceil(n / ps) for n in seq_lens]
-    total = sum(pages_per) + extra_pages
-    order = torch.randperm(total, generator=generator) if shuffle_pages else torch.arange(total)
-    cache = torch.full((total, 2, ps, h, d), float("nan"), dtype=k.dtype, device=k.device)
-    table = torch.zeros(len(seq_lens), max(pages_per + [1]), dtype=torch.int32)
-    start, page = 0, 0
-    for b, n in enumerate(seq_lens):
-        for i in range(pages_per[b]):
-            pid = int(order[page]); page += 1
-            t0, t1 = start + i * ps, min(start + n, start + (i + 1) * ps)
-            cache[pid, 0, : t1 - t0] = k[t0:t1]
-            cache[pid, 1, : t1 - t0] = v[t0:t1]
-            table[b, i] = pid
-        start += n
-    if spec.kv_layout == "HND":
-        cache = cache.transpose(2, 3).contiguous()
-    return cache, table.to(k.device)

@@ -1,0 +1,185 @@
+"""Benchmark: jitattn against the anchors, side by side, in one process, on the same inputs.
+
+A performance claim counts only as a ratio measured in one run (these machines are noisy). Each
+case times every implementation installed here on the same random inputs (CUDA events, median
+after warm-up), and reports each one's error against the fp32 reference, so a fast wrong answer
+shows as wrong.
+
+Units: prefill in TFLOP/s with 4 x head_dim FLOPs per visible (query, key) pair per head;
+decode in TB/s of K and V bytes the case must read (keys inside the window only).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from jitattn.spec import AttentionSpec
+from jitattn.testing import PagedBatch, random_paged_batch, relative_error
+
+
+@dataclass
+class BenchCase:
+    """One benchmark case: a spec and a batch shape (q_lens[b] queries against kv_lens[b] keys)."""
+
+    name: str
+    spec: AttentionSpec
+    q_lens: list[int]
+    kv_lens: list[int]
+    phase: str  # "prefill" or "decode": which unit the table reports
+
+    @property
+    def is_decode(self) -> bool:
+        return self.phase == "decode"
+
+
+def design_cases() -> list[BenchCase]:
+    """The six cases of the anchor table in DESIGN.md, same shapes."""
+    hd128 = AttentionSpec(32, 8, 128)
+    gemma = AttentionSpec(16, 8, 256, logits_soft_cap=50.0, window_left=4095, sm_scale=256 ** -0.5)
+    phi3 = AttentionSpec(32, 32, 96)
+    return [
+        BenchCase("prefill-hd128-causal-b4x8192", hd128, [8192] * 4, [8192] * 4, "prefill"),
+        BenchCase("prefill-gemma2-9b-b2x8192", gemma, [8192] * 2, [8192] * 2, "prefill"),
+        BenchCase("prefill-phi3-hd96-b4x8192", phi3, [8192] * 4, [8192] * 4, "prefill"),
+        BenchCase("decode-hd128-b64x4096", hd128, [1] * 64, [4096] * 64, "decode"),
+        BenchCase("decode-gemma2-9b-b64x8192", gemma, [1] * 64, [8192] * 64, "decode"),
+        BenchCase("decode-hd128-b1x32768", hd128, [1], [32768], "decode"),
+    ]
+
+
+def time_ms(fn: Callable[[], Any], *, warmup: int = 3, rep: int = 10, trials: int = 5) -> float:
+    """Milliseconds per call of ``fn``: CUDA events around ``rep`` back-to-back calls, median of ``trials``.
+
+    Back-to-back calls let the host run ahead of the GPU, so launch latency is hidden exactly when
+    it would be in a real serving loop, and counted when the host cannot keep up.
+    """
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(rep):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / rep)
+    return statistics.median(times)
+
+
+@dataclass
+class Result:
+    case: str
+    impl: str
+    ms: float
+    rate: float  # TFLOP/s or TB/s
+    unit: str
+    rel_err: float
+    note: str = ""
+
+
+@dataclass
+class Contiguous:
+    """The batch as dense (B, H, N, D) tensors, for anchors that take no paged cache (equal lengths only)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+def to_contiguous(batch: PagedBatch) -> Contiguous | None:
+    from jitattn.reference import gather_kv
+
+    if len(set(batch.q_lens)) != 1 or len(set(batch.kv_lens)) != 1:
+        return None
+    b, ql = len(batch.q_lens), batch.q_lens[0]
+    q = batch.q.view(b, ql, batch.spec.num_qo_heads, -1).transpose(1, 2)
+    ks, vs = zip(*(gather_kv(batch.spec, batch.kv_cache, batch.block_table, i, batch.kv_lens[i]) for i in range(b)))
+    k = torch.stack(ks).transpose(1, 2).contiguous()
+    v = torch.stack(vs).transpose(1, 2).contiguous()
+    return Contiguous(q.contiguous(), k, v)
+
+
+def sdpa_impls(case: BenchCase) -> dict[str, Callable[[Contiguous], torch.Tensor]]:
+    """torch SDPA backends that can run the case (plain causal/full attention, no window or soft-cap)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    s = case.spec
+    if s.window_left >= 0 or s.window_right >= 0 or s.logits_soft_cap or s.alibi or s.sinks or s.variant:
+        return {}
+    causal = s.causal and not case.is_decode  # a decode row sees every key: no mask needed
+
+    def make(backend):
+        def run(c: Contiguous) -> torch.Tensor:
+            with sdpa_kernel(backend):
+                return sdpa(c.q, c.k, c.v, is_causal=causal, scale=s.sm_scale, enable_gqa=s.group_size > 1)
+        return run
+
+    return {"sdpa-flash": make(SDPBackend.FLASH_ATTENTION), "sdpa-cudnn": make(SDPBackend.CUDNN_ATTENTION)}
+
+
+def run_case(case: BenchCase, *, seed: int = 0, check: bool = True) -> list[Result]:
+    """Time jitattn and every anchor that can run ``case``; errors against the fp32 reference."""
+    from jitattn import reference
+    from jitattn.runtime import load_kernel
+
+    batch = random_paged_batch(case.spec, case.q_lens, case.kv_lens, device="cuda", seed=seed)
+    work = batch.kv_bytes_read / 1e12 if case.is_decode else batch.flops / 1e12
+    unit = "TB/s" if case.is_decode else "TFLOP/s"
+    ref = reference.paged_attention(case.spec, *batch.args(), **batch.kwargs()) if check else None
+    results = []
+    kernel = load_kernel(case.spec)
+    hint = 1 if case.is_decode else None
+    out = kernel.paged_attention(*batch.args(), **batch.kwargs(), max_query_len=hint)
+    ms = time_ms(lambda: kernel.paged_attention(*batch.args(), **batch.kwargs(), max_query_len=hint))
+    results.append(Result(case.name, "jitattn", ms, work / (ms / 1e3), unit,
+                          relative_error(out, ref) if check else math.nan))
+    dense = to_contiguous(batch)
+    if dense is not None:
+        for name, fn in sdpa_impls(case).items():
+            try:
+                o = fn(dense)
+                ms = time_ms(lambda: fn(dense))
+            except RuntimeError as exc:
+                results.append(Result(case.name, name, math.nan, math.nan, unit, math.nan, f"unavailable: {exc}"[:80]))
+                continue
+            err = relative_error(o.transpose(1, 2).reshape(ref.shape), ref) if check else math.nan
+            results.append(Result(case.name, name, ms, work / (ms / 1e3), unit, err))
+    return results
+
+
+def format_table(results: list[Result]) -> str:
+    """Markdown table with the ratio of each implementation to the best anchor of its case."""
+    lines = ["| case | impl | ms | rate | vs best anchor | rel err |", "|---|---|---|---|---|---|"]
+    by_case: dict[str, list[Result]] = {}
+    for r in results:
+        by_case.setdefault(r.case, []).append(r)
+    for case, rs in by_case.items():
+        anchors = [r.rate for r in rs if r.impl != "jitattn" and not math.isnan(r.rate)]
+        best = max(anchors) if anchors else math.nan
+        for r in rs:
+            ratio = r.rate / best if anchors and not math.isnan(r.rate) else math.nan
+            lines.append(f"| {case} | {r.impl} | {r.ms:.3f} | {r.rate:.2f} {r.unit} | "
+                         f"{'-' if math.isnan(ratio) else f'{ratio:.2f}x'} | {r.rel_err:.2e} | {r.note}".rstrip(" |") + " |")
+    return "\n".join(lines)
+
+
+def main(cases: list[BenchCase] | None = None) -> str:
+    results = []
+    for case in cases or design_cases():
+        results += run_case(case)
+        torch.cuda.empty_cache()
+    table = format_table(results)
+    print(table)
+    return table
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Random paged batches and error metrics, shared by the tests, the benchmark and the examples.
+
+Inputs are always fresh random values (never zeros: zeros hide unwritten outputs and wrong
+indexing), pages are placed in random order as a real allocator would place them, and unused
+cache slots hold NaN so a kernel that reads past a sequence's end shows it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import Any, Sequence
+
+import torch
+
+from jitattn.reference import torch_dtype
+from jitattn.spec import AttentionSpec
+
+
+@dataclass
+class PagedBatch:
+    """One batch in the kernels' input format (shapes in :func:`jitattn.reference.paged_attention`)."""
+
+    spec: AttentionSpec
+    q: torch.Tensor
+    kv_cache: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    q_lens: list[int]
+    kv_lens: list[int]
+    sinks: torch.Tensor | None = None
+    alibi_slopes: torch.Tensor | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        return (self.q, self.kv_cache, self.block_table, self.seq_lens, self.query_start_loc)
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"sinks": self.sinks, "alibi_slopes": self.alibi_slopes, "params": self.params}
+
+    @property
+    def kv_bytes_read(self) -> int:
+        """Bytes of K and V the batch must read: only keys some query can see (windows applied)."""
+        elem = torch.tensor([], dtype=torch_dtype(self.spec.kv_dtype)).element_size()
+        row = self.spec.num_kv_heads * (self.spec.head_dim_qk + self.spec.head_dim_vo) * elem
+        return sum(visible_keys(self.spec, ql, kl) for ql, kl in zip(self.q_lens, self.kv_lens)) * row
+
+    @property
+    def flops(self) -> int:
+        """4 * head_dim FLOPs per visible (query, key) pair per query head (QK^T and PV)."""
+        pairs = sum(visible_pairs(self.spec, ql, kl) for ql, kl in zip(self.q_lens, self.kv_lens))
+        return 2 * (self.spec.head_dim_qk + self.spec.head_dim_vo) * pairs * self.spec.num_qo_heads
+
+
+def visible_pairs(spec: AttentionSpec, q_len: int, kv_len: int) -> int:
+    """(query, key) pairs the causal/window bounds leave visible in one sequence."""
+    total = 0
+    for p in range(kv_len - q_len, kv_len):
+        lo = max(0, p - spec.window_left) if spec.window_left >= 0 else 0
+        hi = p if spec.causal else (min(kv_len - 1, p + spec.window_right) if spec.window_right >= 0 else kv_len - 1)
+        total += max(0, hi - lo + 1)
+    return total
+
+
+def visible_keys(spec: AttentionSpec, q_len: int, kv_len: int) -> int:
+    """Keys at least one query of the sequence can see (what a kernel must read)."""
+    if q_len == 0:
+        return 0
+    first, last = kv_len - q_len, kv_len - 1
+    lo = max(0, first - spec.window_left) if spec.window_left >= 0 else 0
+    hi = last if spec.causal else (min(kv_len - 1, last + spec.window_right) if spec.window_right >= 0 else kv_len - 1)
+    return max(0, hi - lo + 1)
+
+
+def make_paged_kv(k: torch.Tensor, v: torch.Tensor, kv_lens: Sequence[int], spec: AttentionSpec, *,
+                  shuffle_pages: bool = True, extra_pages: int = 0, generator: torch.Generator | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack contiguous per-sequence K/V into a paged cache.
+
+    Args:
+        k, v: ``(sum(kv_lens), num_kv_heads, head_dim)``, sequences back to back.
+        kv_lens: KV length of each sequence.
+        spec: gives page_size and kv_layout.
+        shuffle_pages: place pages in random order.
+        extra_pages: unused pages added to the pool.
+
+    Returns:
+        ``kv_cache`` in the spec's layout (unused slots NaN) and ``block_table`` int32
+        ``(batch, max_pages)`` (unused entries point at page 0).
+    """
+    ps, h, d = spec.page_size, spec.num_kv_heads, spec.head_dim_qk
+    pages_per = [math.ceil(n / ps) for n in kv_lens]
+    total = sum(pages_per) + extra_pages
+    order = torch.randperm(total, generator=generator) if shuffle_pages else torch.arange(total)
+    cache = torch.full((total, 2, ps, h, d), float("nan"), dtype=k.dtype, device=k.device)
+    table = torch.zeros(len(kv_lens), max(pages_per + [1]), dtype=torch.int32)
+    page_ids = order[: sum(pages_per)].to(k.device)
+    slots = torch.cat([torch.arange(n, device=k.device) for n in kv_lens]) if sum(kv_lens) else \
+        torch.zeros(0, dtype=torch.long, device=k.device)
+    seq_of = torch.repeat_interleave(torch.arange(len(kv_lens), device=k.device),
+                                     torch.tensor(list(kv_lens), device=k.device))
+    first_page = torch.tensor([0, *accumulate(pages_per)][:-1], device=k.device)
+    tok_page = page_ids[first_page[seq_of] + slots // ps]
+    cache[tok_page, 0, slots % ps] = k
+    cache[tok_page, 1, slots % ps] = v
+    start = 0
+    for b, n in enumerate(pages_per):
+        table[b, :n] = order[start:start + n].to(torch.int32)
+        start += n
+    if spec.kv_layout == "HND":
+        cache = cache.transpose(2, 3).contiguous()
+    return cache, table.to(k.device)
+
+
+def random_paged_batch(spec: AttentionSpec, q_lens: Sequence[int], kv_lens: Sequence[int], *,
+                       device: torch.device | str = "cpu", seed: int = 0, extra_pages: int = 3,
+                       params: dict[str, Any] | None = None, scale: float = 1.0) -> PagedBatch:
+    """A random batch: sequence ``b`` brings ``q_lens[b]`` queries and reads ``kv_lens[b]`` keys.
+
+    Values are standard normal times ``scale`` (q, k, v), sinks ~ N(0, 1) + 1, ALiBi slopes standard.
+
+    Raises:
+        ValueError: lengths of different counts, or a sequence with more queries than keys.
+    """
+    if len(q_lens) != len(kv_lens):
+        raise ValueError(f"q_lens has {len(q_lens)} entries, kv_lens {len(kv_lens)}")
+    for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
+        if ql > kl or ql < 0:
+            raise ValueError(f"sequence {b}: q_len={ql} must be in [0, kv_len={kl}]")
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    dt = torch_dtype(spec.q_dtype)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(dt).to(device)
+
+    q = randn(sum(q_lens), spec.num_qo_heads, spec.head_dim_qk)
+    k = randn(sum(kv_lens), spec.num_kv_heads, spec.head_dim_qk)
+    v = randn(sum(kv_lens), spec.num_kv_heads, spec.head_dim_vo)
+    kv_cache, block_table = make_paged_kv(k, v, kv_lens, spec, extra_pages=extra_pages, generator=gen)
+    qsl = torch.tensor([0, *accumulate(q_lens)], dtype=torch.int32, device=device)
+    sinks = (torch.randn(spec.num_qo_heads, generator=gen) + 1.0).to(device) if spec.sinks else None
+    return PagedBatch(spec, q, kv_cache, block_table, torch.tensor(list(kv_lens), dtype=torch.int32, device=device),
+                      qsl, list(q_lens), list(kv_lens), sinks=sinks, params=dict(params or {}))
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` in float64; ``inf`` when ``out`` holds a NaN or inf where ``ref`` is finite."""
+    o, r = out.double(), ref.double()
+    finite = torch.isfinite(r)
+    if not torch.equal(torch.isfinite(o) | ~finite, torch.ones_like(finite)):
+        return float("inf")
+    o, r = torch.where(finite, o, 0), torch.where(finite, r, 0)
+    denom = torch.linalg.vector_norm(r).item()
+    num = torch.linalg.vector_norm(o - r).item()
+    return num / denom if denom > 0 else num

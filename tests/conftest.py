@@ -1,0 +1,93 @@
+"""Shared pytest setup.
+
+- ``gpu`` tests run only where torch sees a CUDA device and CuPy imports; elsewhere they are skipped
+  with that reason (CI has no GPU; the device runs them: see GPU_TESTS.md).
+- Every test gets its own empty cache root unless it asks for the session-wide one (``session_cache``),
+  so no test sees another's entries by accident and nothing touches the user's real cache.
+- When ``JITATTN_GPU_RESULTS`` names a file, each gpu test appends one JSON line with its outcome
+  and the numbers it recorded (``record`` fixture), for the committed GPU results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+
+def _gpu_available() -> tuple[bool, str]:
+    try:
+        import torch
+    except ImportError:
+        return False, "torch is not installed"
+    if not torch.cuda.is_available():
+        return False, "no CUDA device visible to torch"
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False, "CuPy is not installed (pip install 'jitattn[cuda13]')"
+    return True, ""
+
+
+GPU_OK, GPU_REASON = _gpu_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if GPU_OK:
+        return
+    skip = pytest.mark.skip(reason=f"gpu test: {GPU_REASON}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(request, tmp_path_factory, monkeypatch):
+    if "session_cache" in request.fixturenames:
+        return
+    root = tmp_path_factory.mktemp("jitattn-cache")
+    monkeypatch.setenv("JITATTN_CACHE_DIR", str(root))
+    monkeypatch.delenv("JITATTN_CACHE_PATH", raising=False)
+    monkeypatch.delenv("JITATTN_DISABLE_JIT", raising=False)
+
+
+@pytest.fixture(scope="session")
+def session_cache_dir(tmp_path_factory) -> Path:
+    """One cache root for the whole session (``JITATTN_TEST_CACHE`` to reuse one across runs)."""
+    fixed = os.environ.get("JITATTN_TEST_CACHE")
+    return Path(fixed) if fixed else tmp_path_factory.mktemp("jitattn-session-cache")
+
+
+@pytest.fixture
+def session_cache(session_cache_dir, monkeypatch) -> Path:
+    monkeypatch.setenv("JITATTN_CACHE_DIR", str(session_cache_dir))
+    monkeypatch.delenv("JITATTN_CACHE_PATH", raising=False)
+    monkeypatch.delenv("JITATTN_DISABLE_JIT", raising=False)
+    return session_cache_dir
+
+
+@pytest.fixture
+def record(request):
+    """Call ``record(key=value, ...)`` to attach numbers to this test's line in the GPU results file."""
+    data: dict = {}
+    request.node._jitattn_record = data
+    return data.update
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    path = os.environ.get("JITATTN_GPU_RESULTS")
+    if not path or "gpu" not in item.keywords:
+        return
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        line = {"test": item.nodeid, "outcome": report.outcome, "seconds": round(report.duration, 3),
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **getattr(item, "_jitattn_record", {})}
+        if report.outcome == "failed":
+            line["error"] = str(report.longrepr)[-1500:]
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")

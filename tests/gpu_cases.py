@@ -1,0 +1,118 @@
+"""The GPU test matrix: specs and batches the kernels are checked on against the reference.
+
+Kept apart from the test functions so the session can compile every spec up front, in parallel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from jitattn import AttentionSpec, Param, Variant
+from jitattn.models import load_model_config
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "models"
+
+# ---- custom variants used by the tests (CUDA expression + the same functor in torch) -------------
+REL_BIAS = Variant(
+    name="rel_bias",
+    logits_transform="logits + bias[qo_head] * fminf((float)(qo_idx - kv_idx), max_dist)",
+    params=(Param("bias", "float32", ("num_qo_heads",)), Param("max_dist", "float32")),
+    reference_transform=lambda s, b, h, qi, ki, p: s + p["bias"][h] * torch.clamp((qi - ki).float(), max=p["max_dist"]),
+)
+DOC_MASK = Variant(
+    name="doc_mask",
+    logits_mask="doc[qo_idx] == doc[kv_idx]",
+    params=(Param("doc", "int32", ("*",)),),
+    reference_mask=lambda b, h, qi, ki, p: p["doc"][qi] == p["doc"][ki],
+)
+HIDE_HEAD = Variant(  # every row of one head sees nothing: output 0, lse -inf (or the sink)
+    name="hide_head",
+    logits_mask="qo_head != hidden",
+    params=(Param("hidden", "int32"),),
+    reference_mask=lambda b, h, qi, ki, p: (h != p["hidden"]) & (qi >= 0) & (ki >= 0),
+)
+
+
+def _doc_params(device: str, n: int = 20000) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(7)
+    doc = torch.cumsum((torch.rand(n, generator=g) < 0.01).int(), 0).to(torch.int32)
+    return {"doc": doc.to(device)}
+
+
+@dataclass
+class Case:
+    """One spec and one batch (q_lens[b] queries against kv_lens[b] keys)."""
+
+    name: str
+    spec: AttentionSpec
+    q_lens: list[int]
+    kv_lens: list[int]
+    params: Callable[[str], dict[str, Any]] = field(default=lambda device: {})
+
+    @property
+    def id(self) -> str:
+        return self.name
+
+
+MIXED_Q = [1, 1, 40, 1, 130, 7, 1]
+MIXED_KV = [1, 300, 1000, 5000, 130, 4200, 17]
+
+
+def model_cases() -> list[Case]:
+    """Every layer kind of every example model config, on a mixed decode + prefill batch."""
+    out = []
+    for path in sorted(EXAMPLES.glob("*.json")):
+        for kind in load_model_config(path).layer_kinds:
+            out.append(Case(f"model-{path.stem}-{kind.name}", kind.spec, MIXED_Q, MIXED_KV))
+    return out
+
+
+def head_dim_cases() -> list[Case]:
+    return [Case(f"hd{hd}", AttentionSpec(8, 2, hd), [1, 33, 1, 70], [200, 33, 1500, 900]) for hd in range(32, 257, 16)]
+
+
+def feature_cases() -> list[Case]:
+    base = dict(num_qo_heads=8, num_kv_heads=2, head_dim_qk=128)
+    mk = lambda **kw: AttentionSpec(**{**base, **kw})  # noqa: E731
+    q, kv = [1, 50, 1, 20, 3], [100, 50, 2049, 300, 3]
+    return [
+        Case("fp16-hnd-page1", mk(q_dtype="float16", kv_layout="HND", page_size=1), q, kv),
+        Case("page64", mk(page_size=64), q, kv),
+        Case("page7-hnd", mk(page_size=7, kv_layout="HND"), q, kv),
+        Case("noncausal", mk(causal=False), q, kv),
+        Case("noncausal-window-both", mk(causal=False, window_left=31, window_right=17), q, kv),
+        Case("causal-window100", mk(window_left=100), q, kv),
+        Case("softcap30-window64-hd256", mk(head_dim_qk=256, logits_soft_cap=30.0, window_left=64), q, kv),
+        Case("alibi-12heads-fp16", AttentionSpec(12, 12, 64, q_dtype="float16", alibi=True), q, kv),
+        Case("sinks-window", mk(num_qo_heads=16, head_dim_qk=64, sinks=True, window_left=127), q, kv),
+        Case("group7", AttentionSpec(21, 3, 96), q, kv),
+        Case("group1", AttentionSpec(8, 8, 80), q, kv),
+        Case("group16", AttentionSpec(32, 2, 128), q, kv),
+        Case("custom-transform", mk(variant=REL_BIAS), q, kv,
+             lambda d: {"bias": torch.linspace(-0.2, 0.3, 8, device=d), "max_dist": 64.0}),
+        Case("custom-mask-doc", mk(variant=DOC_MASK, causal=False), q, kv, lambda d: _doc_params(d)),
+        Case("empty-rows-hidden-head", mk(variant=HIDE_HEAD), q, kv, lambda d: {"hidden": 3}),
+        Case("empty-rows-hidden-head-sinks", mk(variant=HIDE_HEAD, sinks=True), q, kv, lambda d: {"hidden": 5}),
+        Case("odd-lengths", mk(), [1, 15, 17, 127, 1, 1000], [1, 15, 17, 127, 8191, 1000]),
+        Case("chunk-after-prefix", mk(window_left=255), [17, 127, 300], [1000, 8191, 300]),
+        Case("zero-query-seqs", mk(), [0, 5, 0, 1], [10, 5, 3, 40]),
+    ]
+
+
+def decode_cases() -> list[Case]:
+    spec = AttentionSpec(32, 8, 128)
+    return [
+        Case("decode-b1-32768-splitkv", spec, [1], [32768]),
+        Case("decode-b3-splitkv", spec, [1, 1, 1], [8191, 17, 15]),
+        Case("decode-b129", spec, [1] * 129, [(i * 97) % 3000 + 1 for i in range(129)]),
+        Case("decode-gemma2-window", AttentionSpec(16, 8, 256, logits_soft_cap=50.0, window_left=4095,
+                                                    sm_scale=256 ** -0.5), [1] * 4, [9000, 4096, 4097, 100]),
+    ]
+
+
+def all_cases() -> list[Case]:
+    return model_cases() + head_dim_cases() + feature_cases() + decode_cases()

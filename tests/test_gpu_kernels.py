@@ -1,0 +1,112 @@
+"""Kernels against the reference on the GPU (``pytest -m gpu``; skipped without a CUDA device).
+
+Fresh random inputs per case, outputs poisoned with NaN before each launch (so an unwritten element
+fails), tolerance against the fp32 reference: bf16 1e-2, fp16 5e-3 relative (norm-wise), NaN never
+passes. Outcomes go to GPU_TESTS.md through the ``record`` fixture when JITATTN_GPU_RESULTS is set.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from jitattn import reference
+from jitattn.build import archs_for_capability
+from jitattn.cache import KernelCache
+from jitattn.runtime import load_kernel
+from jitattn.testing import random_paged_batch, relative_error
+from tests.gpu_cases import all_cases
+
+pytestmark = pytest.mark.gpu
+CASES = all_cases()
+TOL = {"bfloat16": 1e-2, "float16": 5e-3}
+# Fresh inputs every run; the seed is recorded with each result so a failure can be replayed.
+SEED = int(os.environ.get("JITATTN_TEST_SEED", zlib.crc32(os.urandom(4)) % 100000))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled(session_cache_dir):
+    """Compile every spec of the matrix up front, in parallel (device time is the scarce thing)."""
+    if not torch.cuda.is_available():
+        return
+    arch = archs_for_capability(*torch.cuda.get_device_capability())[0]
+    cache = KernelCache(root=session_cache_dir, layers=())
+    specs = list({c.spec: None for c in CASES})
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
+        list(pool.map(lambda s: cache.get_or_build(s, arch), specs))
+
+
+def _check(case, out, lse, ref_out, ref_lse, record):
+    err = relative_error(out, ref_out)
+    finite = torch.isfinite(ref_lse)
+    lse_err = (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
+    record(rel_err=err, lse_max_abs_err=lse_err)
+    assert not torch.isnan(out).any(), f"{case.name}: NaN in output"
+    assert err < TOL[case.spec.q_dtype], f"{case.name}: relative error {err:.3e}"
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), f"{case.name}: -inf lse rows differ"
+    assert lse_err < 2e-2, f"{case.name}: lse error {lse_err:.3e}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_kernel_matches_reference(case, session_cache, record):
+    device = "cuda"
+    batch = random_paged_batch(case.spec, case.q_lens, case.kv_lens, device=device,
+                               seed=SEED + zlib.crc32(case.name.encode()) % 1000, params=case.params(device))
+    record(seed=SEED)
+    kernel = load_kernel(case.spec)
+    out = torch.full((sum(case.q_lens), case.spec.num_qo_heads, case.spec.head_dim_vo), float("nan"),
+                     dtype=batch.q.dtype, device=device)
+    out, lse = kernel.paged_attention(*batch.args(), **batch.kwargs(), out=out, return_lse=True, validate=True)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = reference.paged_attention(case.spec, *batch.args(), **batch.kwargs(), return_lse=True)
+    record(arch=kernel.entry.arch, splits=kernel.num_splits(len(case.q_lens), batch.block_table.shape[1] * case.spec.page_size))
+    _check(case, out, lse, ref_out, ref_lse, record)
+
+
+def test_empty_rows_are_zero_with_neg_inf_lse(session_cache):
+    case = next(c for c in CASES if c.name == "empty-rows-hidden-head")
+    batch = random_paged_batch(case.spec, case.q_lens, case.kv_lens, device="cuda", params=case.params("cuda"))
+    out, lse = load_kernel(case.spec).paged_attention(*batch.args(), **batch.kwargs(), return_lse=True)
+    assert torch.all(out[:, 3] == 0) and torch.all(torch.isneginf(lse[:, 3]))
+    assert torch.all(torch.isfinite(lse[:, :3]))
+
+
+def test_invalid_metadata_gives_nan_rows_not_a_crash(session_cache):
+    case = next(c for c in CASES if c.name == "odd-lengths")
+    batch = random_paged_batch(case.spec, case.q_lens, case.kv_lens, device="cuda")
+    seq_lens = batch.seq_lens.clone()
+    seq_lens[1] = batch.block_table.shape[1] * case.spec.page_size + 1  # longer than its page table row
+    table = batch.block_table.clone()
+    table[4, 0] = batch.kv_cache.shape[0] + 5  # a page id outside the cache
+    out = load_kernel(case.spec).paged_attention(batch.q, batch.kv_cache, table, seq_lens, batch.query_start_loc)
+    torch.cuda.synchronize()
+    rows = batch.query_start_loc.tolist()
+    assert torch.isnan(out[rows[1]:rows[2]]).all() and torch.isnan(out[rows[4]:rows[5]]).all()
+    good = torch.ones(out.shape[0], dtype=torch.bool)
+    good[rows[1]:rows[2]] = False
+    good[rows[4]:rows[5]] = False
+    ref = reference.paged_attention(case.spec, *batch.args())
+    assert relative_error(out[good.cuda()], ref[good.cuda()]) < 1e-2
+
+
+def test_decode_replays_in_cuda_graph(session_cache):
+    case = next(c for c in CASES if c.name == "decode-b3-splitkv")
+    batch = random_paged_batch(case.spec, case.q_lens, case.kv_lens, device="cuda")
+    kernel = load_kernel(case.spec)
+    out = torch.empty_like(batch.q)
+    kernel.paged_attention(*batch.args(), out=out, max_query_len=1)  # warm-up outside capture
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        kernel.paged_attention(*batch.args(), out=out, max_query_len=1)
+    fresh = torch.randn_like(batch.q)
+    batch.q.copy_(fresh)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = reference.paged_attention(case.spec, *batch.args())
+    assert relative_error(out, ref) < 1e-2
