@@ -14,7 +14,9 @@ kernel, from the same ``query_start_loc`` / ``seq_lens`` metadata.
 from __future__ import annotations
 
 import math
+import struct
 import threading
+import warnings
 from typing import Any, Mapping
 
 import numpy as np
@@ -43,6 +45,20 @@ def _import_cupy():
             "running jitattn kernels needs CuPy for your CUDA version: pip install 'jitattn[cuda12]' or "
             "'jitattn[cuda13]' (cupy-cuda12x / cupy-cuda13x)") from exc
     return cupy
+
+
+_STRUCT_CODE = {"ptr": "Q", "i64": "q", "i32": "i", "f32": "f"}
+
+
+def params_packer(spec: AttentionSpec) -> tuple[struct.Struct, tuple[str, ...]]:
+    """A ``struct.Struct`` that packs the ``Params`` fields (in their order) into the kernel's bytes."""
+    placed, size = params_layout(params_fields(spec))
+    fmt, pos = "<", 0
+    for f, off in placed:
+        fmt += "x" * (off - pos) + _STRUCT_CODE[f.kind]
+        pos = off + f.size
+    fmt += "x" * (size - pos)
+    return struct.Struct(fmt), tuple(f.name for f, _ in placed)
 
 
 def params_dtype(spec: AttentionSpec) -> np.dtype:
@@ -78,6 +94,16 @@ def select_entry(spec: AttentionSpec, capability: tuple[int, int], cache: Kernel
     return cache.get_or_build(spec, archs[0])[0]
 
 
+class _TorchStreamHandle:
+    """A raw CUDA stream, exposed through the CUDA stream protocol (``__cuda_stream__``)."""
+
+    def __init__(self, ptr: int, device_index: int):
+        self.ptr, self.device_index = ptr, device_index
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
 class JitKernel:
     """The compiled kernels of one spec, loaded on one CUDA device.
 
@@ -102,6 +128,7 @@ class JitKernel:
             raw = cp.ndarray((len(_GEOMETRY),), cp.int32, self._module.get_global(KERNEL_NAMES["geometry"])).get()
         self.geometry = dict(zip(_GEOMETRY, (int(x) for x in raw)))
         self._dtype = params_dtype(spec)
+        self._packer, self._field_order = params_packer(spec)
         if self.geometry["params_size"] != self._dtype.itemsize:
             raise RuntimeError(f"{self.entry.cubin}: Params is {self.geometry['params_size']} bytes in the cubin but "
                                f"{self._dtype.itemsize} on the host; the cache entry is stale, clear it")
@@ -119,19 +146,38 @@ class JitKernel:
         ptr = torch.cuda.current_stream(self.device).cuda_stream
         stream = self._streams.get(ptr)
         if stream is None:
-            stream = self._streams[ptr] = self._cp.cuda.ExternalStream(ptr, self.device.index)
+            stream = self._streams[ptr] = self._external_stream(ptr)
         return stream
 
+    def _external_stream(self, ptr: int):
+        # CuPy 14 deprecates ExternalStream for Stream.from_external (CUDA stream protocol); keep both working.
+        from_external = getattr(self._cp.cuda.Stream, "from_external", None)
+        if from_external is not None:
+            try:
+                return from_external(_TorchStreamHandle(ptr, self.device.index))
+            except (TypeError, ValueError, AttributeError):
+                pass  # an older protocol version: the deprecated class below does the same thing
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return self._cp.cuda.ExternalStream(ptr, self.device.index)
+
     def num_splits(self, batch: int, max_kv_len: int) -> int:
-        """Split-KV factor for a decode batch: enough blocks for one wave, at least 2 tiles per split."""
+        """Split-KV factor of a decode launch (FlashDecoding; Dao et al. 2023).
+
+        ``batch x num_kv_heads`` blocks rarely fill whole waves of the GPU: 512 blocks on 396 slots
+        run as two waves, the second a third full. Splitting each sequence's keys into more, shorter
+        blocks (at least 4 tiles each) until there are ~4 waves' worth makes the tail small; the
+        partial states are merged by log-sum-exp. Depends only on shapes, so a captured CUDA graph
+        stays valid for any sequence lengths.
+        """
         blocks = batch * self.spec.num_kv_heads
         threads, smem = self.geometry["decode_threads"], self.geometry["decode_smem"]
-        per_sm = max(1, min(2048 // threads, (227 * 1024) // max(smem + 1024, 1)))
-        target = self._num_sms * per_sm
-        if blocks >= target:
+        per_sm = max(1, min(2048 // threads, (227 * 1024) // max(smem + 1024, 1), 32))
+        slots = self._num_sms * per_sm
+        if blocks >= 4 * slots:
             return 1
-        max_useful = max(1, math.ceil(max_kv_len / (2 * self.geometry["decode_tile_keys"])))
-        return max(1, min(math.ceil(target / blocks), max_useful, 256))
+        max_useful = max(1, max_kv_len // (4 * self.geometry["decode_tile_keys"]))
+        return max(1, min(math.ceil(4 * slots / blocks), max_useful, 256))
 
     def _launch(self, name: str, grid: tuple[int, int, int], block: int, smem: int, args: np.ndarray) -> None:
         with self._cp.cuda.Device(self.device.index), self._stream():
@@ -183,7 +229,6 @@ class JitKernel:
                                     device=q.device)
             partial_lse = torch.empty(splits, batch, spec.num_qo_heads, dtype=torch.float32, device=q.device)
         decode_only = max_query_len == 1
-        args = np.zeros((1,), dtype=self._dtype)
         ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
         fields = {
             "q": ptr(q), "kv_cache": ptr(kv_cache), "o": ptr(out), "lse": ptr(lse), "block_table": ptr(block_table),
@@ -195,8 +240,8 @@ class JitKernel:
         }
         for p in spec.params:
             fields[p.name] = params[p.name] if p.is_scalar else params[p.name].data_ptr()
-        for name, value in fields.items():
-            args[name] = value
+        packed = self._packer.pack(*(fields[name] for name in self._field_order))
+        args = np.frombuffer(packed, dtype=self._dtype)  # shape (1,): CuPy passes it by value
         g = self.geometry
         self._launch("decode", (splits, spec.num_kv_heads, batch), g["decode_threads"], g["decode_smem"], args)
         if splits > 1:

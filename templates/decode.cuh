@@ -30,7 +30,8 @@ struct DecodeTraits {
   static constexpr int kTileKeys = kBdz * kKeysPerThread;  // keys per pipeline stage
   static constexpr int kRowBytes = kHeadDim * sizeof(DTypeKV);
   static constexpr int kStageBytes = 2 * kTileKeys * kRowBytes;  // K and V of one tile
-  static constexpr int kStages = cmax(2, cmin(4, (64 * 1024) / kStageBytes));
+  // ~48 KB of stages: 4 blocks (16 warps) per SM, each with 2 tiles in flight while it computes a third.
+  static constexpr int kStages = cmax(2, cmin(4, (48 * 1024) / kStageBytes));
   static constexpr int kMergeBytes = kBdz * kBdy * kHeadsPerThread * (kHeadDim + 2) * 4;
   static constexpr int kSmemBytes = cmax(kStages * kStageBytes, kMergeBytes);
 

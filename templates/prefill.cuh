@@ -23,8 +23,13 @@ struct PrefillTraits {
   static constexpr int kHeadDim = S::kHeadDimQK;
   static constexpr int kNumWarps = 4;
   static constexpr int kThreads = 32 * kNumWarps;
-  static constexpr int kBlockM = 16 * kNumWarps;  // packed query rows per block
-  static constexpr int kBlockN = kHeadDim <= 128 ? 64 : 32;  // keys per tile
+  // m16 tiles per warp: two let each K/V fragment read from shared memory feed two mma (FA2's
+  // 32 rows per warp; shared-memory bandwidth, not the tensor cores, bounds one tile per warp).
+  // Past head_dim 128 the O accumulators of two tiles no longer fit in registers.
+  static constexpr int kMTiles = kHeadDim <= 128 ? 2 : 1;
+  static constexpr int kWarpRows = 16 * kMTiles;
+  static constexpr int kBlockM = kWarpRows * kNumWarps;      // packed query rows per block
+  static constexpr int kBlockN = kHeadDim <= 64 ? 64 : 32;  // keys per tile (S accumulators: registers again)
   static constexpr int kStages = 2;
   // Rows padded by 16 bytes: 8 consecutive rows then fall in 8 distinct 16-byte bank groups,
   // so ldmatrix is conflict-free for every head_dim that is a multiple of 16.
@@ -33,8 +38,8 @@ struct PrefillTraits {
   static constexpr int kQBytes = kBlockM * kRowStride * 2;
   static constexpr int kTileBytes = kBlockN * kRowStride * 2;  // one of K or V
   static constexpr int kSmemBytes = kQBytes + kStages * 2 * kTileBytes;
-  static constexpr int kNTiles = kBlockN / 8;    // n-tiles of S per warp
-  static constexpr int kDTiles = kHeadDim / 8;   // n-tiles of O per warp
+  static constexpr int kNTiles = kBlockN / 8;    // n-tiles of S per m-tile
+  static constexpr int kDTiles = kHeadDim / 8;   // n-tiles of O per m-tile
   static_assert(kHeadDim % 16 == 0, "head_dim must be a multiple of 16 (mma k-step)");
   static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16 (P is the A operand of P V)");
 };
@@ -100,10 +105,88 @@ __device__ __forceinline__ void prefill_load_kv(const Params& p, typename S::DTy
   }
 }
 
+// Per-thread view of one accumulator row: m-tile mt, r = 0 -> fragment row g, r = 1 -> row g + 8.
+// Recomputed where needed rather than kept: registers are the scarce resource of this kernel.
+struct PrefillRow {
+  int pos;      // absolute query position
+  int head;     // query head
+  bool valid;   // inside the sequence
+};
+
+template <class S>
+__device__ __forceinline__ PrefillRow prefill_row(int packed, int packed_end, int qo_base, int kv_head) {
+  return PrefillRow{qo_base + packed / S::kGroupSize, kv_head * S::kGroupSize + packed % S::kGroupSize,
+                    packed < packed_end};
+}
+
+// S = Q K^T for the warp's kMTiles x 16 rows and kBlockN keys (fp32 accumulators).
+template <class S>
+__device__ __forceinline__ void prefill_qk(float (&s)[PrefillTraits<S>::kMTiles][PrefillTraits<S>::kNTiles][4],
+                                           const typename S::DTypeQ* sq, const typename S::DTypeQ* sk,
+                                           int warp_row0, int lane) {
+  using T = PrefillTraits<S>;
+  using DT = typename T::DT;
+#pragma unroll
+  for (int mt = 0; mt < T::kMTiles; ++mt)
+#pragma unroll
+    for (int n = 0; n < T::kNTiles; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[mt][n][i] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
+    uint32_t a[T::kMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < T::kMTiles; ++mt)
+      ldmatrix_x4(a[mt], sq + (warp_row0 + mt * 16 + lane % 16) * T::kRowStride + kk * 16 + (lane / 16) * 8);
+#pragma unroll
+    for (int n2 = 0; n2 < T::kNTiles / 2; ++n2) {
+      uint32_t b[4];  // keys n2*16 .. +15, dims kk*16 .. +15: B fragments of two n-tiles
+      ldmatrix_x4(b, sk + (n2 * 16 + lane % 8 + (lane / 16) * 8) * T::kRowStride + kk * 16 + ((lane / 8) % 2) * 8);
+#pragma unroll
+      for (int mt = 0; mt < T::kMTiles; ++mt) {
+        mma_16816<DT>(s[mt][2 * n2], a[mt], b[0], b[1]);
+        mma_16816<DT>(s[mt][2 * n2 + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// O += P V, where P (the probabilities in s) is used directly as the A operand: the accumulators
+// of n-tiles (2k, 2k+1) are exactly the A fragment of k-step k (FA2's register reuse).
+template <class S>
+__device__ __forceinline__ void prefill_pv(float (&o)[PrefillTraits<S>::kMTiles][PrefillTraits<S>::kDTiles][4],
+                                           const float (&s)[PrefillTraits<S>::kMTiles][PrefillTraits<S>::kNTiles][4],
+                                           const typename S::DTypeKV* sv, int lane) {
+  using T = PrefillTraits<S>;
+  using DT = typename T::DT;
+#pragma unroll
+  for (int kk = 0; kk < T::kBlockN / 16; ++kk) {
+    uint32_t a[T::kMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < T::kMTiles; ++mt) {
+      a[mt][0] = pack2<DT>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+      a[mt][1] = pack2<DT>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+      a[mt][2] = pack2<DT>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+      a[mt][3] = pack2<DT>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int d2 = 0; d2 < T::kDTiles / 2; ++d2) {
+      uint32_t b[4];  // keys kk*16 .. +15, dims d2*16 .. +15, transposed: B fragments of two n-tiles
+      ldmatrix_x4_trans(b, sv + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * T::kRowStride + d2 * 16 + (lane / 16) * 8);
+#pragma unroll
+      for (int mt = 0; mt < T::kMTiles; ++mt) {
+        mma_16816<DT>(o[mt][2 * d2], a[mt], b[0], b[1]);
+        mma_16816<DT>(o[mt][2 * d2 + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
 template <class S>
 __device__ __forceinline__ void prefill_kernel(const Params& p) {
   using T = PrefillTraits<S>;
   using DT = typename T::DT;
+  constexpr int MT = T::kMTiles;
   extern __shared__ __align__(16) uint8_t smem[];
   DT* sq = reinterpret_cast<DT*>(smem);
   DT* skv = reinterpret_cast<DT*>(smem + T::kQBytes);  // [stage][K|V][kBlockN][kRowStride]
@@ -129,6 +212,7 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tig = lane % 4;  // mma fragment coordinates: row group, thread in group
+  const int warp_row0 = warp * T::kWarpRows;
 
   // Q tile -> shared memory (rows past the sequence zero-filled).
 #pragma unroll
@@ -146,24 +230,17 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
   if (n_first < kv_end) prefill_load_kv<S>(p, stage_k(0), stage_v(0), batch, kv_head, n_first, kv_end, bad);
   cp_async_commit();
 
-  // Per-thread rows: r = 0 -> warp row g, r = 1 -> warp row g + 8.
-  int row_pos[2], row_head[2];
-  float row_slope[2];
-  bool row_valid[2];
+  const int row0 = packed0 + warp_row0 + g;  // packed row of (mt, r) is row0 + mt * 16 + 8 * r
+  float o[MT][T::kDTiles][4];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int packed = packed0 + warp * 16 + g + 8 * r;
-    row_valid[r] = packed < packed_end;
-    row_pos[r] = qo_base + packed / S::kGroupSize;
-    row_head[r] = kv_head * S::kGroupSize + packed % S::kGroupSize;
-    row_slope[r] = S::kHasAlibi ? p.alibi_slopes[row_head[r]] : 0.f;
-  }
-  float o[T::kDTiles][4];
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-  for (int d = 0; d < T::kDTiles; ++d)
+    for (int d = 0; d < T::kDTiles; ++d)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) o[d][i] = 0.f;
-  SoftmaxState st[2] = {{kNegInf, 0.f}, {kNegInf, 0.f}};
+      for (int i = 0; i < 4; ++i) o[mt][d][i] = 0.f;
+  SoftmaxState st[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) st[mt][0] = st[mt][1] = SoftmaxState{kNegInf, 0.f};
   constexpr float kScale = q_prescale<S>();
 
   int it = 0;
@@ -176,88 +253,59 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
     }
     cp_async_wait<1>();
     __syncthreads();
-    const DT* sk = stage_k(stage);
-    const DT* sv = stage_v(stage);
 
-    // S = Q K^T for this warp's 16 rows x kBlockN keys.
-    float s[T::kNTiles][4];
-#pragma unroll
-    for (int n = 0; n < T::kNTiles; ++n)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) s[n][i] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
-      uint32_t a[4];
-      ldmatrix_x4(a, sq + (warp * 16 + lane % 16) * T::kRowStride + kk * 16 + (lane / 16) * 8);
-#pragma unroll
-      for (int n2 = 0; n2 < T::kNTiles / 2; ++n2) {
-        uint32_t b[4];
-        ldmatrix_x4(b, sk + (n2 * 16 + lane % 8 + (lane / 16) * 8) * T::kRowStride + kk * 16 + ((lane / 8) % 2) * 8);
-        mma_16816<DT>(s[2 * n2], a, b[0], b[1]);
-        mma_16816<DT>(s[2 * n2 + 1], a, b[2], b[3]);
-      }
-    }
+    float s[MT][T::kNTiles][4];
+    prefill_qk<S>(s, sq, stage_k(stage), warp_row0, lane);
 
-    // Variant, masks and the online softmax update (rows g and g + 8 of the warp tile).
+    // Variant, masks and the online softmax update. Element masks only on boundary tiles.
     const bool full_tile = !S::kHasMask && n0 + T::kBlockN <= kv_len &&
                            (!S::kCausal || n0 + T::kBlockN - 1 <= pos_lo) &&
                            (S::kWindowLeft < 0 || n0 >= pos_hi - S::kWindowLeft) &&
                            (S::kWindowRight < 0 || n0 + T::kBlockN - 1 <= pos_lo + S::kWindowRight);
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float tile_max = kNegInf;
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int n = 0; n < T::kNTiles; ++n)
+      for (int r = 0; r < 2; ++r) {
+        const PrefillRow row = prefill_row<S>(row0 + mt * 16 + 8 * r, packed_end, qo_base, kv_head);
+        const float slope = S::kHasAlibi ? p.alibi_slopes[row.head] : 0.f;
+        float tile_max = kNegInf;
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int kv_idx = n0 + n * 8 + 2 * tig + e;
-          float v = transform_logit<S>(p, s[n][2 * r + e] * kScale, row_slope[r], batch, row_head[r], kv_head,
-                                       row_pos[r], kv_idx, qo_len, kv_len);
-          if (!full_tile) {
-            const bool ok = kv_idx < kv_end && kv_idx >= kv_begin && structurally_visible<S>(row_pos[r], kv_idx) &&
-                            custom_visible<S>(p, batch, row_head[r], kv_head, row_pos[r], kv_idx, qo_len, kv_len);
-            v = ok ? v : kNegInf;
+        for (int n = 0; n < T::kNTiles; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int kv_idx = n0 + n * 8 + 2 * tig + e;
+            float v = transform_logit<S>(p, s[mt][n][2 * r + e] * kScale, slope, batch, row.head, kv_head, row.pos,
+                                         kv_idx, qo_len, kv_len);
+            if (!full_tile) {
+              const bool ok = kv_idx < kv_end && kv_idx >= kv_begin && structurally_visible<S>(row.pos, kv_idx) &&
+                              custom_visible<S>(p, batch, row.head, kv_head, row.pos, kv_idx, qo_len, kv_len);
+              v = ok ? v : kNegInf;
+            }
+            s[mt][n][2 * r + e] = v;
+            tile_max = fmaxf(tile_max, v);
           }
-          s[n][2 * r + e] = v;
-          tile_max = fmaxf(tile_max, v);
-        }
-      tile_max = group_max<4>(tile_max);
-      const float m_new = fmaxf(st[r].m, tile_max);
-      const float m_use = m_new == kNegInf ? 0.f : m_new;
-      const float alpha = rescale_factor(st[r].m, m_use);
-      st[r].m = m_new;
-      st[r].d *= alpha;
+        tile_max = group_max<4>(tile_max);
+        const float m_new = fmaxf(st[mt][r].m, tile_max);
+        const float m_use = m_new == kNegInf ? 0.f : m_new;
+        const float alpha = rescale_factor(st[mt][r].m, m_use);
+        st[mt][r].m = m_new;
+        st[mt][r].d *= alpha;
 #pragma unroll
-      for (int d = 0; d < T::kDTiles; ++d) {
-        o[d][2 * r] *= alpha;
-        o[d][2 * r + 1] *= alpha;
+        for (int d = 0; d < T::kDTiles; ++d) {
+          o[mt][d][2 * r] *= alpha;
+          o[mt][d][2 * r + 1] *= alpha;
+        }
+#pragma unroll
+        for (int n = 0; n < T::kNTiles; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pe = fast_exp2(s[mt][n][2 * r + e] - m_use);
+            s[mt][n][2 * r + e] = pe;
+            st[mt][r].d += pe;  // this thread's share of the row sum; the quad is summed at the end
+          }
       }
-#pragma unroll
-      for (int n = 0; n < T::kNTiles; ++n)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float pe = fast_exp2(s[n][2 * r + e] - m_use);
-          s[n][2 * r + e] = pe;
-          st[r].d += pe;  // this thread's share of the row sum; the quad is summed at the end
-        }
-    }
 
-    // O += P V: the S accumulators of n-tiles (2k, 2k+1) are exactly the A fragment of k-step k.
-#pragma unroll
-    for (int kk = 0; kk < T::kBlockN / 16; ++kk) {
-      uint32_t a[4];
-      a[0] = pack2<DT>(s[2 * kk][0], s[2 * kk][1]);
-      a[1] = pack2<DT>(s[2 * kk][2], s[2 * kk][3]);
-      a[2] = pack2<DT>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      a[3] = pack2<DT>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-#pragma unroll
-      for (int d2 = 0; d2 < T::kDTiles / 2; ++d2) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, sv + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * T::kRowStride + d2 * 16 + (lane / 16) * 8);
-        mma_16816<DT>(o[2 * d2], a, b[0], b[1]);
-        mma_16816<DT>(o[2 * d2 + 1], a, b[2], b[3]);
-      }
-    }
+    prefill_pv<S>(o, s, stage_v(stage), lane);
     __syncthreads();  // this stage is read by everyone before the next prefetch overwrites it
   }
   cp_async_wait<0>();
@@ -265,22 +313,25 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
 
   // Epilogue: finish each row (sum the quad's partial sums, fold sinks) and store.
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    st[r].d = group_sum<4>(st[r].d);
-    float lse;
-    const float scale = finalize_state<S>(p, row_head[r], st[r], lse);
-    if (!row_valid[r]) continue;
-    const int token = (packed0 + warp * 16 + g + 8 * r) / S::kGroupSize;
-    const long long row_head_idx = static_cast<long long>(q_start + token) * S::kNumQoHeads + row_head[r];
-    typename S::DTypeO* out = p.o + row_head_idx * S::kHeadDimVO;
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int d = 0; d < T::kDTiles; ++d) {
-      const uint32_t packed =
-          pack2<typename S::DTypeO>(o[d][2 * r] * scale + poison, o[d][2 * r + 1] * scale + poison);
-      *reinterpret_cast<uint32_t*>(out + d * 8 + 2 * tig) = packed;
+    for (int r = 0; r < 2; ++r) {
+      const int packed = row0 + mt * 16 + 8 * r;
+      const PrefillRow row = prefill_row<S>(packed, packed_end, qo_base, kv_head);
+      st[mt][r].d = group_sum<4>(st[mt][r].d);
+      float lse;
+      const float scale = finalize_state<S>(p, row.head, st[mt][r], lse);
+      if (!row.valid) continue;
+      const long long row_head = static_cast<long long>(q_start + packed / S::kGroupSize) * S::kNumQoHeads + row.head;
+      typename S::DTypeO* out = p.o + row_head * S::kHeadDimVO;
+#pragma unroll
+      for (int d = 0; d < T::kDTiles; ++d) {
+        const uint32_t packed =
+            pack2<typename S::DTypeO>(o[mt][d][2 * r] * scale + poison, o[mt][d][2 * r + 1] * scale + poison);
+        *reinterpret_cast<uint32_t*>(out + d * 8 + 2 * tig) = packed;
+      }
+      if (tig == 0 && p.lse != nullptr) p.lse[row_head] = lse + poison;
     }
-    if (tig == 0 && p.lse != nullptr) p.lse[row_head_idx] = lse + poison;
-  }
 }
 
 }  // namespace jitattn
