@@ -221,8 +221,20 @@ class AttentionSpec:
         return "_".join(parts) + "_" + self.key[:8]
 
     def replace(self, **changes: Any) -> "AttentionSpec":
-        """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with some fields changed (validated again).
+
+        Fields that hold their derived default keep following what they derive from unless named:
+        ``replace(head_dim_qk=64)`` also moves ``head_dim_vo`` and a default ``sm_scale`` to 64, and
+        ``replace(q_dtype="float16")`` moves a default ``kv_dtype`` / ``o_dtype`` with it.
+        """
+        derived = {
+            "head_dim_vo": self.head_dim_vo == self.head_dim_qk,
+            "sm_scale": self.sm_scale == self.head_dim_qk ** -0.5,
+            "kv_dtype": self.kv_dtype == self.q_dtype,
+            "o_dtype": self.o_dtype == self.q_dtype,
+        }
+        follow = {name: None for name, is_default in derived.items() if is_default and name not in changes}
+        return dataclasses.replace(self, **{**follow, **changes})
 
     def describe(self) -> str:
         """One line for tables and logs."""

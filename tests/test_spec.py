@@ -1,0 +1,289 @@
+"""AttentionSpec, Variant and Param: validation messages, defaults, canonical JSON and keys."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jitattn import AttentionSpec, Param, Variant
+from jitattn.variant import alibi_slopes
+
+BASE = dict(num_qo_heads=32, num_kv_heads=8, head_dim_qk=128)
+
+
+def mk(**kw) -> AttentionSpec:
+    return AttentionSpec(**{**BASE, **kw})
+
+
+# ---- validation: every field, the value, what is allowed -------------------------------------
+BAD = [
+    (dict(num_qo_heads=0), r"num_qo_heads=0: expected an int in \[1, 1024\]"),
+    (dict(num_qo_heads=2000), r"num_qo_heads=2000: expected an int in \[1, 1024\]"),
+    (dict(num_qo_heads=32.0), r"num_qo_heads=32.0: expected an int"),
+    (dict(num_qo_heads=True), r"num_qo_heads=True: expected an int"),
+    (dict(num_kv_heads=0), r"num_kv_heads=0: expected an int in \[1, 1024\]"),
+    (dict(num_kv_heads=5), r"num_qo_heads=32, num_kv_heads=5: num_kv_heads must divide num_qo_heads"),
+    (dict(head_dim_qk=72), r"head_dim_qk=72: expected a multiple of 16 in \[32, 256\]"),
+    (dict(head_dim_qk=16), r"head_dim_qk=16: expected an int in \[32, 256\], a multiple of 16"),
+    (dict(head_dim_qk=272), r"head_dim_qk=272: expected an int in \[32, 256\]"),
+    (dict(head_dim_qk="128"), r"head_dim_qk='128': expected an int"),
+    (dict(head_dim_vo=64), r"head_dim_vo=64, head_dim_qk=128: .*must be equal"),
+    (dict(head_dim_vo=100), r"head_dim_vo=100: expected a multiple of 16"),
+    (dict(q_dtype="float32"), r"q_dtype='float32': expected one of \('float16', 'bfloat16'\)"),
+    (dict(q_dtype="fp8"), r"q_dtype='fp8': expected one of"),
+    (dict(kv_dtype="float16"), r"kv_dtype='float16': must equal q_dtype='bfloat16'"),
+    (dict(kv_dtype="int8"), r"kv_dtype='int8': expected one of \('float16', 'bfloat16'\)"),
+    (dict(o_dtype="float32"), r"o_dtype='float32': expected one of \('float16', 'bfloat16'\)"),
+    (dict(kv_layout="nhd"), r"kv_layout='nhd': expected one of \('NHD', 'HND'\)"),
+    (dict(page_size=0), r"page_size=0: expected an int in \[1, 1024\]"),
+    (dict(page_size=2048), r"page_size=2048: expected an int in \[1, 1024\]"),
+    (dict(causal=1), r"causal=1: expected True or False"),
+    (dict(alibi="yes"), r"alibi='yes': expected True or False"),
+    (dict(sinks=None), r"sinks=None: expected True or False"),
+    (dict(window_left=-2), r"window_left=-2: expected an int >= -1 \(-1: no window\)"),
+    (dict(window_left=1.5), r"window_left=1.5: expected an int"),
+    (dict(causal=False, window_right=-5), r"window_right=-5: expected an int >= -1"),
+    (dict(window_right=8), r"window_right=8: a causal spec sees no key right of the query; .*causal=False"),
+    (dict(logits_soft_cap=-1.0), r"logits_soft_cap=-1.0: expected a number >= 0"),
+    (dict(logits_soft_cap=float("inf")), r"logits_soft_cap=inf: expected a finite number"),
+    (dict(logits_soft_cap="50"), r"logits_soft_cap='50': expected a finite number"),
+    (dict(sm_scale=0.0), r"sm_scale=0.0: expected a number > 0"),
+    (dict(sm_scale=-0.1), r"sm_scale=-0.1: expected a number > 0"),
+    (dict(sm_scale=float("nan")), r"sm_scale=nan: expected a finite number"),
+    (dict(variant="soft"), r"variant='soft': expected a jitattn.Variant or None"),
+]
+
+
+@pytest.mark.parametrize("kw,match", BAD, ids=[f"{next(iter(kw))}={list(kw.values())[0]!r}" for kw, _ in BAD])
+def test_bad_value_names_field_value_and_allowed(kw, match):
+    with pytest.raises(ValueError, match=match):
+        mk(**kw)
+
+
+def test_every_field_has_a_validation_case():
+    from dataclasses import fields
+
+    covered = {next(iter(kw)) for kw, _ in BAD}
+    assert {f.name for f in fields(AttentionSpec)} <= covered
+
+
+def test_missing_required_field_is_a_type_error():
+    with pytest.raises(TypeError, match="head_dim_qk"):
+        AttentionSpec(num_qo_heads=8, num_kv_heads=8)  # type: ignore[call-arg]
+
+
+# ---- defaults and normalization ----------------------------------------------------------------
+def test_defaults_filled_in():
+    s = AttentionSpec(8, 2, 96)
+    assert s.head_dim_vo == 96
+    assert (s.q_dtype, s.kv_dtype, s.o_dtype) == ("bfloat16",) * 3
+    assert s.sm_scale == 96 ** -0.5
+    assert (s.kv_layout, s.page_size, s.causal, s.window_left, s.window_right) == ("NHD", 16, True, -1, -1)
+    assert (s.logits_soft_cap, s.alibi, s.sinks, s.variant) == (0.0, False, False, None)
+    assert s.group_size == 4
+
+
+def test_kv_and_o_dtype_follow_q_dtype_and_aliases_normalize():
+    torch = pytest.importorskip("torch")
+    s = mk(q_dtype=torch.float16)
+    assert (s.q_dtype, s.kv_dtype, s.o_dtype) == ("float16",) * 3
+    assert mk(q_dtype="fp16") == mk(q_dtype="half") == s
+    assert mk(q_dtype="bf16", o_dtype="fp16").o_dtype == "float16"
+
+
+def test_int_soft_cap_and_scale_become_floats_with_equal_keys():
+    a, b = mk(logits_soft_cap=50, sm_scale=1), mk(logits_soft_cap=50.0, sm_scale=1.0)
+    assert isinstance(a.logits_soft_cap, float) and isinstance(a.sm_scale, float)
+    assert a == b and a.key == b.key and a.canonical_json() == b.canonical_json()
+
+
+def test_explicit_default_scale_equals_omitted_scale():
+    assert mk(sm_scale=128 ** -0.5) == mk()
+    assert mk(sm_scale=128 ** -0.5).key == mk().key
+
+
+def test_frozen():
+    with pytest.raises(Exception):
+        mk().page_size = 32  # type: ignore[misc]
+
+
+def test_replace_moves_derived_defaults_along():
+    s = mk().replace(head_dim_qk=64)
+    assert (s.head_dim_vo, s.sm_scale) == (64, 64 ** -0.5)
+    assert mk(sm_scale=0.1).replace(head_dim_qk=64).sm_scale == 0.1  # an explicit scale stays
+    f16 = mk().replace(q_dtype="float16")
+    assert (f16.kv_dtype, f16.o_dtype) == ("float16", "float16")
+    assert mk(o_dtype="float16").replace(q_dtype="float16").o_dtype == "float16"
+    assert mk().replace(q_dtype="float16", o_dtype="bfloat16").o_dtype == "bfloat16"
+    assert mk().replace(page_size=32) == mk(page_size=32)
+
+
+def test_replace_validates_again():
+    assert mk().replace(page_size=1).page_size == 1
+    with pytest.raises(ValueError, match="page_size=0"):
+        mk().replace(page_size=0)
+
+
+# ---- canonical JSON and key --------------------------------------------------------------------
+VARIANT = Variant(
+    name="rel_bias",
+    logits_transform="logits + bias[qo_head] * (float)(kv_idx - qo_idx)",
+    logits_mask="kv_idx % stride != 0",
+    params=(Param("bias", "float32", ("num_qo_heads",)), Param("stride", "int32")),
+    reference_transform=lambda s, b, h, qi, ki, p: s,
+)
+RICH = [
+    mk(),
+    mk(q_dtype="float16", kv_layout="HND", page_size=7, causal=False, window_left=31, window_right=17),
+    mk(logits_soft_cap=30.0, window_left=4095, sm_scale=0.0625, alibi=True, sinks=True),
+    mk(variant=VARIANT),
+]
+
+
+@pytest.mark.parametrize("spec", RICH, ids=lambda s: s.name)
+def test_canonical_json_round_trip(spec):
+    text = spec.canonical_json()
+    back = AttentionSpec.from_json(text)
+    assert back == spec and back.key == spec.key and back.canonical_json() == text
+    assert AttentionSpec.from_json(json.loads(text)) == spec
+    assert text == json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))  # canonical form
+
+
+def test_canonical_json_is_independent_of_argument_form():
+    a = AttentionSpec(32, 8, 128, q_dtype="bf16", window_left=10)
+    b = AttentionSpec(head_dim_qk=128, window_left=10, num_kv_heads=8, num_qo_heads=32, kv_dtype="bfloat16")
+    assert a.canonical_json() == b.canonical_json()
+
+
+def test_key_changes_with_every_kernel_relevant_field():
+    base = mk(causal=False)
+    variants = [base.replace(**kw) for kw in (
+        dict(num_qo_heads=16), dict(num_kv_heads=4), dict(head_dim_qk=64), dict(q_dtype="float16"),
+        dict(kv_layout="HND"), dict(page_size=32), dict(causal=True), dict(window_left=5), dict(window_right=5),
+        dict(logits_soft_cap=1.0), dict(sm_scale=0.5), dict(alibi=True), dict(sinks=True), dict(variant=VARIANT))]
+    keys = {s.key for s in variants} | {base.key}
+    assert len(keys) == len(variants) + 1
+
+
+def test_reference_functors_are_not_part_of_the_key():
+    other = Variant(VARIANT.name, VARIANT.logits_transform, VARIANT.logits_mask, VARIANT.params,
+                    reference_transform=lambda s, b, h, qi, ki, p: s + 1)
+    assert mk(variant=other) == mk(variant=VARIANT)
+    assert mk(variant=other).key == mk(variant=VARIANT).key
+
+
+def test_variant_expression_text_is_part_of_the_key():
+    changed = Variant(VARIANT.name, VARIANT.logits_transform + " * 1.0f", VARIANT.logits_mask, VARIANT.params)
+    assert mk(variant=changed).key != mk(variant=VARIANT).key
+
+
+def test_key_is_stable_across_processes():
+    code = ("from jitattn import AttentionSpec, Variant, Param\n"
+            "v = Variant('rel_bias', 'logits + bias[qo_head] * (float)(kv_idx - qo_idx)', 'kv_idx % stride != 0',"
+            " (Param('bias', 'float32', ('num_qo_heads',)), Param('stride', 'int32')))\n"
+            "print(AttentionSpec(32, 8, 128, variant=v).key, AttentionSpec(32, 8, 128, logits_soft_cap=30.0,"
+            " window_left=4095, sm_scale=0.0625, alibi=True, sinks=True).key)")
+    for seed in ("1", "2"):  # different hash seeds: nothing may depend on set or dict hashing order
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={"PYTHONHASHSEED": seed}).stdout.split()
+        assert out == [RICH[3].key, RICH[2].key]
+
+
+def test_from_json_rejects_unknown_fields():
+    data = mk().to_json()
+    data["head_dim"] = 128
+    with pytest.raises(ValueError, match=r"unknown fields \['head_dim'\]"):
+        AttentionSpec.from_json(data)
+
+
+def test_from_json_validates():
+    data = mk().to_json()
+    data["page_size"] = -3
+    with pytest.raises(ValueError, match="page_size=-3"):
+        AttentionSpec.from_json(data)
+
+
+def test_name_is_readable_and_unique_with_key():
+    s = mk(window_left=4095, logits_soft_cap=50.0, sinks=True, variant=VARIANT)
+    assert s.name.startswith("h32x8_d128_bf16_nhd_p16_causal_w4095_-1_cap50_sinks_rel_bias_")
+    assert s.name.endswith(s.key[:8])
+    assert all(c.isalnum() or c in "_-." for c in s.name)
+
+
+def test_describe_mentions_features():
+    d = mk(window_left=10, sinks=True, alibi=True, logits_soft_cap=5.0).describe()
+    for word in ("32/8 heads", "hd 128", "window_left=10", "soft_cap=5", "alibi", "sinks", "causal"):
+        assert word in d
+
+
+# ---- Param and Variant -------------------------------------------------------------------------
+@pytest.mark.parametrize("kw,match", [
+    (dict(name="1abc"), r"Param.name='1abc': expected a C identifier"),
+    (dict(name="a-b"), r"Param.name='a-b': expected a C identifier"),
+    (dict(name="qo_idx"), r"Param.name='qo_idx': reserved"),
+    (dict(name="float"), r"Param.name='float': reserved"),
+    (dict(name="lambda"), r"Param.name='lambda': reserved"),
+    (dict(name="params"), r"Param.name='params': reserved"),
+    (dict(dtype="float64"), r"Param\('x'\).dtype='float64': expected one of"),
+    (dict(shape=(0,)), r"Param\('x'\).shape=\(0,\): each dim must be a positive int or one of"),
+    (dict(shape=("heads",)), r"Param\('x'\).shape=\('heads',\)"),
+    (dict(shape=(True,)), r"Param\('x'\).shape=\(True,\)"),
+    (dict(dtype="bfloat16", shape=()), r"Param\('x'\).dtype='bfloat16': a scalar \(shape=\(\)\) must be one of"),
+])
+def test_param_validation(kw, match):
+    with pytest.raises(ValueError, match=match):
+        Param(**{"name": "x", **kw})
+
+
+def test_param_cuda_types():
+    assert Param("x").cuda_type == "float"
+    assert Param("n", "int32").cuda_type == "int"
+    assert Param("t", "bfloat16", ("num_qo_heads", 4)).cuda_type == "const __nv_bfloat16* __restrict__"
+    assert Param("t", "int64", ["*"]).shape == ("*",)  # lists become tuples
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(name="my variant"), r"Variant.name='my variant': expected a C identifier"),
+    (dict(logits_transform=""), r"Variant\('v'\).logits_transform='': expected a non-empty C\+\+ expression"),
+    (dict(logits_transform="   "), r"logits_transform='   ': expected a non-empty"),
+    (dict(logits_mask=3), r"logits_mask=3: expected a non-empty C\+\+ expression"),
+    (dict(logits_transform="logits; return 0"), r"logits_transform: expected one C\+\+ expression, got statements"),
+    (dict(logits_mask="{ true }"), r"logits_mask: expected one C\+\+ expression"),
+    (dict(logits_mask="logits > 0"), r"logits_mask uses 'logits'; a mask sees positions only"),
+    (dict(params=(Param("a"), Param("a", "int32"))), r"params: duplicate names \['a'\]"),
+    (dict(params=("a",)), r"params: expected Param objects, got 'a'"),
+])
+def test_variant_validation(kw, match):
+    with pytest.raises(ValueError, match=match):
+        Variant(**{"name": "v", **kw})
+
+
+def test_variant_json_round_trip_drops_reference_functors():
+    back = Variant.from_json(json.loads(json.dumps(VARIANT.to_json())))
+    assert back == VARIANT
+    assert back.reference_transform is None
+    assert back.has_transform and back.has_mask
+
+
+def test_spec_params_come_from_the_variant():
+    assert mk().params == ()
+    assert [p.name for p in mk(variant=VARIANT).params] == ["bias", "stride"]
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 12, 16, 24, 64])
+def test_alibi_slopes(n):
+    slopes = alibi_slopes(n)
+    assert len(slopes) == n and len(set(slopes)) == n
+    closest = 1 << (n.bit_length() - 1)
+    assert slopes[:closest] == [2.0 ** (-8.0 * (h + 1) / closest) for h in range(closest)]
+    if closest < n:  # BLOOM's interleaving: odd-indexed slopes of the 2x sequence
+        assert slopes[closest:] == [2.0 ** (-8.0 * (2 * h + 1) / (2 * closest)) for h in range(n - closest)]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_alibi_slopes_bad_count(bad):
+    with pytest.raises(ValueError, match="num_heads"):
+        alibi_slopes(bad)
