@@ -6,6 +6,7 @@ Layout (``cache/README.md`` has the full description)::
                                      /kernel.cu       # the rendered source
                                      /kernel.<arch>.cubin
                                      /build.ninja, build.log
+    <root>/v1/index/<skey[:2]>/<skey>/<key>            # empty marker: entry <key> serves source key <skey>
     <root>/v1/locks/<key>.lock                         # one lock per key (flock: released on kill -9)
     <root>/v1/tmp/<key>.<pid>.<random>/                # builds in progress; renamed into entries/
     <root>/v1/quarantine/<key>.<time>/                 # corrupt entries moved aside, never loaded
@@ -17,6 +18,11 @@ jitattn version. One entry holds one (spec, arch) pair.
 Lookup order: the writable root (``JITATTN_CACHE_DIR``), then the read-only layers
 (``JITATTN_CACHE_PATH``). Under ``JITATTN_DISABLE_JIT=1`` a miss raises
 :class:`MissingKernelError` and nvcc never runs.
+
+A machine that may not compile (``JITATTN_DISABLE_JIT=1``, or no nvcc at all: a serving node) cannot
+compute the exact key when nvcc is missing, and should not refuse a shipped cubin because its own
+nvcc differs from the build box's. It looks up by the *source key* instead: the same hash without the
+nvcc version (``index/``), and takes the newest valid entry any nvcc built.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import time
 import uuid
@@ -35,7 +42,7 @@ import filelock
 
 import jitattn
 from jitattn import settings
-from jitattn.build import NVCC_FLAGS, CompileError, build, cubin_name, normalize_arch, nvcc_version
+from jitattn.build import NVCC_FLAGS, BuildError, CompileError, build, cubin_name, normalize_arch, nvcc_version
 from jitattn.render import RENDERED_FILE, RenderedSource, render, template_hashes
 from jitattn.spec import AttentionSpec
 
@@ -70,15 +77,38 @@ class KeyInputs:
 
     @property
     def key(self) -> str:
-        blob = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(blob.encode()).hexdigest()
+        """The entry's address: sha256 over every input, the nvcc version included."""
+        return _sha256_json(self.to_json())
+
+    @property
+    def source_key(self) -> str:
+        """sha256 over every input but the nvcc version: what a machine without nvcc can match."""
+        data = self.to_json()
+        del data["nvcc"]
+        return _sha256_json(data)
 
 
-def key_inputs(spec: AttentionSpec, source: RenderedSource, arch: str) -> KeyInputs:
-    """The key inputs of (spec, arch) with this machine's nvcc (runs ``nvcc --version`` once)."""
+def _sha256_json(data: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def key_inputs(spec: AttentionSpec, source: RenderedSource, arch: str, *, nvcc: str | None = None) -> KeyInputs:
+    """The key inputs of (spec, arch); ``nvcc`` defaults to this machine's (runs ``nvcc --version`` once).
+
+    Raises:
+        jitattn.build.BuildError: ``nvcc`` not given and nvcc cannot run.
+    """
     return KeyInputs(spec=spec.canonical_json(), source_sha256=source.sha256, templates=template_hashes(),
-                     nvcc=nvcc_version(settings.nvcc()), arch=normalize_arch(arch), flags=NVCC_FLAGS,
-                     jitattn_version=jitattn.__version__)
+                     nvcc=nvcc_version(settings.nvcc()) if nvcc is None else nvcc, arch=normalize_arch(arch),
+                     flags=NVCC_FLAGS, jitattn_version=jitattn.__version__)
+
+
+def _local_nvcc() -> str | None:
+    """This machine's nvcc version banner, or None when nvcc cannot run."""
+    try:
+        return nvcc_version(settings.nvcc())
+    except BuildError:
+        return None
 
 
 def sha256_file(path: Path) -> str:
@@ -132,6 +162,9 @@ class KernelCache:
     def lock_path(self, key: str) -> Path:
         return self._base(self.root) / "locks" / f"{key}.lock"
 
+    def index_dir(self, source_key: str, root: Path | None = None) -> Path:
+        return self._base(root or self.root) / "index" / source_key[:2] / source_key
+
     # ---- reading -------------------------------------------------------------------------------
     def lookup(self, key: str) -> CacheEntry | None:
         """The first valid entry for ``key`` in the writable root, then each layer; None on a miss.
@@ -140,15 +173,52 @@ class KernelCache:
         in a read-only layer is skipped.
         """
         for root in (self.root, *self.layers):
-            path = self.entry_dir(key, root)
-            if not (path / MANIFEST).is_file():
-                continue
-            problem = verify_entry(path)
-            if problem is None:
-                return CacheEntry(key, path, json.loads((path / MANIFEST).read_text()))
-            if root == self.root:
-                self._quarantine(path, problem)
+            entry = self._lookup_in(root, key)
+            if entry is not None:
+                return entry
         return None
+
+    def lookup_any_nvcc(self, source_key: str) -> CacheEntry | None:
+        """The newest valid entry of ``source_key`` built by any nvcc, in the first layer that has one."""
+        for root in (self.root, *self.layers):
+            index = self.index_dir(source_key, root)
+            keys = sorted(p.name for p in index.iterdir()) if index.is_dir() else []
+            found = [e for e in (self._lookup_in(root, key) for key in keys) if e is not None]
+            if found:
+                return max(found, key=lambda e: (e.manifest.get("created", ""), e.key))
+        return None
+
+    def _lookup_in(self, root: Path, key: str) -> CacheEntry | None:
+        path = self.entry_dir(key, root)
+        if not (path / MANIFEST).is_file():
+            return None
+        problem = verify_entry(path)
+        if problem is None:
+            return CacheEntry(key, path, json.loads((path / MANIFEST).read_text()))
+        if root == self.root:
+            self._quarantine(path, problem)
+        return None
+
+    def find(self, spec: AttentionSpec, arch: str) -> CacheEntry | None:
+        """The cached kernel of ``(spec, arch)``, or None; never compiles.
+
+        With nvcc here, the entry of the exact key (this nvcc's build). When this machine may not
+        compile (``JITATTN_DISABLE_JIT=1``, or nvcc cannot run), also any nvcc's build of the same
+        source (:meth:`lookup_any_nvcc`), so a shipped cache serves a node without nvcc.
+        """
+        entry, _ = self._find(spec, normalize_arch(arch), render(spec), _local_nvcc())
+        return entry
+
+    def _find(self, spec: AttentionSpec, arch: str, source: RenderedSource, nvcc: str | None
+              ) -> tuple[CacheEntry | None, KeyInputs]:
+        inputs = key_inputs(spec, source, arch, nvcc=nvcc or "")
+        if nvcc is not None:
+            entry = self.lookup(inputs.key)
+            if entry is not None:
+                return entry, inputs
+        if nvcc is None or settings.disable_jit():
+            return self.lookup_any_nvcc(inputs.source_key), inputs
+        return None, inputs
 
     def entries(self) -> Iterator[tuple[Path, CacheEntry | None, str | None]]:
         """Every entry in every layer: ``(path, entry or None, problem or None)``."""
@@ -170,21 +240,27 @@ class KernelCache:
         Returns:
             ``(entry, built)``: ``built`` is False when it came from disk.
 
+        Lookup as in :meth:`find`: without nvcc, or under JITATTN_DISABLE_JIT=1, a build of the same
+        source by another nvcc is taken rather than failing.
+
         Raises:
             MissingKernelError: a miss under JITATTN_DISABLE_JIT=1.
             CacheWriteError: the writable root cannot take the entry.
-            jitattn.build.CompileError / BuildError: nvcc failed or is missing.
+            jitattn.build.CompileError: nvcc rejected the source.
+            jitattn.build.BuildError: a miss, and nvcc cannot run.
             filelock.Timeout: another process held the build lock past JITATTN_LOCK_TIMEOUT.
         """
         arch = normalize_arch(arch)
         source = render(spec)
-        inputs = key_inputs(spec, source, arch)
-        key = inputs.key
-        entry = self.lookup(key)
+        nvcc = _local_nvcc()
+        entry, inputs = self._find(spec, arch, source, nvcc)
         if entry is not None:
             return entry, False
         if settings.disable_jit():
-            raise MissingKernelError(missing_message(spec, arch, key, (self.root, *self.layers)))
+            raise MissingKernelError(missing_message(spec, arch, inputs.source_key, (self.root, *self.layers)))
+        if nvcc is None:
+            nvcc_version(settings.nvcc())  # raises BuildError: what was tried and how to fix it
+        key = inputs.key
         try:
             self.lock_path(key).parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -212,6 +288,7 @@ class KernelCache:
             (tmp / "build.log").write_text(result.log)
             manifest = {
                 "key": key,
+                "source_key": inputs.source_key,
                 "key_inputs": inputs.to_json(),
                 "name": spec.name,
                 "artifacts": {cubin_name(inputs.arch): sha256_file(result.cubin), RENDERED_FILE: source.sha256},
@@ -225,6 +302,9 @@ class KernelCache:
             if final.exists():  # a corrupt leftover that lookup could not move aside
                 self._quarantine(final, "replaced by a fresh build")
             os.rename(tmp, final)
+            index = self.index_dir(inputs.source_key)
+            index.mkdir(parents=True, exist_ok=True)
+            (index / key).touch()
         except OSError as exc:
             raise CacheWriteError(f"cannot write cache entry {self.entry_dir(key)}: {exc}") from None
         finally:
@@ -284,5 +364,5 @@ def missing_message(spec: AttentionSpec, arch: str, key: str, roots: tuple[Path,
     looked = ", ".join(str(r) for r in roots)
     return (f"kernel {spec.name} for {arch} (key {key[:16]}) is not cached and JITATTN_DISABLE_JIT=1 forbids "
             f"compiling it.\n  looked in: {looked}\n  fill it on a build box with:\n"
-            f"    jitattn warmup --spec '{spec_json}' --arch {arch}\n"
+            f"    jitattn warmup --spec {shlex.quote(spec_json)} --arch {arch}\n"
             f"  (or `jitattn warmup --model <config.json> --arch {arch}` for the whole model), then ship the cache.")
