@@ -52,6 +52,16 @@ def design_cases() -> list[BenchCase]:
     ]
 
 
+def decode_target_cases() -> list[BenchCase]:
+    """Extra decode cases of the fast-decode targets: gpt-oss sliding layer, page sizes 1/16/64."""
+    gpt_oss = AttentionSpec(64, 8, 64, window_left=127, sinks=True)
+    out = [BenchCase("decode-gpt-oss-sliding-b256x8192", gpt_oss, [1] * 256, [8192] * 256, "decode")]
+    for ps in (1, 16, 64):
+        out.append(BenchCase(f"decode-hd128-b64x4096-page{ps}", AttentionSpec(32, 8, 128, page_size=ps),
+                             [1] * 64, [4096] * 64, "decode"))
+    return out
+
+
 def time_ms(fn: Callable[[], Any], *, warmup: int = 3, rep: int = 10, trials: int = 5) -> float:
     """Milliseconds per call of ``fn``: CUDA events around ``rep`` back-to-back calls, median of ``trials``.
 
@@ -204,7 +214,7 @@ def format_table(results: list[Result]) -> str:
 
 def main(cases: list[BenchCase] | None = None) -> str:
     results = []
-    for case in cases or design_cases():
+    for case in cases or design_cases() + decode_target_cases():
         results += run_case(case)
         torch.cuda.empty_cache()
     table = format_table(results)

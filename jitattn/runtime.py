@@ -33,7 +33,8 @@ from jitattn.spec import AttentionSpec
 _NP_KIND = {"ptr": np.uint64, "i64": np.int64, "i32": np.int32, "f32": np.float32}
 _GEOMETRY = ("decode_threads", "decode_smem", "decode_tile_keys", "prefill_threads", "prefill_smem",
              "prefill_block_m", "prefill_block_n", "params_size")
-_MERGE_THREADS = 128
+_MERGE_THREADS = 128  # kMergeThreads in templates/decode.cuh
+MAX_SPLITS = 64  # kMaxSplits in templates/decode.cuh
 _DEFAULT_SMEM_LIMIT = 48 * 1024
 
 
@@ -177,7 +178,7 @@ class JitKernel:
         if blocks >= 4 * slots:
             return 1
         max_useful = max(1, max_kv_len // (4 * self.geometry["decode_tile_keys"]))
-        return max(1, min(math.ceil(4 * slots / blocks), max_useful, 256))
+        return max(1, min(math.ceil(4 * slots / blocks), max_useful, MAX_SPLITS))
 
     def _launch(self, name: str, grid: tuple[int, int, int], block: int, smem: int, args: np.ndarray) -> None:
         with self._cp.cuda.Device(self.device.index), self._stream():

@@ -20,13 +20,17 @@ struct DecodeTraits {
   static constexpr int kVec = 16 / sizeof(DTypeKV);  // elements per 16-byte load
   static constexpr int kChunks = kHeadDim / kVec;     // 16-byte chunks per K/V row
   static constexpr int kBdx = next_pow2(kChunks);     // lanes along head_dim (idle lanes when not a power of two)
-  static constexpr int kMaxBdy = cmax(1, 128 / kBdx);
-  static constexpr int kHeadsPerThread = ceil_div(S::kGroupSize, cmin(S::kGroupSize, kMaxBdy));
+  // Each thread serves up to 4 query heads of the group, so each K/V element it loads is converted
+  // once and used for several heads (a thread per head converted each element group-size times and
+  // left decode issue-bound at ~2.6 TB/s on the H200, 2026-11-29). 8 heads spill at 3 blocks/SM.
+  static constexpr int kHeadsPerThread = ceil_div(S::kGroupSize, ceil_div(S::kGroupSize, 4));
   static constexpr int kBdy = ceil_div(S::kGroupSize, kHeadsPerThread);
   // Enough key slots for ~128 threads, rounded so the block is whole warps.
   static constexpr int kBdz = round_up(ceil_div(128, kBdx * kBdy), 32 / gcd(kBdx * kBdy, 32));
   static constexpr int kThreads = kBdx * kBdy * kBdz;
-  static constexpr int kKeysPerThread = ceil_div(32, kBdz);
+  static constexpr int kMinBlocksPerSM = 3;  // register cap for the compiler: memory-bound, occupancy first
+  // Scores of kKeysPerThread keys x kHeadsPerThread heads stay in registers: at most 32 of them.
+  static constexpr int kKeysPerThread = cmax(1, cmin(ceil_div(32, kBdz), 32 / kHeadsPerThread));
   static constexpr int kTileKeys = kBdz * kKeysPerThread;  // keys per pipeline stage
   static constexpr int kRowBytes = kHeadDim * sizeof(DTypeKV);
   static constexpr int kStageBytes = 2 * kTileKeys * kRowBytes;  // K and V of one tile
@@ -271,34 +275,53 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
   }
 }
 
-// Combines the num_splits partial states of each decode row (grid: batch x num_qo_heads).
+// Upper bound of the split-KV factor (jitattn/runtime.py caps num_splits below it).
+constexpr int kMaxSplits = 64;
+constexpr int kMergeThreads = 128;
+
+// Combines the num_splits partial states of each decode row (grid: batch x num_qo_heads,
+// kMergeThreads threads). The split weights are computed once into shared memory; every thread
+// then sums its head-dim elements over the splits.
 template <class S>
 __device__ __forceinline__ void merge_splits_kernel(const Params& p) {
+  __shared__ float weight[kMaxSplits];
+  __shared__ float red[kMergeThreads / 32];
   const int batch = blockIdx.x, qo_head = blockIdx.y;
   const int q_row = p.query_start_loc[batch];
-  if (p.query_start_loc[batch + 1] - q_row != 1) return;
+  if (p.query_start_loc[batch + 1] - q_row != 1 || q_row < 0 || q_row >= p.total_q) return;
   const long long stride = static_cast<long long>(p.batch_size) * S::kNumQoHeads;
   const long long base = static_cast<long long>(batch) * S::kNumQoHeads + qo_head;
-  float m = kNegInf;
-  bool bad = false;  // fmaxf drops NaN, so a poisoned split is looked for explicitly
-  for (int s = 0; s < p.num_splits; ++s) {
-    const float l = p.partial_lse[s * stride + base];
-    bad = bad || isnan(l);
-    m = fmaxf(m, l);
-  }
-  const float poison = bad ? __int_as_float(0x7fc00000) : 0.f;
-  float d = 0.f;
-  for (int s = 0; s < p.num_splits; ++s) d += rescale_factor(p.partial_lse[s * stride + base], m);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int n = min(p.num_splits, kMaxSplits);
+
+  // Max over the splits' lse (base 2). fmaxf drops NaN, so a poisoned split is looked for explicitly.
+  const float l = threadIdx.x < n ? p.partial_lse[threadIdx.x * stride + base] : kNegInf;
+  const bool bad = __syncthreads_or(isnan(l));
+  float m = group_max<32>(l);
+  if (lane == 0) red[warp] = m;
+  __syncthreads();
+  m = red[0];
+#pragma unroll
+  for (int w = 1; w < kMergeThreads / 32; ++w) m = fmaxf(m, red[w]);
+  const float w_split = rescale_factor(l, m);
+  if (threadIdx.x < n) weight[threadIdx.x] = w_split;
+  __syncthreads();  // everyone has read red[] (max) before it is reused for the sum
+  float d = group_sum<32>(threadIdx.x < n ? w_split : 0.f);
+  if (lane == 0) red[warp] = d;
+  __syncthreads();
+  d = 0.f;
+#pragma unroll
+  for (int w = 0; w < kMergeThreads / 32; ++w) d += red[w];
+
   // The merged state is (m, d) over normalised partials; fold in the sink and finish.
   float lse;
   const float scale = finalize_state<S>(p, qo_head, SoftmaxState{m, d}, lse);
+  const float poison = bad ? __int_as_float(0x7fc00000) : 0.f;
   const long long row_head = static_cast<long long>(q_row) * S::kNumQoHeads + qo_head;
-  for (int i = threadIdx.x; i < S::kHeadDimVO; i += blockDim.x) {
+  for (int i = threadIdx.x; i < S::kHeadDimVO; i += kMergeThreads) {
     float acc = 0.f;
-    for (int s = 0; s < p.num_splits; ++s) {
-      const float w = rescale_factor(p.partial_lse[s * stride + base], m);
-      if (w != 0.f) acc += w * p.partial_o[(s * stride + base) * S::kHeadDimVO + i];
-    }
+#pragma unroll 8
+    for (int s = 0; s < n; ++s) acc += weight[s] * p.partial_o[(s * stride + base) * S::kHeadDimVO + i];
     p.o[row_head * S::kHeadDimVO + i] = from_float<typename S::DTypeO>(acc * scale + poison);
   }
   if (threadIdx.x == 0 && p.lse != nullptr) p.lse[row_head] = lse + poison;

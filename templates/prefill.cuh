@@ -26,10 +26,11 @@ struct PrefillTraits {
   // m16 tiles per warp: two let each K/V fragment read from shared memory feed two mma (FA2's
   // 32 rows per warp; shared-memory bandwidth, not the tensor cores, bounds one tile per warp).
   // Past head_dim 128 the O accumulators of two tiles no longer fit in registers.
-  static constexpr int kMTiles = kHeadDim <= 128 ? 2 : 1;
+  // User functors add live registers per element: they keep one tile per warp (no spills).
+  static constexpr int kMTiles = (kHeadDim <= 128 && !S::kHasMask && !S::kHasTransform) ? 2 : 1;
   static constexpr int kWarpRows = 16 * kMTiles;
   static constexpr int kBlockM = kWarpRows * kNumWarps;      // packed query rows per block
-  static constexpr int kBlockN = kHeadDim <= 64 ? 64 : 32;  // keys per tile (S accumulators: registers again)
+  static constexpr int kBlockN = (kHeadDim <= 64 || kMTiles == 1) ? 64 : 32;  // keys per tile (S: registers)
   static constexpr int kStages = 2;
   // Rows padded by 16 bytes: 8 consecutive rows then fall in 8 distinct 16-byte bank groups,
   // so ldmatrix is conflict-free for every head_dim that is a multiple of 16.
@@ -40,6 +41,9 @@ struct PrefillTraits {
   static constexpr int kSmemBytes = kQBytes + kStages * 2 * kTileBytes;
   static constexpr int kNTiles = kBlockN / 8;    // n-tiles of S per m-tile
   static constexpr int kDTiles = kHeadDim / 8;   // n-tiles of O per m-tile
+  // Rescale O only when a row's max grows by more than this (log2 units): most tiles skip the
+  // kDTiles x 4 multiplies (deferred rescaling; FlashAttention-4 does the same).
+  static constexpr float kRescaleThreshold = 8.0f;
   static_assert(kHeadDim % 16 == 0, "head_dim must be a multiple of 16 (mma k-step)");
   static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16 (P is the A operand of P V)");
 };
@@ -285,16 +289,19 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
             tile_max = fmaxf(tile_max, v);
           }
         tile_max = group_max<4>(tile_max);
-        const float m_new = fmaxf(st[mt][r].m, tile_max);
-        const float m_use = m_new == kNegInf ? 0.f : m_new;
-        const float alpha = rescale_factor(st[mt][r].m, m_use);
-        st[mt][r].m = m_new;
-        st[mt][r].d *= alpha;
+        // Deferred rescaling: keep the reference max (and skip rescaling O) unless the new max
+        // exceeds it by more than kRescaleThreshold; probabilities then stay below 2^threshold.
+        if (tile_max > st[mt][r].m + T::kRescaleThreshold) {
+          const float alpha = rescale_factor(st[mt][r].m, tile_max);
+          st[mt][r].m = tile_max;
+          st[mt][r].d *= alpha;
 #pragma unroll
-        for (int d = 0; d < T::kDTiles; ++d) {
-          o[mt][d][2 * r] *= alpha;
-          o[mt][d][2 * r + 1] *= alpha;
+          for (int d = 0; d < T::kDTiles; ++d) {
+            o[mt][d][2 * r] *= alpha;
+            o[mt][d][2 * r + 1] *= alpha;
+          }
         }
+        const float m_use = st[mt][r].m == kNegInf ? 0.f : st[mt][r].m;
 #pragma unroll
         for (int n = 0; n < T::kNTiles; ++n)
 #pragma unroll
