@@ -340,7 +340,7 @@ def cache_rows(cache: KernelCache) -> list[dict]:
 
 @cache_app.command("ls")
 def cache_ls(as_json: Annotated[bool, typer.Option("--json", help="One JSON list, for scripts.")] = False) -> None:
-    """List every entry of every cache layer: key, spec, arch, size, build time, layer, status."""
+    """List every entry of every cache layer: key, spec, arch, size, build time, layer, status (verified)."""
     with _usage_errors():
         cache = KernelCache()
     rows = cache_rows(cache)
@@ -356,12 +356,16 @@ def cache_ls(as_json: Annotated[bool, typer.Option("--json", help="One JSON list
     for name in ("key", "spec", "arch", "size", "build s", "created", "layer", "status"):
         table.add_column(name, no_wrap=name in ("key", "spec"), justify="right" if name in ("size", "build s") else "left")
     for r in rows:
-        status = "[green]ok[/]" if r["status"] == "ok" else f"[bold red]{escape(r['status'])}[/]"
+        status = "[green]ok[/]" if r["status"] == "ok" else "[bold red]corrupt[/]"
         secs = "" if r["build_seconds"] is None else f"{r['build_seconds']:.1f}"
         table.add_row(r["key"][:12], r["name"], r["arch"], _human(r["size"]), secs, r["created"],
                       escape(f"{r['root']} ({r['layer']})"), status)
     out.print(table)
     out.print(f"{len(rows)} entries, {_human(sum(r['size'] for r in rows))}", markup=False, highlight=False)
+    for r in rows:
+        if r["status"] != "ok":  # never loaded: a lookup in the writable root moves it to quarantine/
+            out.print(f"corrupt {r['key'][:12]} ({r['path']}): {r['status']}", markup=False, highlight=False,
+                      soft_wrap=True)
 
 
 # ---- bench -------------------------------------------------------------------------------------

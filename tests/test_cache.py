@@ -65,9 +65,14 @@ print(json.dumps({"built": built, "key": entry.key, "path": str(entry.path)}))
 """
 
 
+def child_env() -> dict[str, str]:
+    """This process's environment without jitattn settings, with the checkout importable."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("JITATTN_")}, "PYTHONPATH": str(REPO)}
+
+
 def run_child(env: dict[str, str], spec: AttentionSpec = SPEC, arch: str = "sm_80", check: bool = True
               ) -> subprocess.CompletedProcess:
-    full = {**os.environ, "PYTHONPATH": str(REPO), **env}
+    full = {**child_env(), **env}
     proc = subprocess.run([sys.executable, "-c", _CHILD, spec.canonical_json(), arch], capture_output=True,
                           text=True, env=full, timeout=300)
     if check:
@@ -169,7 +174,7 @@ def test_killed_build_leaves_no_entry_and_no_stuck_lock(tmp_path):
     root = tmp_path / "cache"
     nvcc, log = fake_nvcc(tmp_path, "record", sleep=30)
     proc = subprocess.Popen([sys.executable, "-c", _CHILD, SPEC.canonical_json(), "sm_80"],
-                            env={**os.environ, "PYTHONPATH": str(REPO), "JITATTN_CACHE_DIR": str(root),
+                            env={**child_env(), "JITATTN_CACHE_DIR": str(root),
                                  "JITATTN_NVCC": str(nvcc)}, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -191,7 +196,7 @@ def test_killed_build_leaves_no_entry_and_no_stuck_lock(tmp_path):
 def test_concurrent_processes_compile_once(tmp_path):
     root = tmp_path / "cache"
     nvcc, log = fake_nvcc(tmp_path, "record", sleep=1.0)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JITATTN_CACHE_DIR": str(root), "JITATTN_NVCC": str(nvcc)}
+    env = {**child_env(), "JITATTN_CACHE_DIR": str(root), "JITATTN_NVCC": str(nvcc)}
     procs = [subprocess.Popen([sys.executable, "-c", _CHILD, SPEC.canonical_json(), "sm_80"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
     results = []

@@ -1,0 +1,221 @@
+"""The ``jitattn`` command line, run as a real process (``python -m jitattn``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jitattn import AttentionSpec, Param, Variant
+from jitattn.cache import KernelCache, MissingKernelError
+from jitattn.cli import default_jobs, parse_spec_arg
+from jitattn.models import model_specs
+from tests.test_cache import compile_calls, fake_nvcc
+
+REPO = Path(__file__).resolve().parent.parent
+GEMMA = REPO / "examples" / "models" / "gemma-2-9b.json"
+SMALL = AttentionSpec(8, 2, 64)
+
+
+def jitattn(*args: str, cache: Path, env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("JITATTN_")}
+    full = {**clean, "PYTHONPATH": str(REPO), "JITATTN_CACHE_DIR": str(cache), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "jitattn", *args], capture_output=True, text=True, env=full,
+                          cwd=cwd, timeout=600)
+
+
+def summary(proc: subprocess.CompletedProcess) -> str:
+    return next(ln for ln in proc.stdout.splitlines() if ln.startswith("compiled "))
+
+
+# ---- warmup ------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_warmup_twice_second_run_all_cached_without_nvcc(tmp_path):
+    nvcc, log = fake_nvcc(tmp_path, "record")
+    env = {"JITATTN_NVCC": str(nvcc)}
+    first = jitattn("warmup", "--model", "examples/models/gemma-2-9b.json", "--arch", "sm_90a", cache=tmp_path / "c",
+                    env=env)
+    assert first.returncode == 0, first.stderr
+    assert summary(first).startswith("compiled 2, cached 0, failed 0 in ")
+    for spec in model_specs(GEMMA):
+        assert spec.name in first.stdout
+    assert "gemma-2-9b/sliding_attention" in first.stdout and "gemma-2-9b/full_attention" in first.stdout
+    assert len(compile_calls(log)) == 2 and all("sm_90a" in c for c in compile_calls(log))
+    assert "2 specs x 1 archs (sm_90a)" in first.stderr
+
+    refusing, log2 = fake_nvcc(tmp_path, "no-compile")
+    second = jitattn("warmup", "--model", str(GEMMA), "--arch", "90a", cache=tmp_path / "c",
+                     env={"JITATTN_NVCC": str(refusing)})
+    assert second.returncode == 0, second.stderr
+    assert summary(second).startswith("compiled 0, cached 2, failed 0 in ")
+    assert compile_calls(log2) == []
+
+
+@pytest.mark.slow
+def test_warmup_default_archs_jobs_and_dedup(tmp_path):
+    proc = jitattn("warmup", "-m", str(GEMMA), "-m", str(GEMMA), "--spec", SMALL.canonical_json(), "-j", "1",
+                   cache=tmp_path / "c", env={"JITATTN_ARCHS": "sm_80"})
+    assert proc.returncode == 0, proc.stderr
+    assert summary(proc).startswith("compiled 3, cached 0, failed 0")  # the model twice: its 2 specs once
+    assert "3 specs x 1 archs (sm_80), -j 1" in proc.stderr
+    rows = [ln for ln in proc.stdout.splitlines() if "sm_80" in ln]
+    assert len(rows) == 3
+    assert "gemma-2-9b/sliding_attention, gemma-2-9b/sliding_attention" in proc.stdout
+    assert "--spec #1" in proc.stdout
+
+
+@pytest.mark.slow
+def test_warmup_runs_the_command_a_missing_kernel_error_prints(tmp_path, monkeypatch):
+    variant = Variant("scaled", logits_transform="logits * temp", params=(Param("temp", "float32"),))
+    spec = AttentionSpec(12, 4, 96, sinks=True, window_left=127, variant=variant, kv_layout="HND")
+    root = tmp_path / "c"
+    monkeypatch.setenv("JITATTN_DISABLE_JIT", "1")
+    with pytest.raises(MissingKernelError) as info:
+        KernelCache(root=root, layers=()).get_or_build(spec, "sm_90a")
+    command = next(ln.strip() for ln in str(info.value).splitlines() if ln.strip().startswith("jitattn warmup"))
+    argv = shlex.split(command)
+    assert argv[:2] == ["jitattn", "warmup"]
+    proc = jitattn(*argv[1:], cache=root, env={"JITATTN_DISABLE_JIT": "1"})  # warmup compiles even so
+    assert proc.returncode == 0, proc.stderr
+    assert summary(proc).startswith("compiled 1, cached 0, failed 0")
+    assert "JITATTN_DISABLE_JIT=1 is set; warmup is the build step" in proc.stderr
+    entry, built = KernelCache(root=root, layers=()).get_or_build(spec, "sm_90a")
+    assert not built and entry.spec == spec
+
+
+@pytest.mark.slow
+def test_warmup_spec_from_files(tmp_path):
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps(SMALL.to_json(), indent=2))
+    many = tmp_path / "many.json"
+    many.write_text(json.dumps([{"num_qo_heads": 4, "num_kv_heads": 4, "head_dim_qk": 64},
+                                SMALL.replace(page_size=1).to_json()]))
+    proc = jitattn("warmup", "--spec", str(one), "--spec", str(many), "--arch", "sm_80", cache=tmp_path / "c")
+    assert proc.returncode == 0, proc.stderr
+    assert summary(proc).startswith("compiled 3, cached 0, failed 0")
+    assert parse_spec_arg(str(one)) == [SMALL]
+    assert parse_spec_arg(str(many))[0] == AttentionSpec(4, 4, 64)
+
+
+@pytest.mark.slow
+def test_failed_kernel_exits_1_with_nvcc_message_and_others_still_build(tmp_path):
+    typo = AttentionSpec(8, 2, 64, variant=Variant("typo", logits_transform="logits + undefined_thing"))
+    proc = jitattn("warmup", "--spec", typo.canonical_json(), "--spec", SMALL.canonical_json(), "--arch", "sm_80",
+                   cache=tmp_path / "c")
+    assert proc.returncode == 1
+    assert summary(proc).startswith("compiled 1, cached 0, failed 1")
+    assert f"FAILED {typo.name} sm_80 (needed by --spec #1)" in proc.stderr
+    assert 'identifier "undefined_thing" is undefined' in proc.stderr
+    assert "(functor logits_transform, line 1 of the expression)" in proc.stderr
+    kept = tmp_path / "c" / "v1" / "failed"
+    assert any(kept.glob("*/kernel.cu")) and str(kept) in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ---- user errors: one line, exit 2 -------------------------------------------------------------
+BAD_ARGS = [
+    ((), {}, r"nothing to build: pass --model CONFIG.json and/or --spec JSON_OR_FILE"),
+    (("--model", "nope/config.json"), {}, r"nope/config.json: model config not found"),
+    (("--model", "pyproject.toml"), {}, r"pyproject.toml: not valid JSON"),
+    (("--spec", "{num_qo_heads: 8"), {}, r"--spec: not valid JSON"),
+    (("--spec", "specs/missing.json"), {}, r"--spec 'specs/missing.json': no such file, and not JSON text"),
+    (("--spec", '{"num_qo_heads": 8, "num_kv_heads": 3, "head_dim_qk": 64}'), {},
+     r"--spec: invalid spec: num_qo_heads=8, num_kv_heads=3: num_kv_heads must divide num_qo_heads"),
+    (("--spec", '{"num_qo_heads": 8}'), {}, r"--spec: invalid spec: .*missing 2 required positional arguments"),
+    (("--spec", '{"num_qo_heads": 8, "num_kv_heads": 8, "head_dim_qk": 64, "nope": 1}'), {},
+     r"--spec: invalid spec: AttentionSpec.from_json: unknown fields \['nope'\]"),
+    (("--spec", "[1, 2]"), {}, r"--spec \[0\]: expected a JSON object with AttentionSpec fields, got int"),
+    (("--model", str(GEMMA), "--arch", "sm_75"), {}, r"--arch='sm_75': unknown target arch; expected one of"),
+    (("--model", str(GEMMA), "--kv-layout", "nhd"), {}, r"kv_layout='nhd': expected one of \('NHD', 'HND'\)"),
+    (("--model", str(GEMMA), "--dtype", "float32"), {}, r"dtype='float32': expected one of"),
+    (("--model", str(GEMMA), "--page-size", "0"), {}, r"page_size=0: expected an int in \[1, 1024\]"),
+    (("--model", str(GEMMA)), {"JITATTN_NVCC": "/nonexistent/nvcc"},
+     r"cannot run nvcc at '/nonexistent/nvcc' .*set JITATTN_NVCC / CUDA_HOME"),
+    (("--model", str(GEMMA)), {"JITATTN_ARCHS": "sm_80,volta"}, r"JITATTN_ARCHS='volta': unknown target arch"),
+]
+
+
+@pytest.mark.parametrize("args,env,match", BAD_ARGS, ids=[m[:40] for _, _, m in BAD_ARGS])
+def test_user_errors_exit_2_with_one_clear_line(tmp_path, args, env, match):
+    import re
+
+    proc = jitattn("warmup", *args, cache=tmp_path / "c", env=env)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("jitattn: error: ") and re.search(match, lines[0]), lines[0]
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_unwritable_cache_root_exits_2(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    proc = jitattn("warmup", "--spec", SMALL.canonical_json(), cache=blocker / "cache")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"jitattn: error: cache root {blocker / 'cache'} is not writable")
+
+
+def test_bad_option_value_is_a_usage_error(tmp_path):
+    proc = jitattn("warmup", "-j", "0", "--model", str(GEMMA), cache=tmp_path / "c")
+    assert proc.returncode == 2 and "--jobs" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_default_jobs_is_at_least_one():
+    assert 1 <= default_jobs() <= (os.cpu_count() or 1)
+
+
+# ---- cache ls ----------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_cache_ls_lists_every_layer_with_status(tmp_path):
+    rw, ro = tmp_path / "rw", tmp_path / "ro"
+    a, _ = KernelCache(root=rw, layers=()).get_or_build(SMALL, "sm_80")
+    b, _ = KernelCache(root=ro, layers=()).get_or_build(SMALL.replace(page_size=32), "sm_90a")
+    env = {"JITATTN_CACHE_PATH": str(ro)}
+    proc = jitattn("cache", "ls", cache=rw, env=env)
+    assert proc.returncode == 0, proc.stderr
+    for entry, layer in ((a, f"{rw} (writable)"), (b, f"{ro} (read-only)")):
+        row = next(ln for ln in proc.stdout.splitlines() if entry.key[:12] in ln)
+        assert entry.manifest["name"] in row and entry.arch in row and layer in row and "ok" in row
+    assert "2 entries" in proc.stdout
+
+    rows = json.loads(jitattn("cache", "ls", "--json", cache=rw, env=env).stdout)
+    assert [(r["key"], r["layer"], r["status"]) for r in rows] == [(a.key, "writable", "ok"), (b.key, "read-only", "ok")]
+    assert rows[0]["size"] > 10_000 and rows[0]["build_seconds"] > 0 and rows[0]["arch"] == "sm_80"
+    assert rows[0]["path"] == str(a.path) and rows[0]["name"] == SMALL.name
+
+    b.cubin.write_bytes(b"\x7fELF broken")
+    rows = json.loads(jitattn("cache", "ls", "--json", cache=rw, env=env).stdout)
+    assert "does not match its sha256" in rows[1]["status"]
+    table = jitattn("cache", "ls", cache=rw, env=env).stdout
+    assert f"corrupt {b.key[:12]} ({b.path}): artifact kernel.sm_90a.cubin does not match its sha256" in table
+
+
+def test_cache_ls_empty(tmp_path):
+    proc = jitattn("cache", "ls", cache=tmp_path / "empty")
+    assert proc.returncode == 0 and proc.stdout.startswith(f"no cache entries in {tmp_path / 'empty'}")
+    assert json.loads(jitattn("cache", "ls", "--json", cache=tmp_path / "empty").stdout) == []
+
+
+# ---- other verbs -------------------------------------------------------------------------------
+def test_bench_without_gpu_says_so(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: jitattn bench would run")
+    proc = jitattn("bench", cache=tmp_path / "c")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("jitattn: error: jitattn bench runs kernels on a CUDA GPU, and cannot here:")
+
+
+def test_version_and_help(tmp_path):
+    import jitattn as pkg
+
+    assert jitattn("--version", cache=tmp_path).stdout.strip() == f"jitattn {pkg.__version__}"
+    helptext = jitattn("--help", cache=tmp_path).stdout
+    for verb in ("warmup", "cache", "bench"):
+        assert verb in helptext
