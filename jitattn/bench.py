@@ -212,10 +212,60 @@ def format_table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def main(cases: list[BenchCase] | None = None) -> str:
+def all_cases() -> list[BenchCase]:
+    return design_cases() + decode_target_cases()
+
+
+def profile_host(case: BenchCase, calls: int = 200) -> str:
+    """cProfile of ``calls`` eager jitattn calls of ``case`` (host time per call and the top functions)."""
+    import cProfile
+    import io
+    import pstats
+    import time
+
+    from jitattn.runtime import load_kernel
+
+    batch = random_paged_batch(case.spec, case.q_lens, case.kv_lens, device="cuda")
+    kernel = load_kernel(case.spec)
+    hint = 1 if case.is_decode else None
+    call = lambda: kernel.paged_attention(*batch.args(), **batch.kwargs(), max_query_len=hint)  # noqa: E731
+    call()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        call()
+    host_us = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        call()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(25)
+    return f"{case.name}: host {host_us:.1f} us per call (no sync)\n{buf.getvalue()}"
+
+
+def main(argv: list[str] | None = None) -> str:
+    """``python -m jitattn.bench [--case NAME ...] [--host-profile] [--no-check]``: print the table."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="jitattn.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--case", action="append", help="case name (substring match); default: all")
+    parser.add_argument("--host-profile", action="store_true", help="cProfile the host side of each jitattn call")
+    parser.add_argument("--no-check", action="store_true", help="skip the reference error check")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("jitattn bench needs a CUDA GPU (torch.cuda.is_available() is False)")
+    cases = [c for c in all_cases() if not args.case or any(sel in c.name for sel in args.case)]
+    if args.host_profile:
+        report = "\n".join(profile_host(c) for c in cases)
+        print(report)
+        return report
     results = []
-    for case in cases or design_cases() + decode_target_cases():
-        results += run_case(case)
+    for case in cases:
+        results += run_case(case, check=not args.no_check)
         torch.cuda.empty_cache()
     table = format_table(results)
     print(table)

@@ -162,6 +162,11 @@ class JitKernel:
             warnings.simplefilter("ignore", DeprecationWarning)
             return self._cp.cuda.ExternalStream(ptr, self.device.index)
 
+    def max_decode_keys(self, max_pages_per_seq: int) -> int:
+        """Most keys one decode row can read: the page table's capacity, or the window if smaller."""
+        keys = max_pages_per_seq * self.spec.page_size
+        return min(keys, self.spec.window_left + 1) if self.spec.window_left >= 0 else keys
+
     def num_splits(self, batch: int, max_kv_len: int) -> int:
         """Split-KV factor of a decode launch (FlashDecoding; Dao et al. 2023).
 
@@ -223,7 +228,7 @@ class JitKernel:
         lse = torch.empty(total_q, spec.num_qo_heads, dtype=torch.float32, device=q.device) if return_lse else None
         if total_q == 0:
             return (out, lse) if return_lse else out
-        splits = self.num_splits(batch, call.max_pages_per_seq * spec.page_size)
+        splits = self.num_splits(batch, self.max_decode_keys(call.max_pages_per_seq))
         partial_o = partial_lse = None
         if splits > 1:
             partial_o = torch.empty(splits, batch, spec.num_qo_heads, spec.head_dim_vo, dtype=torch.float32,

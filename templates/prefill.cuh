@@ -5,7 +5,7 @@
 // packed row r = token * group_size + head_in_group), walks the visible K/V tiles of kBlockN keys,
 // and keeps the output in registers. Each warp owns 16 rows: S = Q K^T and O += P V are
 // mma.sync m16n8k16 (fp32 accumulate); Q, K, V come from shared memory through ldmatrix; K/V tiles
-// arrive through cp.async two stages deep; P goes from the S accumulators to A fragments without
+// arrive through cp.async kStages deep; P goes from the S accumulators to A fragments without
 // touching shared memory. Tiles outside the causal/window bounds are never loaded; element masks are
 // applied on boundary tiles only (and everywhere when the variant has its own mask).
 #pragma once
@@ -30,8 +30,11 @@ struct PrefillTraits {
   static constexpr int kMTiles = (kHeadDim <= 128 && !S::kHasMask && !S::kHasTransform) ? 2 : 1;
   static constexpr int kWarpRows = 16 * kMTiles;
   static constexpr int kBlockM = kWarpRows * kNumWarps;      // packed query rows per block
-  static constexpr int kBlockN = (kHeadDim <= 64 || kMTiles == 1) ? 64 : 32;  // keys per tile (S: registers)
-  static constexpr int kStages = 2;
+  // Keys per tile: the S accumulators (kMTiles x kBlockN / 8 x 4 registers) must fit beside O.
+  static constexpr int kBlockN = (kHeadDim <= 64 || (kMTiles == 1 && kHeadDim <= 128)) ? 64 : 32;
+  // K/V tiles in flight: a 32-key tile computes in less time than an L2 round trip, so it needs a
+  // third stage to keep the tensor cores fed; 256-wide rows would cost the second block per SM.
+  static constexpr int kStages = kHeadDim <= 128 ? 3 : 2;
   // Rows padded by 16 bytes: 8 consecutive rows then fall in 8 distinct 16-byte bank groups,
   // so ldmatrix is conflict-free for every head_dim that is a multiple of 16.
   static constexpr int kRowStride = kHeadDim + 8;  // elements
@@ -231,8 +234,13 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
     cp_async_16(sq + row * T::kRowStride + chunk * 8, src, in);
   }
   const int n_first = (kv_begin / T::kBlockN) * T::kBlockN;
-  if (n_first < kv_end) prefill_load_kv<S>(p, stage_k(0), stage_v(0), batch, kv_head, n_first, kv_end, bad);
-  cp_async_commit();
+  // Prologue: Q and the first kStages - 1 tiles in flight (one commit group each; Q rides with tile 0).
+#pragma unroll
+  for (int stg = 0; stg < T::kStages - 1; ++stg) {
+    const int n = n_first + stg * T::kBlockN;
+    if (n < kv_end) prefill_load_kv<S>(p, stage_k(stg), stage_v(stg), batch, kv_head, n, kv_end, bad);
+    cp_async_commit();
+  }
 
   const int row0 = packed0 + warp_row0 + g;  // packed row of (mt, r) is row0 + mt * 16 + 8 * r
   float o[MT][T::kDTiles][4];
@@ -249,14 +257,15 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
 
   int it = 0;
   for (int n0 = n_first; n0 < kv_end; n0 += T::kBlockN, ++it) {
-    const int stage = it % T::kStages;
-    {  // prefetch the next tile into the other stage (freed by the barrier at the end of the last step)
-      const int n1 = n0 + T::kBlockN;
-      if (n1 < kv_end) prefill_load_kv<S>(p, stage_k(stage ^ 1), stage_v(stage ^ 1), batch, kv_head, n1, kv_end, bad);
+    cp_async_wait<T::kStages - 2>();
+    __syncthreads();  // tile `it` landed for everyone, and everyone is done with tile it - 1's stage
+    {
+      const int n_next = n0 + (T::kStages - 1) * T::kBlockN;
+      const int st_next = (it + T::kStages - 1) % T::kStages;
+      if (n_next < kv_end) prefill_load_kv<S>(p, stage_k(st_next), stage_v(st_next), batch, kv_head, n_next, kv_end, bad);
       cp_async_commit();
     }
-    cp_async_wait<1>();
-    __syncthreads();
+    const int stage = it % T::kStages;
 
     float s[MT][T::kNTiles][4];
     prefill_qk<S>(s, sq, stage_k(stage), warp_row0, lane);
@@ -313,7 +322,6 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
       }
 
     prefill_pv<S>(o, s, stage_v(stage), lane);
-    __syncthreads();  // this stage is read by everyone before the next prefetch overwrites it
   }
   cp_async_wait<0>();
   const float poison = __syncthreads_or(bad) ? __int_as_float(0x7fc00000) : 0.f;
