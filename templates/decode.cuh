@@ -36,7 +36,8 @@ struct DecodeTraits {
   static constexpr int kStageBytes = 2 * kTileKeys * kRowBytes;  // K and V of one tile
   // ~48 KB of stages: 4 blocks (16 warps) per SM, each with 2 tiles in flight while it computes a third.
   static constexpr int kStages = cmax(2, cmin(4, (48 * 1024) / kStageBytes));
-  static constexpr int kMergeBytes = kBdz * kBdy * kHeadsPerThread * (kHeadDim + 2) * 4;
+  static constexpr int kSlots = kBdy * kHeadsPerThread;  // group-local head slots (>= group size)
+  static constexpr int kMergeBytes = (kBdz * kSlots * (kHeadDim + 2) + kSlots) * 4;
   static constexpr int kSmemBytes = cmax(kStages * kStageBytes, kMergeBytes);
 
   static_assert(kHeadDim % kVec == 0, "head_dim must be a whole number of 16-byte chunks");
@@ -84,10 +85,10 @@ __device__ __forceinline__ void decode_load_tile(const Params& p, uint8_t* stage
     const int row = c / T::kChunks, chunk = c % T::kChunks;
     const int kv_idx = start + row;
     const bool in = kv_idx < end;
+    // One page lookup per row: V sits kv_stride_kv elements after K in the same page.
     const DT* k = in ? kv_row<S>(p, batch, kv_head, kv_idx, 0, bad) + chunk * T::kVec : p.kv_cache;
-    const DT* v = in ? kv_row<S>(p, batch, kv_head, kv_idx, 1, bad) + chunk * T::kVec : p.kv_cache;
     cp_async_16(sk + row * T::kHeadDim + chunk * T::kVec, k, in);
-    cp_async_16(sv + row * T::kHeadDim + chunk * T::kVec, v, in);
+    cp_async_16(sv + row * T::kHeadDim + chunk * T::kVec, k + p.kv_stride_kv, in);
   }
 }
 
@@ -217,60 +218,60 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
   // All stages idle (shared memory is reused for the merge below); any thread's bad metadata poisons the row.
   const float poison = __syncthreads_or(bad) ? __int_as_float(0x7fc00000) : 0.f;
 
-  // Merge the kBdz key-slot states of each head: scratch [tz][ty][h] = {m, d, o[kHeadDim]}.
-  float* scratch = reinterpret_cast<float*>(smem);
-  constexpr int kSlot = T::kHeadDim + 2;
+  // Merge the kBdz key-slot states of each head, all threads at once. Scratch (floats):
+  // m[kBdz][kSlots] (then the merge weights), d[kBdz][kSlots], o[kBdz][kSlots][kHeadDim], scale[kSlots].
+  constexpr int kSlots = T::kSlots;
+  float* sm_m = reinterpret_cast<float*>(smem);
+  float* sm_d = sm_m + T::kBdz * kSlots;
+  float* sm_o = sm_d + T::kBdz * kSlots;
+  float* sm_scale = sm_o + T::kBdz * kSlots * T::kHeadDim;
 #pragma unroll
   for (int h = 0; h < H; ++h) {
-    float* slot = scratch + ((tz * T::kBdy + ty) * H + h) * kSlot;
+    const int slot = tz * kSlots + ty * H + h;
     if (tx == 0) {
-      slot[0] = st[h].m;
-      slot[1] = st[h].d;
+      sm_m[slot] = st[h].m;
+      sm_d[slot] = st[h].d;
     }
     if (lane_has_dims)
 #pragma unroll
-      for (int i = 0; i < V; ++i) slot[2 + tx * V + i] = o[h][i];
+      for (int i = 0; i < V; ++i) sm_o[slot * T::kHeadDim + tx * V + i] = o[h][i];
   }
   __syncthreads();
-  if (tz != 0) return;
-#pragma unroll
-  for (int h = 0; h < H; ++h) {
-    const int g = ty * H + h;
-    if (g >= S::kGroupSize) continue;
-    const int qo_head = kv_head * S::kGroupSize + g;
-    float m = kNegInf;
-    for (int z = 0; z < T::kBdz; ++z) m = fmaxf(m, scratch[((z * T::kBdy + ty) * H + h) * kSlot]);
-    float d = 0.f, acc[V];
-#pragma unroll
-    for (int i = 0; i < V; ++i) acc[i] = 0.f;
+  // Per head: merged max and sum; weights replace the maxima; the lse (or partial lse) is written here.
+  for (int g = threadIdx.x; g < S::kGroupSize; g += T::kThreads) {
+    float m = kNegInf, d = 0.f;
+    for (int z = 0; z < T::kBdz; ++z) m = fmaxf(m, sm_m[z * kSlots + g]);
     for (int z = 0; z < T::kBdz; ++z) {
-      const float* slot = scratch + ((z * T::kBdy + ty) * H + h) * kSlot;
-      const float w = rescale_factor(slot[0], m);
-      d += slot[1] * w;
-      if (lane_has_dims)
-#pragma unroll
-        for (int i = 0; i < V; ++i) acc[i] += slot[2 + tx * V + i] * w;
+      const float w = rescale_factor(sm_m[z * kSlots + g], m);
+      sm_m[z * kSlots + g] = w;
+      d += sm_d[z * kSlots + g] * w;
     }
-    const long long row_head = static_cast<long long>(q_row) * S::kNumQoHeads + qo_head;
+    const int qo_head = kv_head * S::kGroupSize + g;
     if (p.num_splits == 1) {
       float lse;
-      const float scale = finalize_state<S>(p, qo_head, SoftmaxState{m, d}, lse);
-      if (lane_has_dims) {
-        typename S::DTypeO out[V];
-#pragma unroll
-        for (int i = 0; i < V; ++i) out[i] = from_float<typename S::DTypeO>(acc[i] * scale + poison);
-        static_assert(sizeof(out) == 16, "output chunk must be 16 bytes");
-        *reinterpret_cast<uint4*>(p.o + row_head * S::kHeadDimVO + tx * V) = *reinterpret_cast<uint4*>(out);
-      }
-      if (tx == 0 && p.lse != nullptr) p.lse[row_head] = lse + poison;
-    } else {
-      // Partial state of this split, normalised, in base 2: merged (and sinks added) by merge_splits.
+      sm_scale[g] = finalize_state<S>(p, qo_head, SoftmaxState{m, d}, lse);
+      if (p.lse != nullptr) p.lse[static_cast<long long>(q_row) * S::kNumQoHeads + qo_head] = lse + poison;
+    } else {  // normalised partial state of this split, base 2: merged (and sinks added) by merge_splits
       const long long part = (static_cast<long long>(split) * p.batch_size + batch) * S::kNumQoHeads + qo_head;
-      const float inv = d > 0.f ? 1.0f / d : 0.f;
-      if (lane_has_dims)
+      sm_scale[g] = d > 0.f ? 1.0f / d : 0.f;
+      p.partial_lse[part] = (d > 0.f ? m + __log2f(d) : kNegInf) + poison;
+    }
+  }
+  __syncthreads();
+  // Every output element of the group: consecutive threads write consecutive elements.
+  for (int e = threadIdx.x; e < S::kGroupSize * T::kHeadDim; e += T::kThreads) {
+    const int g = e / T::kHeadDim, i = e % T::kHeadDim;
+    float acc = 0.f;
 #pragma unroll
-        for (int i = 0; i < V; ++i) p.partial_o[part * S::kHeadDimVO + tx * V + i] = acc[i] * inv + poison;
-      if (tx == 0) p.partial_lse[part] = (d > 0.f ? m + __log2f(d) : kNegInf) + poison;
+    for (int z = 0; z < T::kBdz; ++z) acc += sm_m[z * kSlots + g] * sm_o[(z * kSlots + g) * T::kHeadDim + i];
+    const float value = acc * sm_scale[g] + poison;
+    const long long qo_head = kv_head * S::kGroupSize + g;
+    if (p.num_splits == 1) {
+      p.o[(static_cast<long long>(q_row) * S::kNumQoHeads + qo_head) * S::kHeadDimVO + i] =
+          from_float<typename S::DTypeO>(value);
+    } else {
+      const long long part = (static_cast<long long>(split) * p.batch_size + batch) * S::kNumQoHeads + qo_head;
+      p.partial_o[part * S::kHeadDimVO + i] = value;
     }
   }
 }

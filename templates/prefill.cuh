@@ -106,9 +106,8 @@ __device__ __forceinline__ void prefill_load_kv(const Params& p, typename S::DTy
     const int kv_idx = n0 + row;
     const bool in = kv_idx < kv_end;
     const auto* k = in ? kv_row<S>(p, batch, kv_head, kv_idx, 0, bad) + chunk * 8 : p.kv_cache;
-    const auto* v = in ? kv_row<S>(p, batch, kv_head, kv_idx, 1, bad) + chunk * 8 : p.kv_cache;
     cp_async_16(sk + row * T::kRowStride + chunk * 8, k, in);
-    cp_async_16(sv + row * T::kRowStride + chunk * 8, v, in);
+    cp_async_16(sv + row * T::kRowStride + chunk * 8, k + p.kv_stride_kv, in);  // V: same page, after K
   }
 }
 
