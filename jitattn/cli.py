@@ -226,10 +226,16 @@ def run_warmup(cache: KernelCache, targets: list[Target], archs: list[str], jobs
             ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="jitattn-warmup") as pool:
         task = progress.add_task("compiling", total=len(work))
         futures = [pool.submit(_build_one, cache, t, a) for t, a in work]
-        for future in as_completed(futures):
-            outcome = future.result()
-            outcomes.append(outcome)
-            progress.update(task, advance=1, description=f"{outcome.status:>8} {outcome.target.spec.name} {outcome.arch}")
+        try:
+            for future in as_completed(futures):
+                outcome = future.result()
+                outcomes.append(outcome)
+                progress.update(task, advance=1,
+                                description=f"{outcome.status:>8} {outcome.target.spec.name} {outcome.arch}")
+        except KeyboardInterrupt:
+            for future in futures:  # let the running compiles finish (they publish atomically), start no more
+                future.cancel()
+            raise
         progress.update(task, description="done")
     order = {(id(t), a): i for i, (t, a) in enumerate(work)}
     return sorted(outcomes, key=lambda o: order[(id(o.target), o.arch)])
@@ -283,7 +289,11 @@ def warmup(
                   markup=False, highlight=False)
     start = time.perf_counter()
     with settings.scope(JITATTN_DISABLE_JIT="0"):
-        outcomes = run_warmup(cache, targets, archs, jobs, err)
+        try:
+            outcomes = run_warmup(cache, targets, archs, jobs, err)
+        except KeyboardInterrupt:
+            err.print("interrupted: kernels already compiled stay in the cache", markup=False, highlight=False)
+            raise typer.Exit(130) from None
     wall = time.perf_counter() - start
     out.print(summary_table(outcomes))
     counts = {s: sum(o.status == s for o in outcomes) for s in ("compiled", "cached", "failed")}
