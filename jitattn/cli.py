@@ -394,15 +394,18 @@ def gpu_problem() -> str | None:
     return None
 
 
-@app.command()
-def bench() -> None:
-    """Time jitattn against torch SDPA backends on the DESIGN.md anchor cases (needs a CUDA GPU)."""
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench(ctx: typer.Context) -> None:
+    """Time jitattn against the anchors side by side (needs a CUDA GPU).
+
+    Other arguments go to jitattn.bench: --case NAME (repeatable), --host-profile, --no-check.
+    """
     problem = gpu_problem()
     if problem:
         _fail(f"jitattn bench runs kernels on a CUDA GPU, and cannot here: {problem}")
     from jitattn import bench as bench_module
 
-    bench_module.main()
+    bench_module.main(list(ctx.args))
 
 
 if __name__ == "__main__":

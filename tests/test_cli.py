@@ -207,9 +207,23 @@ def test_bench_without_gpu_says_so(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: jitattn bench would run")
-    proc = jitattn("bench", cache=tmp_path / "c")
+    proc = jitattn("bench", "--case", "decode", cache=tmp_path / "c")
     assert proc.returncode == 2
     assert proc.stderr.startswith("jitattn: error: jitattn bench runs kernels on a CUDA GPU, and cannot here:")
+
+
+def test_bench_forwards_its_arguments(monkeypatch):
+    from typer.testing import CliRunner
+
+    from jitattn import bench as bench_module
+    from jitattn import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "gpu_problem", lambda: None)
+    monkeypatch.setattr(bench_module, "main", lambda argv=None: seen.append(argv))
+    result = CliRunner().invoke(cli.app, ["bench", "--case", "decode", "--no-check"])
+    assert result.exit_code == 0, result.output
+    assert seen == [["--case", "decode", "--no-check"]]
 
 
 def test_version_and_help(tmp_path):
