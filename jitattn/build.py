@@ -18,7 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from jitattn import settings
-from jitattn.render import RENDERED_FILE, RenderedSource, functor_at, template_dir
+from jitattn.render import FUNCTOR_NAMES, RENDERED_FILE, RenderedSource, functor_at, template_dir
 
 #: Arch name -> the ``-gencode`` value that builds its cubin. ``a`` archs use arch-specific features.
 ARCHS: dict[str, str] = {
@@ -195,7 +195,7 @@ def _compile_error(log: str, path: Path, text: str, arch: str) -> CompileError:
     if m:
         line = int(m.group("line"))
         name = Path(m.group("file")).name
-        if name in ("logits_transform", "logits_mask"):
+        if name in FUNCTOR_NAMES:
             functor = name
             where = f"{path} (functor {name}, line {line} of the expression)"
         elif name == RENDERED_FILE:

@@ -171,10 +171,10 @@ def check_params(spec: AttentionSpec, params: Mapping[str, Any], *, batch: int, 
         if p.is_scalar:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             if p.dtype == "int32":
-                ok = ok and isinstance(value, int)
+                ok = ok and isinstance(value, int) and -(2 ** 31) <= value < 2 ** 31
             if not ok:
-                _fail(f"params[{name!r}]: expected a Python {'int' if p.dtype == 'int32' else 'float'} scalar "
-                      f"({p.dtype}), got {value!r}")
+                _fail(f"params[{name!r}]: expected a Python {'int in [-2**31, 2**31)' if p.dtype == 'int32' else 'float'}"
+                      f" scalar ({p.dtype}), got {value!r}")
             continue
         _check_tensor(f"params[{name!r}]", value, dtype=_TORCH_DTYPES[p.dtype], ndim=len(p.shape), device=device)
         for d, dim in enumerate(p.shape):

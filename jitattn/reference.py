@@ -5,9 +5,11 @@ over speed: one sequence at a time, fp32 (or fp64) arithmetic, query rows in chu
 score matrix stays under ``max_score_bytes``.
 
 Semantics (identical to the kernels'; see :mod:`jitattn.spec` and :mod:`jitattn.variant`):
-``s = sm_scale * q.k``; soft-cap; ALiBi ``slope_h * (j - p)``; the variant's logits transform; then
-masking (causal, windows, the variant's mask); softmax whose denominator also holds
-``exp(sink_h)`` when the spec has sinks. ``lse = log(sum_j exp(s_j) [+ exp(sink_h)])`` in natural
+``s = sm_scale * query_transform(q) . key_transform(k)``; soft-cap; ALiBi ``slope_h * (j - p)``; the
+variant's logits transform; then masking (causal, windows, the variant's mask); softmax whose
+denominator also holds ``exp(sink_h)`` when the spec has sinks (or, for a variant without softmax,
+the weighted sum); the output transform. The built-in features and the Python hooks are the very
+functions the kernels are traced from. ``lse = log(sum_j exp(s_j) [+ exp(sink_h)])`` in natural
 log. A row that sees no key gets output 0 and lse ``-inf`` (``sink_h`` with sinks), never NaN.
 """
 
@@ -18,7 +20,9 @@ from typing import Mapping
 import torch
 
 from jitattn.spec import AttentionSpec
+from jitattn.trace import ParamView
 from jitattn.variant import alibi_slopes as _alibi_slopes
+from jitattn.variant import builtin_transforms, structural_mask
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -46,40 +50,55 @@ def gather_kv(spec: AttentionSpec, kv_cache: torch.Tensor, block_table: torch.Te
 
 
 def visible(spec: AttentionSpec, qo_pos: torch.Tensor, kv_pos: torch.Tensor) -> torch.Tensor:
-    """Structural visibility (causal, windows): bool ``(len(qo_pos), len(kv_pos))``."""
-    diff = qo_pos[:, None] - kv_pos[None, :]  # p - j
-    ok = torch.ones_like(diff, dtype=torch.bool)
-    if spec.causal:
-        ok &= diff >= 0
-    if spec.window_left >= 0:
-        ok &= diff <= spec.window_left
-    if spec.window_right >= 0:
-        ok &= -diff <= spec.window_right
-    return ok
+    """Structural visibility (causal, windows): bool ``(len(qo_pos), len(kv_pos))``.
+
+    The same functor the kernels trace (:func:`jitattn.variant.structural_mask`)."""
+    bounds = structural_mask(spec.causal, spec.window_left, spec.window_right)
+    if bounds is None:
+        return torch.ones(len(qo_pos), len(kv_pos), dtype=torch.bool, device=qo_pos.device)
+    return bounds(0, 0, qo_pos[:, None], kv_pos[None, :], ParamView({})).to(torch.bool)
+
+
+def _hook(spec: AttentionSpec, hook: str):
+    """The torch implementation of a variant hook, or None; NotImplementedError if it has none."""
+    variant = spec.variant
+    if variant is None or hook not in variant.cuda:
+        return None
+    fn = variant.reference(hook)
+    if fn is None:
+        raise NotImplementedError(f"variant {variant.name!r} has a {hook} given as CUDA but no torch reference "
+                                  f"(reference_transform / reference_mask, or write the hook in Python)")
+    return fn
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """The vector whose element ``dim`` is ``-x[dim + D/2]`` (first half) or ``x[dim - D/2]`` (second)."""
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def _transform_vectors(fn, x: torch.Tensor, b: int, pos: torch.Tensor, params: ParamView) -> torch.Tensor:
+    """Apply a query/key hook to ``x`` ``(len, heads, D)`` at positions ``pos`` ``(len,)``."""
+    heads = torch.arange(x.shape[1], device=x.device)[None, :, None]
+    dim = torch.arange(x.shape[2], device=x.device)[None, None, :]
+    return fn(x, _rotate_half(x), b, heads, pos[:, None, None], dim, params).to(x.dtype).expand_as(x)
 
 
 def _scores(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, b: int, qo_pos: torch.Tensor,
-            kv_pos: torch.Tensor, slopes: torch.Tensor | None, params: Mapping[str, torch.Tensor]
-            ) -> torch.Tensor:
-    """Transformed, masked logits (-inf where hidden): ``(num_qo_heads, rows, kv_len)``."""
+            kv_pos: torch.Tensor, params: ParamView) -> torch.Tensor:
+    """Transformed logits with hidden pairs at -inf (softmax) or 0 (weights): ``(num_qo_heads, rows, kv_len)``."""
     s = torch.einsum("qhd,khd->hqk", q, k) * spec.sm_scale  # (H, rows, L)
-    if spec.logits_soft_cap > 0:
-        s = spec.logits_soft_cap * torch.tanh(s / spec.logits_soft_cap)
-    if slopes is not None:
-        s = s + slopes[:, None, None] * (kv_pos[None, None, :] - qo_pos[None, :, None]).to(s.dtype)
     head = torch.arange(spec.num_qo_heads, device=q.device)[:, None, None]
     qi, ki = qo_pos[None, :, None], kv_pos[None, None, :]
-    variant = spec.variant
-    if variant is not None and variant.has_transform:
-        if variant.reference_transform is None:
-            raise NotImplementedError(f"variant {variant.name!r} has a logits_transform but no reference_transform")
-        s = variant.reference_transform(s, b, head, qi, ki, params).to(s.dtype).expand_as(s)
+    transforms = [fn for _, fn in builtin_transforms(spec)] + [f for f in [_hook(spec, "logits_transform")] if f]
+    for fn in transforms:
+        s = fn(s, b, head, qi, ki, params).to(s.dtype).expand_as(s)
     mask = visible(spec, qo_pos, kv_pos)[None]
-    if variant is not None and variant.has_mask:
-        if variant.reference_mask is None:
-            raise NotImplementedError(f"variant {variant.name!r} has a logits_mask but no reference_mask")
-        mask = mask & variant.reference_mask(b, head, qi, ki, params).to(torch.bool)
-    return s.masked_fill(~mask, float("-inf"))
+    user_mask = _hook(spec, "logits_mask")
+    if user_mask is not None:
+        mask = mask & user_mask(b, head, qi, ki, params).to(torch.bool)
+    softmax = spec.variant is None or spec.variant.softmax
+    return s.masked_fill(~mask, float("-inf") if softmax else 0.0)
 
 
 def _softmax_out(s: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None
@@ -141,14 +160,20 @@ def paged_attention(
     """
     if spec.sinks and sinks is None:
         raise ValueError("sinks: the spec has sinks=True, so a float32 (num_qo_heads,) tensor is required")
+    softmax = spec.variant is None or spec.variant.softmax
+    if return_lse and not softmax:
+        raise ValueError(f"return_lse=True: variant {spec.variant.name!r} has no softmax, so there is no lse")
     if spec.alibi and alibi_slopes is None:
         alibi_slopes = default_alibi_slopes(spec, q.device)
-    params = dict(params or {})
+    values = dict(params or {})
+    if spec.alibi:
+        values["alibi_slopes"] = alibi_slopes.to(compute_dtype)
+    view = ParamView(values)
+    q_hook, k_hook, out_hook = (_hook(spec, h) for h in ("query_transform", "key_transform", "output_transform"))
     total_q = q.shape[0]
     out = torch.zeros(total_q, spec.num_qo_heads, spec.head_dim_vo, dtype=torch_dtype(spec.o_dtype), device=q.device)
     lse = torch.full((total_q, spec.num_qo_heads), float("-inf"), dtype=torch.float32, device=q.device)
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
-    slopes = alibi_slopes.to(compute_dtype) if spec.alibi else None
     sink_c = sinks.to(compute_dtype) if spec.sinks else None
     for b, kv_len in enumerate(lens):
         q0, q1 = qsl[b], qsl[b + 1]
@@ -157,15 +182,28 @@ def paged_attention(
         if q1 == q0:
             continue
         k, v = gather_kv(spec, kv_cache, block_table, b, kv_len)
-        k = k.to(compute_dtype).repeat_interleave(spec.group_size, dim=1)  # (L, Hq, D)
-        v = v.to(compute_dtype).repeat_interleave(spec.group_size, dim=1)
         kv_pos = torch.arange(kv_len, device=q.device)
+        k = k.to(compute_dtype)
+        if k_hook is not None:
+            k = _transform_vectors(k_hook, k, b, kv_pos, view)
+        k = k.repeat_interleave(spec.group_size, dim=1)  # (L, Hq, D)
+        v = v.to(compute_dtype).repeat_interleave(spec.group_size, dim=1)
         rows = max(1, max_score_bytes // max(1, 8 * spec.num_qo_heads * max(kv_len, 1)))
         for r0 in range(q0, q1, rows):
             r1 = min(q1, r0 + rows)
             qo_pos = torch.arange(kv_len - (q1 - r0), kv_len - (q1 - r1), device=q.device)
-            s = _scores(spec, q[r0:r1].to(compute_dtype), k, b, qo_pos, kv_pos, slopes, params)
-            o, l = _softmax_out(s, v, sink_c)
+            qc = q[r0:r1].to(compute_dtype)
+            if q_hook is not None:
+                qc = _transform_vectors(q_hook, qc, b, qo_pos, view)
+            s = _scores(spec, qc, k, b, qo_pos, kv_pos, view)
+            if softmax:
+                o, l = _softmax_out(s, v, sink_c)
+                lse[r0:r1] = l.float()
+            else:
+                o = torch.einsum("hqk,khd->qhd", s, v)
+            if out_hook is not None:
+                heads = torch.arange(spec.num_qo_heads, device=q.device)[None, :, None]
+                dim = torch.arange(spec.head_dim_vo, device=q.device)[None, None, :]
+                o = out_hook(o, b, heads, qo_pos[:, None, None], dim, view).to(o.dtype).expand_as(o)
             out[r0:r1] = o.to(out.dtype)
-            lse[r0:r1] = l.float()
     return (out, lse) if return_lse else out

@@ -21,6 +21,7 @@ from pathlib import Path
 import jinja2
 
 from jitattn.spec import AttentionSpec
+from jitattn.variant import builtin_symbols, builtin_transforms, structural_mask, trace_hook
 
 TEMPLATE_NAME = "attention.cu.j2"
 RENDERED_FILE = "kernel.cu"
@@ -86,6 +87,8 @@ def params_fields(spec: AttentionSpec) -> tuple[Field, ...]:
     for p in spec.params:
         kind = "ptr" if not p.is_scalar else ("i32" if p.dtype == "int32" else "f32")
         extra.append(Field(p.name, kind, p.cuda_type, f"variant parameter {p.dtype}{list(p.shape)}"))
+        if not p.is_scalar:  # bounds of the checked reads (jitattn::read_param)
+            extra.append(Field(f"{p.name}__numel", "i32", "int", f"elements of {p.name}"))
     fields = base + extra
     return tuple(sorted(fields, key=lambda f: -f.size))  # stable: declared order within a size
 
@@ -171,6 +174,45 @@ def _restore_line_directives(text: str) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class Functor:
+    """One expression injected into the Spec struct: its name (for errors) and its C++ text."""
+
+    name: str
+    expr: str
+
+
+def functors(spec: AttentionSpec) -> dict[str, object]:
+    """Every functor the kernels call for ``spec``: the built-in ones (soft-cap, ALiBi, the causal /
+    window bounds, traced from jitattn/variant.py) and the variant's hooks.
+
+    Returns:
+        ``transform_chain`` (list of Functor, applied in order to the logit), ``structural_mask``,
+        ``logits_mask``, ``query_transform``, ``key_transform``, ``output_transform`` (Functor or
+        None) and ``softmax`` (bool).
+    """
+    chain = [Functor(name, trace_hook("logits_transform", fn, builtin_symbols()))
+             for name, fn in builtin_transforms(spec)]
+    variant = spec.variant
+    hooks = dict(variant.cuda) if variant else {}
+    if "logits_transform" in hooks:
+        chain.append(Functor("logits_transform", hooks["logits_transform"]))
+    bounds = structural_mask(spec.causal, spec.window_left, spec.window_right)
+    out: dict[str, object] = {
+        "transform_chain": chain,
+        "structural_mask": Functor("structural_mask", trace_hook("logits_mask", bounds, {})) if bounds else None,
+        "softmax": variant.softmax if variant else True,
+    }
+    for hook in ("logits_mask", "query_transform", "key_transform", "output_transform"):
+        out[hook] = Functor(hook, hooks[hook]) if hook in hooks else None
+    return out
+
+
+#: Names a compile error can point at (the ``#line`` file names of the injected functors).
+FUNCTOR_NAMES = ("soft_cap", "alibi", "logits_transform", "logits_mask", "structural_mask", "query_transform",
+                 "key_transform", "output_transform")
+
+
 def render(spec: AttentionSpec) -> RenderedSource:
     """Render the CUDA source of one spec (decode, split-merge and prefill kernels in one module).
 
@@ -180,15 +222,7 @@ def render(spec: AttentionSpec) -> RenderedSource:
     """
     fields = params_fields(spec)
     _, size = params_layout(fields)
-    variant = spec.variant
-    context = {
-        "spec": spec,
-        "fields": fields,
-        "params_size": size,
-        "names": KERNEL_NAMES,
-        "transform": variant.logits_transform if variant else None,
-        "mask": variant.logits_mask if variant else None,
-    }
+    context = {"spec": spec, "fields": fields, "params_size": size, "names": KERNEL_NAMES, **functors(spec)}
     text = _environment(str(template_dir())).get_template(TEMPLATE_NAME).render(**context)
     return RenderedSource(_restore_line_directives(text), fields, size, dict(KERNEL_NAMES))
 

@@ -182,6 +182,7 @@ class JitKernel:
         self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._decode_blocks_per_sm = self._module.blocks_per_sm(
             "decode", self.geometry["decode_threads"], self.geometry["decode_smem"])
+        self._default_slopes = default_alibi_slopes(spec, self.device) if spec.alibi else None
 
     def max_decode_keys(self, max_pages_per_seq: int) -> int:
         """Most keys one decode row can read: the page table's capacity, or the window if smaller."""
@@ -239,7 +240,9 @@ class JitKernel:
         if validate:
             check_metadata_values(spec, seq_lens, query_start_loc, block_table, call.num_pages, call.total_q)
         if spec.alibi and alibi_slopes is None:
-            alibi_slopes = default_alibi_slopes(spec, q.device)
+            alibi_slopes = self._default_slopes  # built once: no copy per call, safe under graph capture
+        if return_lse and spec.variant is not None and not spec.variant.softmax:
+            raise ValueError(f"return_lse=True: variant {spec.variant.name!r} has no softmax, so there is no lse")
         total_q, batch = call.total_q, call.batch
         if out is None:
             out = torch.empty(total_q, spec.num_qo_heads, spec.head_dim_vo, dtype=torch_dtype(spec.o_dtype),
@@ -264,7 +267,11 @@ class JitKernel:
             "num_pages": call.num_pages, "num_splits": splits, "prefill_skip_decode_rows": 1,
         }
         for p in spec.params:
-            fields[p.name] = params[p.name] if p.is_scalar else params[p.name].data_ptr()
+            if p.is_scalar:
+                fields[p.name] = params[p.name]
+            else:
+                fields[p.name] = params[p.name].data_ptr()
+                fields[f"{p.name}__numel"] = params[p.name].numel()
         args = self._packer.pack(*(fields[name] for name in self._field_order))
         g = self.geometry
         self._launch("decode", (splits, spec.num_kv_heads, batch), g["decode_threads"], g["decode_smem"], args)
@@ -291,22 +298,27 @@ def _cuda_device(device: torch.device | str | int | None) -> torch.device:
 
 
 def load_kernel(spec: AttentionSpec, device: torch.device | str | int | None = None) -> JitKernel:
-    """The :class:`JitKernel` of ``spec`` on ``device`` (built or loaded once per process, then reused)."""
+    """The :class:`JitKernel` of ``spec`` on ``device`` (built or loaded once per process, then reused).
+
+    Threads loading different kernels do not wait for each other; two threads racing for the same
+    kernel both load it (the disk cache builds it once) and one result is kept.
+    """
     dev = _cuda_device(device)
     key = (spec, dev.index)
-    with _KERNELS_LOCK:
-        kernel = _KERNELS.get(key)
-        if kernel is None:
-            kernel = _KERNELS[key] = JitKernel(spec, dev)
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        fresh = JitKernel(spec, dev)
+        with _KERNELS_LOCK:
+            kernel = _KERNELS.setdefault(key, fresh)
     return kernel
 
 
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                    query_start_loc: torch.Tensor, spec: AttentionSpec, **kwargs: Any
+def paged_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, **kwargs: Any
                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Run ``spec``'s compiled kernels on these inputs (compiling and caching them on first use).
 
-    Shapes, dtypes and semantics: :func:`jitattn.reference.paged_attention`; keyword arguments:
-    :meth:`JitKernel.paged_attention`.
+    Same argument order, shapes, dtypes and semantics as :func:`jitattn.reference.paged_attention`;
+    keyword arguments: :meth:`JitKernel.paged_attention`.
     """
     return load_kernel(spec, q.device).paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, **kwargs)

@@ -161,6 +161,9 @@ class AttentionSpec:
         _set("sm_scale", _check_float("sm_scale", scale, positive=True))
         if self.variant is not None and not isinstance(self.variant, Variant):
             raise ValueError(f"variant={self.variant!r}: expected a jitattn.Variant or None")
+        if self.variant is not None and not self.variant.softmax and self.sinks:
+            raise ValueError(f"sinks=True with variant {self.variant.name!r} (softmax=False): sinks join a softmax "
+                             f"denominator; a variant without softmax has none")
 
     # ---- derived -------------------------------------------------------------------------------
     @property

@@ -1,53 +1,69 @@
 """Attention variants: the functors a kernel is specialised with.
 
-A variant is what turns plain softmax attention into the attention a model needs. The built-in
-features of :class:`~jitattn.spec.AttentionSpec` (soft-cap, ALiBi, sinks, windows, causal) are
-fixed functors rendered by the templates; a :class:`Variant` adds user functors written as CUDA
-expressions, plus the extra kernel parameters they read.
+A variant is what turns plain softmax attention into the attention a model needs. Each hook is
+either a **Python function**, traced once into a CUDA expression (:mod:`jitattn.trace`) and called
+as-is on torch tensors by :mod:`jitattn.reference` (so the same function is both the kernel code and
+the reference semantics), or a **CUDA expression string** (then the torch version, if you want a
+reference, is ``reference_transform`` / ``reference_mask``).
 
-Order in which the kernels apply them to one (query, key) pair; ``s`` is the scaled logit::
+Hooks and their exact signatures (all optional; every declared hook is called by both the prefill
+and the decode kernels)::
 
-    s = sm_scale * dot(q, k)                     # natural units
-    s = cap * tanh(s / cap)                      # if logits_soft_cap > 0
-    s = s + alibi_slopes[qo_head] * (kv_idx - qo_idx)   # if alibi
-    s = logits_transform(s, ...)                 # if the variant has one
-    visible = causal/window bounds and logits_mask(...)  # masked pairs get probability 0
+    logits_transform(score, batch, qo_head, qo_idx, kv_idx, params) -> score
+    logits_mask(batch, qo_head, qo_idx, kv_idx, params) -> bool       # True: the pair is visible
+    query_transform(x, x_rot, batch, qo_head, qo_idx, dim, params) -> x
+    key_transform(x, x_rot, batch, kv_head, kv_idx, dim, params) -> x
+    output_transform(out, batch, qo_head, qo_idx, dim, params) -> out
 
-CUDA functor contract (one C++ expression, evaluated per (query, key) pair in fp32):
+- ``score`` is the scaled logit ``sm_scale * q.k`` after the built-in soft-cap and ALiBi;
+  ``qo_idx`` / ``kv_idx`` are absolute positions in the sequence (queries sit at
+  ``kv_len - qo_len ... kv_len - 1``); ``batch`` is the sequence index; heads are global indices.
+- ``x`` is one element (dimension ``dim``) of the query or key vector before the dot product and
+  ``x_rot`` the element ``rotate_half`` puts there (``-x[dim + D/2]`` for ``dim < D/2``, else
+  ``x[dim - D/2]``), so rotary embedding is ``x * cos + x_rot * sin``.
+- ``out`` is one element of the normalised output, before it is stored.
+- ``params`` holds the declared :class:`Param` values: ``params.name`` (or ``params["name"]``); tensors
+  are indexed with integer values, e.g. ``params.slopes[qo_head]``.
+- ``softmax=False`` makes the variant a weighted sum without softmax: the transformed score is the
+  weight of its value (sigmoid attention: ``torch.sigmoid(score + params.bias)``), masked pairs weigh 0,
+  and there is no lse.
 
-- ``logits_transform``: an expression of type ``float``; it may use ``logits`` (float, natural
-  units, after soft-cap and ALiBi), ``batch``, ``qo_head``, ``kv_head``, ``qo_idx``, ``kv_idx``,
-  ``qo_len``, ``kv_len`` (int; ``qo_idx`` and ``kv_idx`` are absolute positions in the sequence,
-  queries at ``kv_len - qo_len ... kv_len - 1``) and every declared :class:`Param` by name.
-- ``logits_mask``: an expression convertible to ``bool``, true where the pair is visible; the same
-  names except ``logits``.
+When traced, arguments are symbolic; on the reference path they are broadcastable torch tensors:
+``score`` float32 ``(num_qo_heads, qo_len, kv_len)``, ``qo_head`` ``(num_qo_heads, 1, 1)``, ``qo_idx``
+``(1, qo_len, 1)``, ``kv_idx`` ``(1, 1, kv_len)``; for the vector hooks ``x`` is ``(len, heads, D)``,
+the head ``(1, heads, 1)``, the position ``(len, 1, 1)`` and ``dim`` ``(1, 1, D)``; ``batch`` is an int.
 
-Tensor parameters arrive as ``const T* __restrict__`` pointers to contiguous memory (index them
-yourself, e.g. ``bias[qo_head]``); scalar parameters as ``float`` or ``int``.
+Example (a per-head distance bias, FlexAttention's score_mod in jitattn)::
 
-Example::
+    def distance_bias(score, batch, qo_head, qo_idx, kv_idx, params):
+        return score - params.slope[qo_head] * torch.abs(qo_idx - kv_idx)
 
-    Variant(
-        name="per_head_bias",
-        logits_transform="logits + bias[qo_head] * (float)(kv_idx - qo_idx)",
-        params=(Param("bias", "float32", ("num_qo_heads",)),),
-        reference_transform=lambda s, b, h, qi, ki, p: s + p["bias"][h] * (ki - qi),
-    )
+    spec = AttentionSpec(32, 8, 128, variant=Variant(
+        "distance_bias", logits_transform=distance_bias,
+        params=(Param("slope", "float32", ("num_qo_heads",)),)))
 
-``reference_transform(logits, batch, qo_head, qo_idx, kv_idx, params)`` and
-``reference_mask(batch, qo_head, qo_idx, kv_idx, params)`` are the same functors written in torch
-for :mod:`jitattn.reference`: ``logits`` is float32 ``(num_qo_heads, qo_len, kv_len)``,
-``qo_head`` is ``(num_qo_heads, 1, 1)``, ``qo_idx`` ``(1, qo_len, 1)``, ``kv_idx`` ``(1, 1, kv_len)``
-(int64), ``batch`` an int and ``params`` a dict of the call's parameter tensors. They are not part
-of the kernel key.
+Order in which the kernels apply the pieces to one (query, key) pair::
+
+    s = sm_scale * dot(query_transform(q), key_transform(k))   # natural units
+    s = cap * tanh(s / cap)                      # if logits_soft_cap > 0      (built-in functor)
+    s = s + alibi_slopes[qo_head] * (kv_idx - qo_idx)   # if alibi       (built-in functor)
+    s = logits_transform(s, ...)
+    visible = causal/window bounds and logits_mask(...)  # hidden pairs get probability 0
+    out = output_transform(softmax-weighted sum of v)
+
+CUDA-string hooks are one C++ expression over the same names (``logits`` for the score, plus
+``kv_head``, ``qo_len``, ``kv_len``), the declared parameters by name (tensors as raw
+``const T*``: unchecked reads) and, for the vector hooks, ``x``, ``x_rot``, ``dim``.
 """
 
 from __future__ import annotations
 
+import json
 import keyword
+import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 #: Dtypes a parameter may have, with their CUDA spelling.
 PARAM_DTYPES: dict[str, str] = {
@@ -122,29 +138,99 @@ class Param:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
 
 
-@dataclass(frozen=True)
+#: Hook name -> (C type of the result, names a CUDA-string hook may not use).
+HOOKS: dict[str, str] = {
+    "logits_transform": "float",
+    "logits_mask": "bool",
+    "query_transform": "float",
+    "key_transform": "float",
+    "output_transform": "float",
+}
+
+
+#: C expressions of the symbolic parameter dims the rendered Spec struct knows.
+_DIM_CONSTANTS = {"num_qo_heads": "Spec::kNumQoHeads", "num_kv_heads": "Spec::kNumKvHeads"}
+
+
+def param_symbols(params: tuple[Param, ...]) -> dict[str, Any]:
+    """Traced stand-ins of the parameters: scalars as Syms, tensors as SymTensors."""
+    from jitattn.trace import Sym, SymTensor
+
+    values: dict[str, Any] = {}
+    for p in params:
+        if p.is_scalar:
+            values[p.name] = Sym(f"params.{p.name}", "int" if p.dtype == "int32" else "float")
+        else:
+            ctype = "int" if p.dtype in ("int32", "int64") else "float"
+            dims = tuple(str(d) if isinstance(d, int) else _DIM_CONSTANTS.get(d) for d in p.shape)
+            values[p.name] = SymTensor(p.name, ctype, dims)
+    return values
+
+
+def hook_arguments(hook: str, params: Mapping[str, Any]) -> tuple:
+    """The traced arguments of one hook: symbols named like the kernel's variables."""
+    from jitattn.trace import ParamView, Sym
+
+    view = ParamView(params)
+    i = lambda name: Sym(name, "int")  # noqa: E731
+    return {
+        "logits_transform": (Sym("logits", "float"), i("batch"), i("qo_head"), i("qo_idx"), i("kv_idx"), view),
+        "logits_mask": (i("batch"), i("qo_head"), i("qo_idx"), i("kv_idx"), view),
+        "query_transform": (Sym("x", "float"), Sym("x_rot", "float"), i("batch"), i("qo_head"), i("qo_idx"),
+                            i("dim"), view),
+        "key_transform": (Sym("x", "float"), Sym("x_rot", "float"), i("batch"), i("kv_head"), i("kv_idx"),
+                          i("dim"), view),
+        "output_transform": (Sym("out", "float"), i("batch"), i("qo_head"), i("qo_idx"), i("dim"), view),
+    }[hook]
+
+
+def trace_hook(hook: str, fn: Callable[..., Any], params: tuple[Param, ...] | Mapping[str, Any]) -> str:
+    """The CUDA expression of a Python hook (see :mod:`jitattn.trace`).
+
+    ``params``: the declared parameters, or ready symbols (built-in functors read built-in arguments).
+
+    Raises:
+        jitattn.trace.TraceError: with the function, the source line and what to write instead.
+    """
+    from jitattn.trace import trace
+
+    symbols = param_symbols(params) if isinstance(params, tuple) else params
+    return trace(fn, hook_arguments(hook, symbols), hook=hook, returns=HOOKS[hook]).expr
+
+
+@dataclass(frozen=True, eq=False)
 class Variant:
-    """User functors injected into the kernels, as CUDA expressions (contract in the module doc).
+    """User hooks injected into the kernels (contract and signatures in the module doc).
 
     Args:
         name: a C identifier naming the variant in kernel names and logs.
-        logits_transform: C++ float expression replacing the logit, or None.
-        logits_mask: C++ bool expression, true where a (query, key) pair is visible, or None.
-        params: the extra parameters the expressions read.
-        reference_transform, reference_mask: the same functors in torch, for the reference
-            implementation (signatures in the module doc). Not part of the kernel key.
+        logits_transform, logits_mask: Python functions (traced) or CUDA expression strings, or None.
+        params: the extra parameters the hooks read; they become kernel arguments and keyword
+            arguments of the call (``params={name: value}``).
+        query_transform, key_transform, output_transform: Python functions or CUDA strings, or None.
+        softmax: False for a weighted sum without softmax (the transformed score is the weight).
+        reference_transform, reference_mask: torch versions of CUDA-string hooks, for the reference.
+            Python hooks are their own reference. Not part of the kernel key.
+
+    Equality and hashing follow :meth:`to_json`: two variants are equal when they render the same
+    kernels.
 
     Raises:
-        ValueError: bad name, empty expression, duplicate parameter names, or an expression
-            that uses a name it may not (checked loosely: unknown identifiers are left to nvcc).
+        ValueError: a bad name, an empty or multi-statement expression, duplicate parameter names.
+        jitattn.trace.TraceError: a Python hook that cannot be traced (function, source line, fix).
     """
 
     name: str
-    logits_transform: str | None = None
-    logits_mask: str | None = None
+    logits_transform: str | Callable[..., Any] | None = None
+    logits_mask: str | Callable[..., Any] | None = None
     params: tuple[Param, ...] = ()
-    reference_transform: Callable[..., Any] | None = field(default=None, compare=False, hash=False, repr=False)
-    reference_mask: Callable[..., Any] | None = field(default=None, compare=False, hash=False, repr=False)
+    reference_transform: Callable[..., Any] | None = field(default=None, repr=False)
+    reference_mask: Callable[..., Any] | None = field(default=None, repr=False)
+    query_transform: str | Callable[..., Any] | None = None
+    key_transform: str | Callable[..., Any] | None = None
+    output_transform: str | Callable[..., Any] | None = None
+    softmax: bool = True
+    cuda: dict[str, str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _IDENT.match(self.name):
@@ -157,41 +243,70 @@ class Variant:
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"Variant({self.name!r}).params: duplicate names {dupes}")
-        for fname in ("logits_transform", "logits_mask"):
-            code = getattr(self, fname)
-            if code is None:
+        if not isinstance(self.softmax, bool):
+            raise ValueError(f"Variant({self.name!r}).softmax={self.softmax!r}: expected True or False")
+        if not self.softmax and self.logits_transform is None:
+            raise ValueError(f"Variant({self.name!r}): softmax=False needs a logits_transform that gives each "
+                             f"value's weight (e.g. torch.sigmoid(score))")
+        cuda = {}
+        for hook in HOOKS:
+            value = getattr(self, hook)
+            if value is None:
                 continue
-            if not isinstance(code, str) or not code.strip():
-                raise ValueError(f"Variant({self.name!r}).{fname}={code!r}: expected a non-empty C++ expression or None")
-            if ";" in code or "{" in code:
-                raise ValueError(
-                    f"Variant({self.name!r}).{fname}: expected one C++ expression, got statements "
-                    f"({code.strip()[:60]!r}); use the ternary operator or a helper in the expression")
-        if self.logits_mask is not None and re.search(r"\blogits\b", self.logits_mask):
+            if callable(value):
+                cuda[hook] = trace_hook(hook, value, self.params)
+            else:
+                cuda[hook] = self._check_string(hook, value)
+        object.__setattr__(self, "cuda", cuda)
+
+    def _check_string(self, hook: str, code: Any) -> str:
+        if not isinstance(code, str) or not code.strip():
+            raise ValueError(f"Variant({self.name!r}).{hook}={code!r}: expected a non-empty C++ expression (or a "
+                             f"Python function to trace) or None")
+        if ";" in code or "{" in code:
+            raise ValueError(
+                f"Variant({self.name!r}).{hook}: expected one C++ expression, got statements "
+                f"({code.strip()[:60]!r}); use the ternary operator or a helper in the expression")
+        if hook == "logits_mask" and re.search(r"\blogits\b", code):
             raise ValueError(f"Variant({self.name!r}).logits_mask uses 'logits'; a mask sees positions only")
+        return code
 
     @property
     def has_transform(self) -> bool:
-        return self.logits_transform is not None
+        return "logits_transform" in self.cuda
 
     @property
     def has_mask(self) -> bool:
-        return self.logits_mask is not None
+        return "logits_mask" in self.cuda
+
+    def reference(self, hook: str) -> Callable[..., Any] | None:
+        """The torch implementation of a hook: the Python hook itself, else its reference_* function."""
+        value = getattr(self, hook)
+        if callable(value):
+            return value
+        return {"logits_transform": self.reference_transform, "logits_mask": self.reference_mask}.get(hook)
 
     def to_json(self) -> dict[str, Any]:
-        """Canonical form: everything that changes the kernel, nothing that does not."""
-        return {
-            "name": self.name,
-            "logits_transform": self.logits_transform,
-            "logits_mask": self.logits_mask,
-            "params": [p.to_json() for p in self.params],
-        }
+        """Canonical form: everything that changes the kernel (traced hooks as their CUDA), nothing else."""
+        data: dict[str, Any] = {"name": self.name, "params": [p.to_json() for p in self.params]}
+        for hook in HOOKS:
+            data[hook] = self.cuda.get(hook)
+        if not self.softmax:
+            data["softmax"] = False
+        return data
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Variant) and self.to_json() == other.to_json()
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self.to_json(), sort_keys=True))
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Variant":
+        """Inverse of :meth:`to_json`, hooks as CUDA strings (no torch reference)."""
         params = tuple(Param(p["name"], p["dtype"], tuple(p["shape"])) for p in data.get("params", ()))
-        return cls(name=data["name"], logits_transform=data.get("logits_transform"),
-                   logits_mask=data.get("logits_mask"), params=params)
+        hooks = {hook: data.get(hook) for hook in HOOKS}
+        return cls(name=data["name"], params=params, softmax=data.get("softmax", True), **hooks)
 
 
 def alibi_slopes(num_heads: int) -> list[float]:
@@ -215,3 +330,179 @@ def alibi_slopes(num_heads: int) -> list[float]:
     if closest < num_heads:
         slopes += geometric(2 * closest)[0::2][: num_heads - closest]
     return slopes
+
+
+# ---- built-in features as functors --------------------------------------------------------------
+# The spec's soft-cap, ALiBi and causal/window bounds are written once, here, as hook functions:
+# the renderer traces them into the kernels (soft-cap and ALiBi run before the user's transform,
+# the bounds form the element mask of boundary tiles; whole tiles outside the bounds are still
+# skipped from the spec's numbers) and the reference calls them on tensors.
+
+def soft_cap_transform(cap: float) -> Callable[..., Any]:
+    """``score -> cap * tanh(score / cap)`` (Gemma-2's attn_logit_softcapping)."""
+    from jitattn.trace import tanh
+
+    def soft_cap(score, batch, qo_head, qo_idx, kv_idx, params):
+        return cap * tanh(score / cap)
+
+    return soft_cap
+
+
+def alibi_transform(score, batch, qo_head, qo_idx, kv_idx, params):
+    """ALiBi: ``score + alibi_slopes[qo_head] * (kv_idx - qo_idx)`` (Press et al. 2022, section 3)."""
+    return score + params.alibi_slopes[qo_head] * (kv_idx - qo_idx)
+
+
+def structural_mask(causal: bool, window_left: int, window_right: int) -> Callable[..., Any] | None:
+    """The causal / window bounds of a spec as one mask hook (None when nothing is hidden)."""
+    if not causal and window_left < 0 and window_right < 0:
+        return None
+
+    def bounds(batch, qo_head, qo_idx, kv_idx, params):
+        ok = None
+        for cond in ((kv_idx <= qo_idx) if causal else None,
+                     (qo_idx - kv_idx <= window_left) if window_left >= 0 else None,
+                     (kv_idx - qo_idx <= window_right) if window_right >= 0 else None):
+            if cond is not None:
+                ok = cond if ok is None else ok & cond
+        return ok
+
+    return bounds
+
+
+def builtin_transforms(spec: Any) -> list[tuple[str, Callable[..., Any]]]:
+    """The spec's built-in logits transforms, in the order the kernels apply them."""
+    out: list[tuple[str, Callable[..., Any]]] = []
+    if spec.logits_soft_cap > 0:
+        out.append(("soft_cap", soft_cap_transform(spec.logits_soft_cap)))
+    if spec.alibi:
+        out.append(("alibi", alibi_transform))
+    return out
+
+
+def builtin_symbols() -> dict[str, Any]:
+    """Traced stand-ins of the built-in arguments the built-in functors read."""
+    from jitattn.trace import SymTensor
+
+    return {"alibi_slopes": SymTensor("alibi_slopes", "float", ("Spec::kNumQoHeads",), checked=False)}
+
+
+# ---- a library of variants -----------------------------------------------------------------------
+# Each is a few lines of Python: the kernels run the traced CUDA, the reference runs the function.
+
+def document_mask() -> Variant:
+    """Packed documents (block-diagonal attention): a query sees keys of its own document only.
+
+    Params: ``doc`` int32 ``(batch * doc_stride,)``: the document id of every position of every
+    sequence, row-major; ``doc_stride`` int: positions per sequence in ``doc``. Combine with
+    ``causal=True`` for causal document masking (tiles outside the causal bound are still skipped).
+    """
+    def same_document(batch, qo_head, qo_idx, kv_idx, params):
+        row = batch * params.doc_stride
+        return params.doc[row + qo_idx] == params.doc[row + kv_idx]
+
+    return Variant("document_mask", logits_mask=same_document,
+                   params=(Param("doc", "int32", ("*",)), Param("doc_stride", "int32")))
+
+
+def prefix_lm_mask() -> Variant:
+    """Prefix-LM (Raffel et al. 2020, T5, section 3.2.1): bidirectional inside each sequence's prefix,
+    causal after it. Params: ``prefix_len`` int32 ``(batch,)``. Use with ``causal=False`` (the mask
+    holds the causal part; a causal spec would skip the prefix keys right of a query)."""
+    def prefix_lm(batch, qo_head, qo_idx, kv_idx, params):
+        return (kv_idx <= qo_idx) | (kv_idx < params.prefix_len[batch])
+
+    return Variant("prefix_lm", logits_mask=prefix_lm, params=(Param("prefix_len", "int32", ("batch",)),))
+
+
+def relative_position_bias(num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = False) -> Variant:
+    """T5's bucketed relative-position bias (Raffel et al. 2020, section 2.1; the bucketing of
+    transformers' ``T5Attention._relative_position_bucket``): ``score + table[bucket(q - k), qo_head]``.
+
+    Params: ``table`` float32 ``(num_buckets, num_qo_heads)``.
+    """
+    exact = (num_buckets // 2 if bidirectional else num_buckets) // 2
+    span = num_buckets // 2 if bidirectional else num_buckets
+
+    def bucket(n):  # n = qo_idx - kv_idx
+        from jitattn.trace import Sym
+
+        where = _where
+        offset = where(n < 0, span, 0) if bidirectional else 0
+        n = abs(n) if bidirectional else where(n > 0, n, 0)
+        nf = n.float() if isinstance(n, Sym) else n.float()
+        large = exact + (_log(_clamp_min(nf, 1.0) / exact) / math.log(max_distance / exact)
+                         * (span - exact)).to(_int32())
+        large = where(large < span - 1, large, span - 1)
+        return offset + where(n < exact, n, large)
+
+    def t5_bias(score, batch, qo_head, qo_idx, kv_idx, params):
+        return score + params.table[bucket(qo_idx - kv_idx), qo_head]
+
+    return Variant(f"t5_bias_{num_buckets}_{max_distance}_{'bi' if bidirectional else 'uni'}",
+                   logits_transform=t5_bias, params=(Param("table", "float32", (num_buckets, "num_qo_heads")),))
+
+
+def sigmoid_attention() -> Variant:
+    """Sigmoid attention (Ramapuram et al. 2024, "Theory, Analysis, and Best Practices for Sigmoid
+    Self-Attention", section 3): ``out = sum_j sigmoid(s_j + bias) v_j``, no softmax, no lse.
+    Params: ``bias`` float (the paper uses ``-log(seq_len)``)."""
+    def sigmoid_weight(score, batch, qo_head, qo_idx, kv_idx, params):
+        return _sigmoid(score + params.bias)
+
+    return Variant("sigmoid", logits_transform=sigmoid_weight, params=(Param("bias", "float32"),), softmax=False)
+
+
+def rotary_embedding(head_dim: int, theta: float = 10000.0) -> Variant:
+    """Rotary position embedding on q and k inside the kernel (Su et al. 2021, RoFormer, section 3.4,
+    in the rotate_half form of GPT-NeoX / Llama): ``x * cos(p w_i) + rotate_half(x) * sin(p w_i)``,
+    ``w_i = theta ** (-2 i / head_dim)``, ``i = dim % (head_dim / 2)``. The cache holds raw keys."""
+    half = head_dim // 2
+
+    def rope(x, x_rot, batch, head, pos, dim, params):
+        freq = theta ** (-((dim % half).float() * 2.0) / head_dim)
+        angle = pos.float() * freq
+        return x * _cos(angle) + x_rot * _sin(angle)
+
+    return Variant(f"rope_{head_dim}_{theta:g}".replace(".", "p"), query_transform=rope, key_transform=rope)
+
+
+# Math for the library functors: the same call on traced values and on torch tensors.
+def _where(cond, a, b):
+    from jitattn.trace import Sym
+
+    if any(isinstance(v, Sym) for v in (cond, a, b)):
+        from jitattn.trace import _apply
+
+        return _apply("where", (cond, a, b), {})
+    import torch
+
+    return torch.where(cond, a, b)
+
+
+def _unary(name: str, x):
+    from jitattn.trace import Sym, _apply
+
+    return _apply(name, (x,), {}) if isinstance(x, Sym) else getattr(x, name)()
+
+
+def _log(x): return _unary("log", x)
+def _sin(x): return _unary("sin", x)
+def _cos(x): return _unary("cos", x)
+def _sigmoid(x): return _unary("sigmoid", x)
+
+
+def _clamp_min(x, lo: float):
+    from jitattn.trace import Sym
+
+    return x.clamp(min=lo) if isinstance(x, Sym) else x.clamp(min=lo)
+
+
+def _int32():
+    """The int32 dtype for ``.to()``: torch's when torch is importable, else its name (the tracer takes either)."""
+    try:
+        import torch
+
+        return torch.int32
+    except ImportError:
+        return "torch.int32"

@@ -26,6 +26,13 @@ __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(float x) { return x; }
 
+// Parameter reads yield float for floating types and int for integer types (jitattn/trace.py's C types).
+__device__ __forceinline__ float to_param_value(float x) { return x; }
+__device__ __forceinline__ float to_param_value(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_param_value(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ int to_param_value(int x) { return x; }
+__device__ __forceinline__ int to_param_value(long long x) { return static_cast<int>(x); }
+
 template <class T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
@@ -134,4 +141,26 @@ __device__ __forceinline__ float rescale_factor(float m_old, float m_new) {
   return m_old == kNegInf ? 0.f : fast_exp2(m_old - m_new);
 }
 
+}  // namespace jitattn
+
+// ---- helpers the traced functors call (jitattn/trace.py) -----------------------------------------
+namespace jitattn {
+// Python's floor division and modulo (C++ truncates toward zero; (-3) // 2 must be -2).
+__device__ __forceinline__ int floor_div(int a, int b) {
+  const int q = a / b;
+  return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+__device__ __forceinline__ int floor_mod(int a, int b) { return a - floor_div(a, b) * b; }
+__device__ __forceinline__ float floor_div(float a, float b) { return floorf(a / b); }
+__device__ __forceinline__ float floor_mod(float a, float b) { return a - floorf(a / b) * b; }
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// A bounds-checked read of a variant parameter: an index outside [0, numel) reads element 0 and
+// sets `oob`, which turns the row's output into NaN (loud) instead of reading out of bounds.
+template <class T>
+__device__ __forceinline__ auto read_param(const T* ptr, int idx, int numel, bool& oob) {
+  const bool in = static_cast<unsigned>(idx) < static_cast<unsigned>(numel);
+  oob = oob || !in;
+  return to_param_value(ptr[in ? idx : 0]);
+}
 }  // namespace jitattn

@@ -119,23 +119,35 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
   const bool lane_has_dims = tx < T::kChunks;
 
   // Query heads of this thread: group-local g = ty * H + h.
-  float q[H][V], o[H][V], slope[H];
+  float q[H][V], o[H][V];
   SoftmaxState st[H];
 #pragma unroll
   for (int h = 0; h < H; ++h) {
     const int g = ty * H + h;
     const int qo_head = kv_head * S::kGroupSize + min(g, S::kGroupSize - 1);
+    const typename S::DTypeQ* q_head = p.q + q_row * p.q_stride_token + qo_head * S::kHeadDimQK;
     uint4 raw = make_uint4(0, 0, 0, 0);
-    if (lane_has_dims && g < S::kGroupSize)
-      raw = *reinterpret_cast<const uint4*>(p.q + q_row * p.q_stride_token + qo_head * S::kHeadDimQK + tx * V);
+    if (lane_has_dims && g < S::kGroupSize) raw = *reinterpret_cast<const uint4*>(q_head + tx * V);
     unpack16<typename S::DTypeQ>(raw, q[h]);
+    if constexpr (S::kHasQTransform) {  // the rotate_half partner lies D/2 away: another 16-byte chunk
+      float partner[V];
+      uint4 praw = make_uint4(0, 0, 0, 0);
+      if (lane_has_dims && g < S::kGroupSize)
+        praw = *reinterpret_cast<const uint4*>(q_head + ((tx + T::kChunks / 2) % T::kChunks) * V);
+      unpack16<typename S::DTypeQ>(praw, partner);
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const int dim = tx * V + i;
+        q[h][i] = S::query_transform(p, q[h][i], rotate_half_value(dim, T::kHeadDim, partner[i]), batch, qo_head,
+                                     qo_idx, dim, bad);
+      }
+    }
 #pragma unroll
     for (int i = 0; i < V; ++i) {
       q[h][i] *= q_prescale<S>();
       o[h][i] = 0.f;
     }
-    slope[h] = S::kHasAlibi ? p.alibi_slopes[qo_head] : 0.f;
-    st[h] = SoftmaxState{kNegInf, 0.f};
+    st[h] = SoftmaxState{S::kSoftmax ? kNegInf : 0.f, 0.f};
   }
 
   // Prologue: kStages - 1 tiles in flight.
@@ -168,6 +180,19 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
       uint4 raw = make_uint4(0, 0, 0, 0);
       if (lane_has_dims) raw = *reinterpret_cast<const uint4*>(sk + row * T::kHeadDim + tx * V);
       unpack16<DT>(raw, kf);
+      if constexpr (S::kHasKTransform) {  // keys are transformed as they are read: the cache holds them raw
+        float partner[V];
+        uint4 praw = make_uint4(0, 0, 0, 0);
+        if (lane_has_dims)
+          praw = *reinterpret_cast<const uint4*>(sk + row * T::kHeadDim + ((tx + T::kChunks / 2) % T::kChunks) * V);
+        unpack16<DT>(praw, partner);
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          const int dim = tx * V + i;
+          kf[i] = S::key_transform(p, kf[i], rotate_half_value(dim, T::kHeadDim, partner[i]), batch, kv_head,
+                                   start + row, dim, bad);
+        }
+      }
 #pragma unroll
       for (int h = 0; h < H; ++h) {
         float acc = 0.f;
@@ -183,23 +208,25 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
 #pragma unroll
       for (int j = 0; j < KPT; ++j) {
         const int kv_idx = start + tz + j * T::kBdz;
-        float v = transform_logit<S>(p, s[h][j], slope[h], batch, qo_head, kv_head, qo_idx, kv_idx, 1, kv_len);
-        const bool ok = kv_idx < hi && custom_visible<S>(p, batch, qo_head, kv_head, qo_idx, kv_idx, 1, kv_len);
-        s[h][j] = ok ? v : kNegInf;
+        const float v = transform_logit<S>(p, s[h][j], batch, qo_head, kv_head, qo_idx, kv_idx, 1, kv_len, bad);
+        const bool ok = kv_idx < hi && custom_visible<S>(p, batch, qo_head, kv_head, qo_idx, kv_idx, 1, kv_len, bad);
+        s[h][j] = ok ? v : (S::kSoftmax ? kNegInf : 0.f);
         tile_max = fmaxf(tile_max, s[h][j]);
       }
-      const float m_new = fmaxf(st[h].m, tile_max);
-      const float m_use = m_new == kNegInf ? 0.f : m_new;
-      const float alpha = rescale_factor(st[h].m, m_use);
-      st[h].d *= alpha;
+      if constexpr (S::kSoftmax) {
+        const float m_new = fmaxf(st[h].m, tile_max);
+        const float m_use = m_new == kNegInf ? 0.f : m_new;
+        const float alpha = rescale_factor(st[h].m, m_use);
+        st[h].d *= alpha;
 #pragma unroll
-      for (int i = 0; i < V; ++i) o[h][i] *= alpha;
+        for (int i = 0; i < V; ++i) o[h][i] *= alpha;
 #pragma unroll
-      for (int j = 0; j < KPT; ++j) {
-        s[h][j] = fast_exp2(s[h][j] - m_use);
-        st[h].d += s[h][j];
-      }
-      st[h].m = m_new;
+        for (int j = 0; j < KPT; ++j) {
+          s[h][j] = fast_exp2(s[h][j] - m_use);
+          st[h].d += s[h][j];
+        }
+        st[h].m = m_new;
+      }  // without softmax the weights are used as they are (state stays m = 0, d unused)
     }
 #pragma unroll
     for (int j = 0; j < KPT; ++j) {
@@ -251,10 +278,14 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
       float lse;
       sm_scale[g] = finalize_state<S>(p, qo_head, SoftmaxState{m, d}, lse);
       if (p.lse != nullptr) p.lse[static_cast<long long>(q_row) * S::kNumQoHeads + qo_head] = lse + poison;
-    } else {  // normalised partial state of this split, base 2: merged (and sinks added) by merge_splits
+    } else if constexpr (S::kSoftmax) {  // normalised partial state, base 2: merged (and sinks added) by merge_splits
       const long long part = (static_cast<long long>(split) * p.batch_size + batch) * S::kNumQoHeads + qo_head;
       sm_scale[g] = d > 0.f ? 1.0f / d : 0.f;
       p.partial_lse[part] = (d > 0.f ? m + __log2f(d) : kNegInf) + poison;
+    } else {  // without softmax a partial is a plain sum; merge_splits adds them up
+      const long long part = (static_cast<long long>(split) * p.batch_size + batch) * S::kNumQoHeads + qo_head;
+      sm_scale[g] = 1.0f;
+      p.partial_lse[part] = poison;
     }
   }
   __syncthreads();
@@ -264,14 +295,16 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
     float acc = 0.f;
 #pragma unroll
     for (int z = 0; z < T::kBdz; ++z) acc += sm_m[z * kSlots + g] * sm_o[(z * kSlots + g) * T::kHeadDim + i];
-    const float value = acc * sm_scale[g] + poison;
-    const long long qo_head = kv_head * S::kGroupSize + g;
+    float value = acc * sm_scale[g];
+    const int qo_head = kv_head * S::kGroupSize + g;
     if (p.num_splits == 1) {
+      bool oob = false;  // a parameter read out of range here poisons this element
+      if constexpr (S::kHasOutTransform) value = S::output_transform(p, value, batch, qo_head, qo_idx, i, oob);
       p.o[(static_cast<long long>(q_row) * S::kNumQoHeads + qo_head) * S::kHeadDimVO + i] =
-          from_float<typename S::DTypeO>(value);
+          from_float<typename S::DTypeO>(value + poison + (oob ? __int_as_float(0x7fc00000) : 0.f));
     } else {
       const long long part = (static_cast<long long>(split) * p.batch_size + batch) * S::kNumQoHeads + qo_head;
-      p.partial_o[part * S::kHeadDimVO + i] = value;
+      p.partial_o[part * S::kHeadDimVO + i] = value + poison;
     }
   }
 }
@@ -304,7 +337,7 @@ __device__ __forceinline__ void merge_splits_kernel(const Params& p) {
   m = red[0];
 #pragma unroll
   for (int w = 1; w < kMergeThreads / 32; ++w) m = fmaxf(m, red[w]);
-  const float w_split = rescale_factor(l, m);
+  const float w_split = S::kSoftmax ? rescale_factor(l, m) : (threadIdx.x < n ? 1.0f : 0.f);
   if (threadIdx.x < n) weight[threadIdx.x] = w_split;
   __syncthreads();  // everyone has read red[] (max) before it is reused for the sum
   float d = group_sum<32>(threadIdx.x < n ? w_split : 0.f);
@@ -319,11 +352,16 @@ __device__ __forceinline__ void merge_splits_kernel(const Params& p) {
   const float scale = finalize_state<S>(p, qo_head, SoftmaxState{m, d}, lse);
   const float poison = bad ? __int_as_float(0x7fc00000) : 0.f;
   const long long row_head = static_cast<long long>(q_row) * S::kNumQoHeads + qo_head;
+  const int qo_idx = p.seq_lens[batch] - 1;
   for (int i = threadIdx.x; i < S::kHeadDimVO; i += kMergeThreads) {
     float acc = 0.f;
 #pragma unroll 8
     for (int s = 0; s < n; ++s) acc += weight[s] * p.partial_o[(s * stride + base) * S::kHeadDimVO + i];
-    p.o[row_head * S::kHeadDimVO + i] = from_float<typename S::DTypeO>(acc * scale + poison);
+    float value = acc * scale;
+    bool oob = false;
+    if constexpr (S::kHasOutTransform) value = S::output_transform(p, value, batch, qo_head, qo_idx, i, oob);
+    p.o[row_head * S::kHeadDimVO + i] =
+        from_float<typename S::DTypeO>(value + poison + (oob ? __int_as_float(0x7fc00000) : 0.f));
   }
   if (threadIdx.x == 0 && p.lse != nullptr) p.lse[row_head] = lse + poison;
 }

@@ -188,6 +188,34 @@ __device__ __forceinline__ void prefill_pv(float (&o)[PrefillTraits<S>::kMTiles]
   }
 }
 
+// Applies the query (kIsQuery) or key transform in place to `rows` rows of a shared-memory tile, in
+// rotate_half pairs (dim, dim + D/2) so no element is read after its partner was overwritten. Row r
+// is packed query row first + r (queries) or key first + r (keys); rows at or past `end` are skipped.
+template <class S, bool kIsQuery>
+__device__ __forceinline__ void prefill_transform_rows(const Params& p, typename S::DTypeQ* tile, int rows, int first,
+                                                       int end, int qo_base, int kv_head, int batch, bool& oob) {
+  using T = PrefillTraits<S>;
+  using DT = typename T::DT;
+  constexpr int kHalf = T::kHeadDim / 2;
+  for (int i = threadIdx.x; i < rows * kHalf; i += T::kThreads) {
+    const int r = i / kHalf, d = i % kHalf;
+    if (first + r >= end) continue;
+    DT* row = tile + r * T::kRowStride;
+    const float x0 = to_float(row[d]), x1 = to_float(row[d + kHalf]);
+    float y0, y1;
+    if constexpr (kIsQuery) {
+      const PrefillRow q = prefill_row<S>(first + r, end, qo_base, kv_head);
+      y0 = S::query_transform(p, x0, -x1, batch, q.head, q.pos, d, oob);
+      y1 = S::query_transform(p, x1, x0, batch, q.head, q.pos, d + kHalf, oob);
+    } else {
+      y0 = S::key_transform(p, x0, -x1, batch, kv_head, first + r, d, oob);
+      y1 = S::key_transform(p, x1, x0, batch, kv_head, first + r, d + kHalf, oob);
+    }
+    row[d] = from_float<DT>(y0);
+    row[d + kHalf] = from_float<DT>(y1);
+  }
+}
+
 template <class S>
 __device__ __forceinline__ void prefill_kernel(const Params& p) {
   using T = PrefillTraits<S>;
@@ -232,6 +260,9 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
                        : p.q;
     cp_async_16(sq + row * T::kRowStride + chunk * 8, src, in);
   }
+  if constexpr (S::kHasQTransform) {  // Q gets its own group: transformed in place before any tile is used
+    cp_async_commit();
+  }
   const int n_first = (kv_begin / T::kBlockN) * T::kBlockN;
   // Prologue: Q and the first kStages - 1 tiles in flight (one commit group each; Q rides with tile 0).
 #pragma unroll
@@ -239,6 +270,12 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
     const int n = n_first + stg * T::kBlockN;
     if (n < kv_end) prefill_load_kv<S>(p, stage_k(stg), stage_v(stg), batch, kv_head, n, kv_end, bad);
     cp_async_commit();
+  }
+  if constexpr (S::kHasQTransform) {
+    cp_async_wait<T::kStages - 1>();  // Q (the oldest group) has landed; the tiles may still be in flight
+    __syncthreads();
+    prefill_transform_rows<S, true>(p, sq, T::kBlockM, packed0, packed_end, qo_base, kv_head, batch, bad);
+    __syncthreads();
   }
 
   const int row0 = packed0 + warp_row0 + g;  // packed row of (mt, r) is row0 + mt * 16 + 8 * r
@@ -251,7 +288,7 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
       for (int i = 0; i < 4; ++i) o[mt][d][i] = 0.f;
   SoftmaxState st[MT][2];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) st[mt][0] = st[mt][1] = SoftmaxState{kNegInf, 0.f};
+  for (int mt = 0; mt < MT; ++mt) st[mt][0] = st[mt][1] = SoftmaxState{S::kSoftmax ? kNegInf : 0.f, 0.f};
   constexpr float kScale = q_prescale<S>();
 
   int it = 0;
@@ -265,6 +302,10 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
       cp_async_commit();
     }
     const int stage = it % T::kStages;
+    if constexpr (S::kHasKTransform) {  // the cache holds raw keys: transform this tile in place
+      prefill_transform_rows<S, false>(p, stage_k(stage), T::kBlockN, n0, kv_end, 0, kv_head, batch, bad);
+      __syncthreads();
+    }
 
     float s[MT][T::kNTiles][4];
     prefill_qk<S>(s, sq, stage_k(stage), warp_row0, lane);
@@ -279,23 +320,23 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const PrefillRow row = prefill_row<S>(row0 + mt * 16 + 8 * r, packed_end, qo_base, kv_head);
-        const float slope = S::kHasAlibi ? p.alibi_slopes[row.head] : 0.f;
         float tile_max = kNegInf;
 #pragma unroll
         for (int n = 0; n < T::kNTiles; ++n)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int kv_idx = n0 + n * 8 + 2 * tig + e;
-            float v = transform_logit<S>(p, s[mt][n][2 * r + e] * kScale, slope, batch, row.head, kv_head, row.pos,
-                                         kv_idx, qo_len, kv_len);
+            float v = transform_logit<S>(p, s[mt][n][2 * r + e] * kScale, batch, row.head, kv_head, row.pos, kv_idx,
+                                         qo_len, kv_len, bad);
             if (!full_tile) {
               const bool ok = kv_idx < kv_end && kv_idx >= kv_begin && structurally_visible<S>(row.pos, kv_idx) &&
-                              custom_visible<S>(p, batch, row.head, kv_head, row.pos, kv_idx, qo_len, kv_len);
-              v = ok ? v : kNegInf;
+                              custom_visible<S>(p, batch, row.head, kv_head, row.pos, kv_idx, qo_len, kv_len, bad);
+              v = ok ? v : (S::kSoftmax ? kNegInf : 0.f);
             }
             s[mt][n][2 * r + e] = v;
             tile_max = fmaxf(tile_max, v);
           }
+        if constexpr (!S::kSoftmax) continue;  // the weights are the probabilities already
         tile_max = group_max<4>(tile_max);
         // Deferred rescaling: keep the reference max (and skip rescaling O) unless the new max
         // exceeds it by more than kRescaleThreshold; probabilities then stay below 2^threshold.
@@ -340,9 +381,15 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
       typename S::DTypeO* out = p.o + row_head * S::kHeadDimVO;
 #pragma unroll
       for (int d = 0; d < T::kDTiles; ++d) {
-        const uint32_t packed =
-            pack2<typename S::DTypeO>(o[mt][d][2 * r] * scale + poison, o[mt][d][2 * r + 1] * scale + poison);
-        *reinterpret_cast<uint32_t*>(out + d * 8 + 2 * tig) = packed;
+        float v0 = o[mt][d][2 * r] * scale, v1 = o[mt][d][2 * r + 1] * scale;
+        if constexpr (S::kHasOutTransform) {
+          bool oob = false;
+          const int dim = d * 8 + 2 * tig;
+          v0 = S::output_transform(p, v0, batch, row.head, row.pos, dim, oob);
+          v1 = S::output_transform(p, v1, batch, row.head, row.pos, dim + 1, oob);
+          if (oob) v0 = v1 = __int_as_float(0x7fc00000);
+        }
+        *reinterpret_cast<uint32_t*>(out + d * 8 + 2 * tig) = pack2<typename S::DTypeO>(v0 + poison, v1 + poison);
       }
       if (tig == 0 && p.lse != nullptr) p.lse[row_head] = lse + poison;
     }

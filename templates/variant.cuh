@@ -16,40 +16,39 @@ __device__ __forceinline__ constexpr float q_prescale() {
   return S::kLogitsNatural ? S::kSmScale : S::kSmScale * kLog2e;
 }
 
-// `s` is dot(q * q_prescale, k). Returns the logit in log2 units (not yet masked).
+// `s` is dot(q * q_prescale, k). Returns the logit in log2 units (softmax) or the weight itself
+// (a variant without softmax); not yet masked. `oob` collects out-of-range parameter reads.
 template <class S>
-__device__ __forceinline__ float transform_logit(const Params& p, float s, float alibi_slope, int batch,
-                                                 int qo_head, int kv_head, int qo_idx, int kv_idx, int qo_len,
-                                                 int kv_len) {
+__device__ __forceinline__ float transform_logit(const Params& p, float s, int batch, int qo_head, int kv_head,
+                                                 int qo_idx, int kv_idx, int qo_len, int kv_len, bool& oob) {
   if constexpr (!S::kLogitsNatural) {
     return s;
   } else {
-    if constexpr (S::kHasSoftCap) s = S::kSoftCap * fast_tanh(s * (1.0f / S::kSoftCap));
-    if constexpr (S::kHasAlibi) s += alibi_slope * static_cast<float>(kv_idx - qo_idx);
     if constexpr (S::kHasTransform)
-      s = S::logits_transform(p, s, batch, qo_head, kv_head, qo_idx, kv_idx, qo_len, kv_len);
-    return s * kLog2e;
+      s = S::logits_transform(p, s, batch, qo_head, kv_head, qo_idx, kv_idx, qo_len, kv_len, oob);
+    return S::kSoftmax ? s * kLog2e : s;
   }
 }
 
 // Causal and window bounds of one pair (positions are absolute within the sequence).
 template <class S>
 __device__ __forceinline__ bool structurally_visible(int qo_idx, int kv_idx) {
-  bool ok = true;
-  if constexpr (S::kCausal) ok = ok && kv_idx <= qo_idx;
-  if constexpr (S::kWindowLeft >= 0) ok = ok && qo_idx - kv_idx <= S::kWindowLeft;
-  if constexpr (S::kWindowRight >= 0) ok = ok && kv_idx - qo_idx <= S::kWindowRight;
-  return ok;
+  return S::structural_mask(qo_idx, kv_idx);
 }
 
 template <class S>
 __device__ __forceinline__ bool custom_visible(const Params& p, int batch, int qo_head, int kv_head, int qo_idx,
-                                               int kv_idx, int qo_len, int kv_len) {
+                                               int kv_idx, int qo_len, int kv_len, bool& oob) {
   if constexpr (S::kHasMask) {
-    return S::logits_mask(p, batch, qo_head, kv_head, qo_idx, kv_idx, qo_len, kv_len);
+    return S::logits_mask(p, batch, qo_head, kv_head, qo_idx, kv_idx, qo_len, kv_len, oob);
   } else {
     return true;
   }
+}
+
+// The element that rotate_half puts at `dim` of a head_dim-D vector, given the element D/2 away.
+__device__ __forceinline__ float rotate_half_value(int dim, int head_dim, float partner) {
+  return dim < head_dim / 2 ? -partner : partner;
 }
 
 // Key range [begin, end) that can be visible to queries at positions [qo_lo, qo_hi] of a sequence
@@ -69,7 +68,10 @@ __device__ __forceinline__ void visible_kv_range(int qo_lo, int qo_hi, int kv_le
 template <class S>
 __device__ __forceinline__ float finalize_state(const Params& p, int qo_head, SoftmaxState st, float& lse) {
   float m = st.m, d = st.d;
-  if constexpr (S::kHasSinks) {
+  if constexpr (!S::kSoftmax) {  // a weighted sum: nothing to normalise, no lse
+    lse = __int_as_float(0x7fc00000);
+    return 1.0f;
+  } else if constexpr (S::kHasSinks) {
     const float sink = p.sinks[qo_head] * kLog2e;
     const float m_new = fmaxf(m, sink);
     d = d * rescale_factor(m, m_new) + fast_exp2(sink - m_new);

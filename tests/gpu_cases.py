@@ -13,6 +13,8 @@ import torch
 
 from jitattn import AttentionSpec, Param, Variant
 from jitattn.models import load_model_config
+from jitattn.variant import (document_mask, prefix_lm_mask, relative_position_bias, rotary_embedding,
+                             sigmoid_attention)
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "models"
 
@@ -114,5 +116,59 @@ def decode_cases() -> list[Case]:
     ]
 
 
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def variant_cases() -> list[Case]:
+    """Python-traced variants (issue 4): each against its own Python definition run on torch."""
+    q, kv = [1, 50, 1, 20, 3, 1], [100, 50, 2049, 300, 3, 9000]
+    stride = max(kv)
+
+    def doc_params(d):
+        ids = torch.cumsum((torch.rand(len(kv) * stride, generator=_gen(3)) < 0.02).int(), 0).to(torch.int32)
+        return {"doc": ids.to(d), "doc_stride": stride}
+
+    def prefix_params(d):
+        return {"prefix_len": torch.tensor([min(n, 37 * (i + 1)) for i, n in enumerate(kv)], dtype=torch.int32,
+                                           device=d)}
+
+    def t5_params(d, heads=8):
+        return {"table": (torch.randn(32, heads, generator=_gen(5)) * 0.5).to(d)}
+
+    base = dict(num_qo_heads=8, num_kv_heads=2, head_dim_qk=128)
+    mk = lambda **kw: AttentionSpec(**{**base, **kw})  # noqa: E731
+    return [
+        Case("traced-distance-bias", mk(variant=TRACED_DISTANCE), q, kv,
+             lambda d: {"slope": torch.linspace(0.01, 0.2, 8, device=d)}),
+        Case("traced-document-mask-causal", mk(variant=document_mask()), q, kv, doc_params),
+        Case("traced-prefix-lm", mk(variant=prefix_lm_mask(), causal=False), q, kv, prefix_params),
+        Case("traced-t5-bias-bidirectional", mk(variant=relative_position_bias(32, 128, True), causal=False), q, kv,
+             t5_params),
+        Case("traced-t5-bias-causal", mk(variant=relative_position_bias(32, 128, False)), q, kv, t5_params),
+        Case("traced-sigmoid-attention", mk(variant=sigmoid_attention()), q, kv, lambda d: {"bias": -4.0}),
+        Case("traced-sigmoid-decode-splitkv", mk(variant=sigmoid_attention()), [1, 1], [30000, 17],
+             lambda d: {"bias": -6.0}),
+        Case("traced-rotary-qk", mk(variant=rotary_embedding(128)), q, kv),
+        Case("traced-rotary-qk-hd96-group7", AttentionSpec(21, 3, 96, variant=rotary_embedding(96)), q, kv),
+        Case("traced-output-gate-sinks-splitkv", mk(variant=OUTPUT_GATE, sinks=True, window_left=3000), [1, 40, 1],
+             [20000, 300, 5], lambda d: {"gate": torch.linspace(0.5, 2.0, 8, device=d)}),
+    ]
+
+
+def _distance_bias(score, batch, qo_head, qo_idx, kv_idx, params):
+    return score - params.slope[qo_head] * torch.abs(qo_idx - kv_idx).float().sqrt()
+
+
+def _output_gate(out, batch, qo_head, qo_idx, dim, params):
+    return torch.where(dim % 2 == 0, out * params.gate[qo_head], out)
+
+
+TRACED_DISTANCE = Variant("traced_distance", logits_transform=_distance_bias,
+                          params=(Param("slope", "float32", ("num_qo_heads",)),))
+OUTPUT_GATE = Variant("output_gate", output_transform=_output_gate,
+                      params=(Param("gate", "float32", ("num_qo_heads",)),))
+
+
 def all_cases() -> list[Case]:
-    return model_cases() + head_dim_cases() + feature_cases() + decode_cases()
+    return model_cases() + head_dim_cases() + feature_cases() + decode_cases() + variant_cases()

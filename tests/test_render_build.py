@@ -14,7 +14,7 @@ from jitattn import AttentionSpec, Param, Variant
 from jitattn.build import (ARCHS, BuildError, CompileError, archs_for_capability, build, cubin_name, ninja_file,
                            normalize_arch, write_if_different)
 from jitattn.cache import KernelCache
-from jitattn.render import (BASE_FIELDS, KERNEL_NAMES, RENDERED_FILE, functor_at, params_fields, params_layout,
+from jitattn.render import (BASE_FIELDS, FUNCTOR_NAMES, KERNEL_NAMES, RENDERED_FILE, functor_at, params_fields, params_layout,
                             render, template_dir, template_hashes)
 
 REL_BIAS = Variant(
@@ -35,25 +35,36 @@ def constants(text: str) -> dict[str, str]:
 
 # ---- rendering ---------------------------------------------------------------------------------
 def test_constants_are_injected():
-    c = constants(render(FEATURES).text)
+    text = render(FEATURES).text
+    c = constants(text)
     assert c["kNumQoHeads"] == "24" and c["kNumKvHeads"] == "8" and c["kGroupSize"] == "3"
     assert c["kHeadDimQK"] == c["kHeadDimVO"] == "96" and c["kPageSize"] == "7"
     assert c["kLayoutHND"] == "true" and c["kCausal"] == "false"
     assert (c["kWindowLeft"], c["kWindowRight"]) == ("31", "17")
-    assert float(c["kSmScale"].rstrip("f")) == 0.125 and float(c["kSoftCap"].rstrip("f")) == 30.0
-    for flag in ("kHasSoftCap", "kHasAlibi", "kHasSinks", "kHasTransform", "kHasMask"):
+    assert float(c["kSmScale"].rstrip("f")) == 0.125
+    for flag in ("kHasSinks", "kHasTransform", "kHasMask", "kSoftmax"):
         assert c[flag] == "true", flag
-    assert "using DTypeQ = __half;" in render(FEATURES).text
+    for flag in ("kHasQTransform", "kHasKTransform", "kHasOutTransform"):
+        assert c[flag] == "false", flag
+    assert "using DTypeQ = __half;" in text
+    # soft-cap and ALiBi are built-in functors, traced from jitattn/variant.py, applied before the user's
+    assert text.index("// >>> functor soft_cap") < text.index("// >>> functor alibi") < text.index(
+        "// >>> functor logits_transform")
+    assert "3.000000000e+01f * jitattn::fast_tanh((logits / 3.000000000e+01f))" in text
+    assert "params.alibi_slopes[qo_head]" in text
+    assert "((qo_idx - kv_idx) <= 31) && ((kv_idx - qo_idx) <= 17)" in text  # the window bounds functor
 
 
-def test_plain_spec_has_no_functors_and_bf16_types():
+def test_plain_spec_has_only_the_causal_bound_and_bf16_types():
     text = render(AttentionSpec(32, 8, 128)).text
     c = constants(text)
-    assert c["kCausal"] == "true" and c["kWindowLeft"] == "-1" and c["kHasSoftCap"] == "false"
-    assert c["kHasTransform"] == c["kHasMask"] == c["kHasAlibi"] == c["kHasSinks"] == "false"
+    assert c["kCausal"] == "true" and c["kWindowLeft"] == "-1"
+    assert c["kHasTransform"] == c["kHasMask"] == c["kHasSinks"] == "false"
     assert float(c["kSmScale"].rstrip("f")) == pytest.approx(128 ** -0.5, rel=1e-8)
     assert "using DTypeKV = __nv_bfloat16;" in text
-    assert ">>> functor" not in text and "#line" not in text
+    assert re.findall(r"// >>> functor (\w+)", text) == ["structural_mask"]
+    assert "return static_cast<bool>((kv_idx <= qo_idx));" in text
+    assert ">>> functor" not in render(AttentionSpec(32, 8, 128, causal=False)).text
 
 
 def test_scale_is_rendered_to_float_precision():
@@ -63,7 +74,7 @@ def test_scale_is_rendered_to_float_precision():
 
 def test_functors_are_injected_with_params_in_scope():
     text = render(FEATURES).text
-    assert f"return static_cast<float>({REL_BIAS.logits_transform});" in text
+    assert f"logits = static_cast<float>({REL_BIAS.logits_transform});" in text
     assert f"return static_cast<bool>({REL_BIAS.logits_mask});" in text
     for p in REL_BIAS.params:
         assert f"const auto {p.name} = params.{p.name};" in text
@@ -81,10 +92,11 @@ def test_line_directives_point_back_to_the_functor_and_the_rendered_file():
             assert int(m.group(1)) == i + 1
             restores += 1
         else:  # the functor's own expression is "line 1" of its name
-            assert m.group(2) in ("logits_transform", "logits_mask") and m.group(1) == "1"
-            assert getattr(REL_BIAS, m.group(2)) in lines[i]  # the expression itself follows
+            assert m.group(2) in FUNCTOR_NAMES and m.group(1) == "1"
+            if m.group(2) in ("logits_transform", "logits_mask"):
+                assert getattr(REL_BIAS, m.group(2)) in lines[i]  # the expression itself follows
             assert functor_at(text, i + 1) == m.group(2)
-    assert restores == 2
+    assert restores == 5  # soft_cap, alibi, logits_transform, logits_mask, structural_mask
     assert "__RESTORE_LINE__" not in text and "__RENDERED_FILE__" not in text
     assert functor_at(text, 1) is None
 
@@ -127,7 +139,8 @@ def test_rendered_struct_is_the_field_list(spec):
 
 def test_variant_params_extend_the_base_fields():
     names = {f.name for f in params_fields(FEATURES)}
-    assert names == {f.name for f in BASE_FIELDS} | {p.name for p in REL_BIAS.params}
+    tensors = {f"{p.name}__numel" for p in REL_BIAS.params if not p.is_scalar}  # bounds of checked reads
+    assert names == {f.name for f in BASE_FIELDS} | {p.name for p in REL_BIAS.params} | tensors
     kinds = {f.name: (f.kind, f.cuda_type) for f in params_fields(FEATURES)}
     assert kinds["bias"] == ("ptr", "const float* __restrict__")
     assert kinds["max_dist"] == ("f32", "float") and kinds["stride"] == ("i32", "int")
