@@ -1,0 +1,535 @@
+"""jitattn.bench on CPU: cases, accounting, the anchors' translations, tables, JSON, the command line.
+
+Timing and the anchors themselves need a GPU (the device runs them); everything that decides what
+is run and how it is reported is checked here. FlexAttention's score_mod / mask_mod are checked two
+ways: evaluated on index tensors against jitattn.reference's rules, and through FlexAttention's
+unfused eager path on CPU against jitattn.reference.paged_attention.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from jitattn import bench, reference
+from jitattn.bench import BenchCase, CompileFigure, Result
+from jitattn.spec import AttentionSpec
+from jitattn.testing import random_paged_batch
+
+REPO = Path(__file__).resolve().parent.parent
+MODELS = sorted((REPO / "examples" / "models").glob("*.json"))
+nan = math.nan
+
+
+# ---- cases ------------------------------------------------------------------------------------
+V0_CASES = {  # the v0 names and shapes, which BENCHMARKS.md's history refers to
+    "prefill-hd128-causal-b4x8192": (4, 8192, 8192), "prefill-gemma2-9b-b2x8192": (2, 8192, 8192),
+    "prefill-phi3-hd96-b4x8192": (4, 8192, 8192), "decode-hd128-b64x4096": (64, 1, 4096),
+    "decode-gemma2-9b-b64x8192": (64, 1, 8192), "decode-hd128-b1x32768": (1, 1, 32768),
+    "decode-gpt-oss-sliding-b256x8192": (256, 1, 8192), "decode-hd128-b64x4096-page1": (64, 1, 4096),
+    "decode-hd128-b64x4096-page16": (64, 1, 4096), "decode-hd128-b64x4096-page64": (64, 1, 4096),
+}
+
+
+def test_existing_cases_keep_their_names_and_shapes():
+    cases = {c.name: c for c in bench.design_cases() + bench.decode_target_cases()}
+    assert set(cases) == set(V0_CASES)
+    for name, (b, q, kv) in V0_CASES.items():
+        c = cases[name]
+        assert (len(c.q_lens), set(c.q_lens), set(c.kv_lens)) == (b, {q}, {kv})
+        assert c.phase == name.split("-")[0]
+    assert [cases[f"decode-hd128-b64x4096-page{p}"].spec.page_size for p in (1, 16, 64)] == [1, 16, 64]
+
+
+@pytest.mark.parametrize("config", MODELS, ids=[m.stem for m in MODELS])
+def test_model_cases_cover_every_layer_kind(config):
+    from jitattn.models import load_model_config
+
+    kinds = load_model_config(config).layer_kinds
+    cases = bench.model_cases(config)
+    assert len(cases) == 2 * len(kinds)
+    for kind, (dec, pre) in zip(kinds, zip(cases[::2], cases[1::2])):
+        short = kind.name.split("_")[0]
+        assert dec.spec == kind.spec == pre.spec
+        assert dec.phase == "decode" and set(dec.q_lens) == {1} and set(dec.kv_lens) == {4096}
+        assert dec.name == f"decode-{config.stem}-{short}-b{len(dec.q_lens)}x4096"
+        assert pre.name == f"prefill-{config.stem}-{short}-b2x4096"
+        assert pre.q_lens == pre.kv_lens == [4096, 4096]
+        read = bench.decode_kv_bytes(dec.spec, len(dec.q_lens), 4096)
+        assert read >= bench.MIN_DECODE_BYTES or len(dec.q_lens) == bench.MAX_DECODE_BATCH
+        cache_bytes = bench.decode_kv_bytes(dec.spec.replace(window_left=-1), len(dec.q_lens), 4096)
+        assert 2 * cache_bytes < 20e9  # the paged cache plus one dense copy for SDPA / Flex
+
+
+def test_narrow_windows_get_bigger_decode_batches():
+    gpt_oss_sliding = AttentionSpec(64, 8, 64, window_left=127, sinks=True)  # 128 keys x 2 KB per sequence
+    assert bench.decode_kv_bytes(gpt_oss_sliding, 64, 4096) == 64 * 128 * 8 * 128 * 2
+    assert bench.decode_batch_size(gpt_oss_sliding) == 512
+    assert bench.decode_batch_size(AttentionSpec(32, 8, 128)) == 64  # 64 x 4096 already reads 1.07 GB
+
+
+def test_all_cases_are_unique_and_cover_the_examples():
+    names = [c.name for c in bench.all_cases()]
+    assert len(names) == len(set(names))
+    assert len(names) == len(V0_CASES) + sum(len(bench.model_cases(m)) for m in MODELS)
+
+
+def test_select_cases():
+    assert [c.name for c in bench.select_cases(["b1x32768"], None)] == ["decode-hd128-b1x32768"]
+    both = bench.select_cases(["page1", "page16"], None)  # "page1" also matches page16: kept once
+    assert [c.name for c in both] == ["decode-hd128-b64x4096-page1", "decode-hd128-b64x4096-page16"]
+    gemma = bench.select_cases(None, [str(REPO / "examples/models/gemma-2-9b.json")])
+    assert [c.name for c in gemma] == [f"{p}-gemma-2-9b-{k}-b{b}x4096" for k in ("sliding", "full")
+                                       for p, b in (("decode", 64), ("prefill", 2))]
+    assert len(bench.select_cases(None, None)) == len(bench.all_cases())
+    with pytest.raises(SystemExit, match="matches no case"):
+        bench.select_cases(["no-such-case"], None)
+
+
+def test_check_seqs_prefill_over_two_sequences_checks_the_first():
+    spec = AttentionSpec(4, 2, 64)
+    assert BenchCase("p", spec, [8] * 4, [8] * 4, "prefill").check_seqs == 1
+    assert BenchCase("p", spec, [8] * 2, [8] * 2, "prefill").check_seqs == 2
+    assert BenchCase("d", spec, [1] * 64, [8] * 64, "decode").check_seqs == 64
+
+
+def test_reference_rows_of_the_first_sequence_match_the_full_reference():
+    spec = AttentionSpec(4, 2, 64, window_left=5)
+    case = BenchCase("p", spec, [9, 7, 8], [9, 12, 8], "prefill")
+    batch = random_paged_batch(spec, case.q_lens, case.kv_lens, seed=3)
+    full = reference.paged_attention(spec, *batch.args(), **batch.kwargs())
+    first = bench.reference_rows(case, batch)
+    assert first.shape == (9, 4, 64)
+    torch.testing.assert_close(first, full[:9])
+    assert bench.check_error(full, first) == 0.0
+
+
+# ---- FLOP and byte accounting -----------------------------------------------------------------
+def test_flops_causal_prefill_by_hand():
+    spec = AttentionSpec(4, 2, 64)
+    batch = random_paged_batch(spec, [10, 3], [10, 10])  # second sequence: queries at positions 7, 8, 9
+    pairs = 10 * 11 // 2 + (8 + 9 + 10)
+    assert batch.flops == 4 * 64 * pairs * 4
+    work, unit = bench.case_work(BenchCase("p", spec, [10, 3], [10, 10], "prefill"), batch)
+    assert (work, unit) == (batch.flops / 1e12, "TFLOP/s")
+
+
+def test_flops_window_prefill_by_hand():
+    spec = AttentionSpec(2, 1, 32, window_left=3)  # 4 keys: the query's own and 3 before it
+    batch = random_paged_batch(spec, [10], [10])
+    pairs = 1 + 2 + 3 + 4 * 7
+    assert batch.flops == 4 * 32 * pairs * 2
+
+
+def test_kv_bytes_decode_by_hand():
+    spec = AttentionSpec(8, 2, 64)  # bf16: one token's K and V over 2 heads = 2 * 2 * 64 * 2 bytes
+    batch = random_paged_batch(spec, [1, 1, 1], [50, 20, 33])
+    assert batch.kv_bytes_read == (50 + 20 + 33) * 2 * 2 * 64 * 2
+    windowed = random_paged_batch(spec.replace(window_left=9), [1, 1, 1], [50, 20, 5])
+    assert windowed.kv_bytes_read == (10 + 10 + 5) * 2 * 2 * 64 * 2
+    work, unit = bench.case_work(BenchCase("d", spec, [1] * 3, [50, 20, 33], "decode"), batch)
+    assert (work, unit) == (batch.kv_bytes_read / 1e12, "TB/s")
+    assert bench.decode_kv_bytes(spec.replace(window_left=9), 3, 50) == 3 * 10 * 2 * 2 * 64 * 2
+
+
+def test_design_decode_case_reads_1_07_gb():
+    case = bench.design_cases()[3]
+    assert case.name == "decode-hd128-b64x4096"
+    assert bench.decode_kv_bytes(case.spec, 64, 4096) == 64 * 4096 * 8 * 256 * 2  # 1.07e9, as in BENCHMARKS.md
+
+
+# ---- FlexAttention translation ----------------------------------------------------------------
+MASK_SPECS = [AttentionSpec(4, 2, 64), AttentionSpec(4, 2, 64, window_left=5),
+              AttentionSpec(4, 2, 64, causal=False, window_left=3, window_right=2),
+              AttentionSpec(4, 2, 64, causal=False, window_right=0), AttentionSpec(4, 2, 64, window_left=0)]
+
+
+@pytest.mark.parametrize("spec", MASK_SPECS, ids=lambda s: s.name)
+@pytest.mark.parametrize("q_len,kv_len", [(12, 12), (1, 40), (5, 17)])
+def test_flex_mask_mod_matches_reference_visibility(spec, q_len, kv_len):
+    mask_mod = bench.flex_mask_mod(spec, kv_len - q_len)
+    q_idx, kv_idx = torch.arange(q_len)[:, None], torch.arange(kv_len)[None, :]
+    got = mask_mod(torch.tensor(0), torch.tensor(0), q_idx, kv_idx)
+    want = reference.visible(spec, torch.arange(kv_len - q_len, kv_len), torch.arange(kv_len))
+    assert torch.equal(got, want)
+
+
+def test_flex_mask_mod_none_without_a_mask():
+    assert bench.flex_mask_mod(AttentionSpec(4, 2, 64, causal=False), 0) is None
+
+
+def test_flex_score_mod_soft_cap_and_alibi():
+    spec = AttentionSpec(4, 2, 64, logits_soft_cap=30.0, alibi=True)
+    slopes = reference.default_alibi_slopes(spec)
+    q_offset = 7
+    score_mod = bench.flex_score_mod(spec, q_offset, slopes)
+    score = torch.randn(4, 3, 10) * 80  # (h, q, kv): beyond the cap, so tanh matters
+    h, q, kv = torch.arange(4)[:, None, None], torch.arange(3)[None, :, None], torch.arange(10)[None, None, :]
+    got = score_mod(score, torch.tensor(0), h, q, kv)
+    want = 30.0 * torch.tanh(score / 30.0) + slopes[:, None, None] * (kv - (q + q_offset))
+    torch.testing.assert_close(got, want)
+    assert bench.flex_score_mod(AttentionSpec(4, 2, 64), 0) is None
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        bench.flex_score_mod(spec, 0)
+
+
+FLEX_CASES = [  # (spec, q_lens, kv_lens): every translated feature, prefill and decode, GQA
+    (AttentionSpec(4, 2, 64), [16, 16], [16, 16]),
+    (AttentionSpec(4, 1, 64, window_left=6), [1, 1, 1], [40, 40, 40]),
+    (AttentionSpec(4, 2, 64, logits_soft_cap=5.0, window_left=9, sm_scale=0.3), [24, 24], [24, 24]),
+    (AttentionSpec(4, 4, 64, alibi=True), [1, 1], [33, 33]),
+    (AttentionSpec(8, 2, 32, alibi=True, logits_soft_cap=2.0), [6, 6], [20, 20]),
+    (AttentionSpec(4, 2, 64, causal=False, window_left=3, window_right=2), [10], [10]),
+]
+
+
+@pytest.mark.parametrize("spec,q_lens,kv_lens", FLEX_CASES, ids=[c[0].name for c in FLEX_CASES])
+def test_flex_call_eager_on_cpu_matches_the_reference(spec, q_lens, kv_lens):
+    """flex_call's closure, uncompiled (Flex's unfused path runs on CPU), against jitattn.reference."""
+    batch = random_paged_batch(spec, q_lens, kv_lens, seed=1, scale=2.0)
+    dense = bench.to_contiguous(batch)
+    call = bench.flex_call(spec, dense.q, dense.k, dense.v, kv_lens[0] - q_lens[0], compiled=False)
+    with torch.no_grad():
+        out = dense.rows(call())
+    ref = reference.paged_attention(spec, *batch.args(), **batch.kwargs())
+    assert out.shape == ref.shape
+    assert bench.check_error(out, ref) < 1e-2
+
+
+def test_anchor_problems():
+    sinks = BenchCase("d", AttentionSpec(64, 8, 64, window_left=127, sinks=True), [1], [4096], "decode")
+    assert "sinks" in bench.flex_problem(sinks.spec)
+    assert bench.flashinfer_problem(sinks.spec) is None  # FlashInfer's attention-sink variant
+    assert "sinks with soft-cap" in bench.flashinfer_problem(sinks.spec.replace(logits_soft_cap=30.0))
+    assert bench.plain_attention_problem(sinks) == "SDPA flash/cuDNN take no window, sinks"
+    capped = BenchCase("p", AttentionSpec(16, 8, 256, logits_soft_cap=50.0), [8], [8], "prefill")
+    assert bench.plain_attention_problem(capped) == "SDPA flash/cuDNN take no soft-cap"
+    assert bench.flex_problem(capped.spec) is None and bench.flashinfer_problem(capped.spec) is None
+    mistral = bench.select_cases(None, [str(REPO / "examples/models/mistral-7b-v0.1.json")])
+    assert [bench.plain_attention_problem(c) for c in mistral] == [None, None]  # a 4096 window over 4096 keys
+    phi3 = bench.select_cases(None, [str(REPO / "examples/models/phi-3-mini-4k-instruct.json")])
+    assert [bench.plain_attention_problem(c) for c in phi3] == ["SDPA flash/cuDNN take no window"] * 2
+    assert not bench.needs_dense(sinks, bench.ANCHORS)
+    assert bench.needs_dense(capped, ("flex",)) and not bench.needs_dense(capped, ("sdpa", "flashinfer"))
+
+
+def test_sdpa_and_flex_skip_with_reasons():
+    sinks = BenchCase("d", AttentionSpec(64, 8, 64, sinks=True), [1], [64], "decode")
+    with pytest.raises(bench.Skip, match="sinks"):
+        bench.sdpa_runners(sinks, None)
+    with pytest.raises(bench.Skip, match="sinks"):
+        bench.flex_runner(sinks, None)
+    plain = BenchCase("p", AttentionSpec(4, 2, 64), [4, 5], [4, 5], "prefill")
+    with pytest.raises(bench.Skip, match="unequal"):
+        bench.sdpa_runners(plain, None)
+
+
+def test_build_runners_turns_skips_and_errors_into_rows():
+    case = BenchCase("c", AttentionSpec(4, 2, 64), [1], [8], "decode")
+
+    def skip():
+        raise bench.Skip("cannot | express")
+
+    def fail():
+        raise RuntimeError("boom\nsecond line")
+
+    (_, [skipped]), (_, [failed]) = bench.build_runners(case, "flex", skip, "TB/s"), \
+        bench.build_runners(case, "flashinfer", fail, "TB/s")
+    assert (skipped.status, skipped.note) == ("skipped", "cannot / express")
+    assert (failed.status, failed.note) == ("failed", "RuntimeError: boom second line")
+    runner = bench.Runner(lambda: torch.zeros(1))
+    assert bench.build_runners(case, "jitattn", lambda: runner, "TB/s") == ({"jitattn": runner}, [])
+
+
+def test_flashinfer_page_metadata_addresses_the_same_keys():
+    from jitattn.reference import gather_kv
+
+    spec = AttentionSpec(4, 2, 64, page_size=4)
+    batch = random_paged_batch(spec, [1, 1, 1], [9, 4, 13], seed=2)
+    indptr, indices, last = bench.flashinfer_page_metadata(batch)
+    assert indptr.tolist() == [0, 3, 4, 8] and last.tolist() == [1, 4, 1]
+    assert indices.dtype == indptr.dtype == last.dtype == torch.int32
+    for b, n in enumerate(batch.kv_lens):
+        pages = indices[indptr[b]:indptr[b + 1]].long()
+        k = batch.kv_cache[pages, 0].reshape(-1, 2, 64)[:n]  # NHD: (pages, 2, page_size, H, D)
+        torch.testing.assert_close(k, gather_kv(spec, batch.kv_cache, batch.block_table, b, n)[0])
+
+
+class FakeWrapper:
+    """Records what flashinfer_runner passes to a FlashInfer wrapper; run() returns zeros of q's shape."""
+
+    calls: list = []
+
+    def __init__(self, *args, **kwargs):
+        self._backend = "fa2"
+        FakeWrapper.calls.append((type(self).__name__, "init", args[1:], kwargs))
+
+    def plan(self, *args, **kwargs):
+        FakeWrapper.calls.append((type(self).__name__, "plan", args, kwargs))
+
+    def run(self, q, kv_cache, *extra):
+        FakeWrapper.calls.append((type(self).__name__, "run", extra, {}))
+        return torch.zeros_like(q)
+
+
+def fake_flashinfer(with_sinks: bool = True):
+    names = ["BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper"]
+    if with_sinks:
+        names += ["BatchDecodeWithAttentionSinkWrapper", "BatchAttentionWithAttentionSinkWrapper"]
+    module = type(sys)("flashinfer")
+    module.__version__ = "0.0-fake"
+    for name in names:
+        setattr(module, name, type(name, (FakeWrapper,), {}))
+    return module
+
+
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_flashinfer_runner_plumbing(monkeypatch, phase):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(bench, "FLASHINFER_WORKSPACE_BYTES", 16)
+    q_lens = [1, 1] if phase == "decode" else [5, 5]
+    for spec, cls in [(AttentionSpec(16, 2, 64, logits_soft_cap=30.0, window_left=7, page_size=4), "Paged"),
+                      (AttentionSpec(8, 2, 64, window_left=3, sinks=True, page_size=4), "AttentionSink")]:
+        FakeWrapper.calls = []
+        monkeypatch.setattr(bench, "_FLASHINFER", {"module": fake_flashinfer()})
+        case = BenchCase("c", spec, q_lens, [9, 9], phase)
+        batch = random_paged_batch(spec, q_lens, [9, 9])
+        runner = bench.flashinfer_runner(case, batch)
+        assert runner.note.startswith("fa2, plan+1st call ")
+        (name, _, init_args, init_kw), (_, _, plan_args, plan_kw), (_, _, run_extra, _) = FakeWrapper.calls
+        assert cls in name and ("Decode" in name) == (phase == "decode")
+        assert init_args == ("NHD",)
+        pages = plan_args[1:4] if phase == "prefill" else plan_args[:3]
+        assert [p.tolist() for p in pages] == [[0, 3, 6], batch.block_table[:, :3].flatten().tolist(), [1, 1]]
+        assert plan_args[-4:] == (spec.num_qo_heads, 2, 64, 4)
+        assert plan_kw["window_left"] == spec.window_left and plan_kw["sm_scale"] == spec.sm_scale
+        if phase == "prefill":
+            assert plan_args[0] is batch.query_start_loc and plan_kw["causal"] is True
+        if spec.sinks:
+            assert run_extra[0] is batch.sinks and run_extra[1] == spec.sm_scale
+            assert init_kw["window_left"] == 3 and init_kw["head_dim_qk"] == 64
+        else:
+            assert run_extra == () and plan_kw["logits_soft_cap"] == 30.0 and plan_kw["pos_encoding_mode"] == "NONE"
+            assert phase == "prefill" or init_kw == {"use_tensor_cores": True, "backend": "fa2"}  # group 8 > 4
+    monkeypatch.setattr(bench, "_FLASHINFER", {"module": fake_flashinfer(with_sinks=False)})
+    with pytest.raises(bench.Skip, match="has no Batch.*AttentionSinkWrapper"):
+        bench.flashinfer_runner(case, batch)
+
+
+def test_flashinfer_absent_is_a_skip_with_the_import_error(monkeypatch):
+    monkeypatch.setattr(bench, "_FLASHINFER", {})
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # import raises ImportError
+    with pytest.raises(bench.Skip, match="import flashinfer failed: ModuleNotFoundError: import of flashinfer"):
+        bench.import_flashinfer()
+    with pytest.raises(bench.Skip, match="import flashinfer failed"):  # the failure is remembered
+        bench.import_flashinfer()
+
+
+# ---- tables -----------------------------------------------------------------------------------
+def fake_results() -> list[Result]:
+    return [
+        Result("decode-x", "jitattn", 0.33, 0.30, 3.0, "TB/s", 5e-5),
+        Result("decode-x", "sdpa-flash", 0.40, 0.45, 2.0, "TB/s", 2.5e-3),
+        Result("decode-x", "sdpa-cudnn", 0.25, 0.24, 4.0, "TB/s", 2.5e-3),
+        Result("decode-x", "flex", 0.10, 0.10, 9.0, "TB/s", 0.5, "WRONG (rel err > 0.02)"),
+        Result.not_run("decode-x", "flashinfer", "TB/s", "skipped", "import flashinfer failed: ImportError"),
+        Result("prefill-y", "jitattn", 8.9, nan, 247.0, "TFLOP/s", 2.3e-3, "no graph: RuntimeError"),
+        Result.not_run("prefill-y", "sdpa", "TFLOP/s", "skipped", "SDPA flash/cuDNN take no soft-cap"),
+    ]
+
+
+def table_rows(text: str) -> list[list[str]]:
+    return [[c.strip() for c in ln.strip("|").split("|")] for ln in text.splitlines()[2:]]
+
+
+def test_format_table_ratios_against_the_best_correct_anchor():
+    text = bench.format_table(fake_results())
+    header = text.splitlines()[0]
+    assert "rel err (prefill > 2 seqs: 1st seq only)" in header and "vs best anchor" in header
+    rows = {(r[0], r[1]): r for r in table_rows(text)}
+    assert rows["decode-x", "jitattn"][2:7] == ["0.330", "0.300", "3.00 TB/s", "0.75x", "5.00e-05"]
+    assert rows["decode-x", "sdpa-cudnn"][5] == "1.00x"  # the wrong, faster flex is not the best anchor
+    assert rows["decode-x", "flex"][5] == "2.25x" and rows["decode-x", "flex"][7].startswith("WRONG")
+    assert rows["decode-x", "flashinfer"][2:] == ["-"] * 5 + ["skipped: import flashinfer failed: ImportError"]
+    assert rows["prefill-y", "jitattn"][3:6] == ["-", "247.00 TFLOP/s", "-"]  # no anchor ran: no ratio
+    assert len(table_rows(text)) == len(fake_results())
+
+
+def test_format_compile_table():
+    fig = CompileFigure("h32x8_d128", "sm_90a", 41.24, 40.9, 2210.0, 1850.0, 240.0, 12.34, 18.2, nan, "")
+    row = table_rows(bench.format_compile_table([fig]))[0]
+    assert row == ["h32x8_d128", "sm_90a", "41.2 (40.9)", "2210", "1850", "240", "12.3", "18.2", "-", ""]
+
+
+def test_one_line_keeps_tables_intact():
+    assert bench.one_line(ValueError("a | b\n  c")) == "ValueError: a / b c"
+    assert len(bench.one_line("x" * 500, 40)) == 40
+
+
+# ---- JSON and BENCHMARKS.md -------------------------------------------------------------------
+ENV = {"date": "2026-11-30 09:00 UTC", "device": "NVIDIA H200", "driver": "580.159.04", "torch": "2.11.0+cu130",
+       "cuda": "13.0", "cupy": "14.2.0", "triton": "3.6.0", "flashinfer": "unavailable (Skip: ...)",
+       "nvcc": "release 13.0", "arch": "sm_90a", "jitattn": "0.1.0", "git": "abc1234",
+       "command": "python -m jitattn.bench --json out.json"}
+
+
+def test_json_round_trip(tmp_path):
+    cases = bench.design_cases()[:2]
+    figs = [CompileFigure("k", "sm_90a", 40.0, 39.0, 2000.0, 1800.0, 200.0, 9.0, nan, 30.0, "flex prefill: x")]
+    results = fake_results() + [Result("decode-x", "broken", 1.0, 1.0, 1.0, "TB/s", math.inf)]
+    path = tmp_path / "bench.json"
+    bench.write_json(path, ENV, cases, results, figs)
+    data = json.loads(path.read_text())  # strict JSON: NaN became null, inf "inf"
+    assert set(data) == {"environment", "cases", "results", "compile"}
+    assert data["environment"] == ENV
+    assert data["cases"][0]["name"] == "prefill-hd128-causal-b4x8192" and data["cases"][0]["batch"] == 4
+    assert data["cases"][0]["spec"]["num_qo_heads"] == 32 and data["cases"][0]["check_seqs"] == 1
+    assert data["results"][4]["ms"] is None and data["results"][4]["status"] == "skipped"
+    assert data["results"][-1]["rel_err"] == "inf"
+    assert set(data["results"][0]) == {"case", "impl", "ms", "graph_ms", "rate", "unit", "rel_err", "note", "status"}
+    env, back, figs_back = bench.read_json(path)
+    assert env == ENV
+    assert bench.format_table(back) == bench.format_table(results)
+    assert bench.format_compile_table(figs_back) == bench.format_compile_table(figs)
+
+
+BENCHMARKS = """# Benchmarks
+
+Intro text.
+
+## Latest: 2026-11-29 10:38 UTC
+
+- old bullet
+
+| old | table |
+
+## The two numbers (METHOD.md)
+
+- kept
+
+## History (what changed, what was predicted, what happened)
+
+| version | change |
+|---|---|
+| v4 | kept row |
+"""
+
+
+def test_write_benchmarks_md_replaces_only_the_latest_section(tmp_path):
+    path = tmp_path / "BENCHMARKS.md"
+    path.write_text(BENCHMARKS)
+    figs = [CompileFigure("k", "sm_90a", 40.0, 39.0, 2000.0, 1800.0, 200.0, 9.0, nan, 30.0, "")]
+    bench.write_benchmarks_md(fake_results(), ENV, path, figs)
+    text = path.read_text()
+    assert text.startswith("# Benchmarks\n\nIntro text.\n\n## Latest: 2026-11-30 09:00 UTC\n")
+    assert "old bullet" not in text and "| old | table |" not in text
+    assert "- Command: `python -m jitattn.bench --json out.json`." in text
+    assert "- Device: NVIDIA H200, driver 580.159.04, torch 2.11.0+cu130" in text
+    assert bench.format_table(fake_results()) in text and bench.format_compile_table(figs) in text
+    anchors = "- Anchors: ran: flex, sdpa-cudnn, sdpa-flash; flashinfer never ran (skipped: import flashinfer failed"
+    assert anchors in text
+    assert text.endswith("## The two numbers (METHOD.md)\n\n- kept\n\n## History (what changed, what was predicted, "
+                         "what happened)\n\n| version | change |\n|---|---|\n| v4 | kept row |\n")
+    bench.write_benchmarks_md(fake_results(), ENV, path)  # idempotent: one Latest section
+    assert path.read_text().count("## Latest") == 1 and "| v4 | kept row |" in path.read_text()
+
+
+def test_write_benchmarks_md_inserts_a_missing_latest_section(tmp_path):
+    path = tmp_path / "BENCHMARKS.md"
+    path.write_text("# Benchmarks\n\nIntro.\n\n## History\n\n- v0\n")
+    bench.write_benchmarks_md(fake_results(), ENV, path)
+    text = path.read_text()
+    assert text.index("## Latest") < text.index("## History") and text.endswith("## History\n\n- v0\n")
+
+
+# ---- compile figures without a GPU ------------------------------------------------------------
+FAKE_NVCC = """#!/bin/sh
+if [ "$1" = "--version" ]; then echo "Cuda compilation tools, release 13.0, V13.0.88"; exit 0; fi
+while [ $# -gt 0 ]; do if [ "$1" = "-o" ]; then shift; printf 'not a cubin' > "$1"; fi; shift; done
+"""
+
+
+def test_compile_figure_without_gpu_measures_nvcc_only(tmp_path, monkeypatch):
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text(FAKE_NVCC)
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("JITATTN_NVCC", str(nvcc))
+    spec = AttentionSpec(4, 2, 64)
+    fig = bench.compile_figure(spec, {"decode"}, "sm_90a", tmp_path / "cache", gpu=False)
+    assert fig.spec == spec.name and fig.arch == "sm_90a"
+    assert fig.nvcc_s > 0 and fig.build_s >= 0 and math.isnan(fig.warm_load_ms)
+    assert fig.note == "no CUDA device: warm load and Flex not measured"
+    again = bench.compile_figure(spec, {"decode"}, "sm_90a", tmp_path / "cache", gpu=False)
+    assert math.isnan(again.nvcc_s) and "already cached" in again.note  # a warm cache is never reported as cold
+
+
+def test_distinct_specs_with_phases():
+    cases = bench.design_cases() + bench.decode_target_cases()
+    specs = dict(bench.distinct_specs(cases))
+    assert specs[AttentionSpec(32, 8, 128)] == {"prefill", "decode"}
+    assert specs[AttentionSpec(32, 8, 128, page_size=64)] == {"decode"}
+    assert len(specs) == 6
+
+
+# ---- the command line -------------------------------------------------------------------------
+def test_main_list_on_cpu(capsys):
+    text = bench.main(["--list", "--case", "page"])
+    assert [ln.split()[0] for ln in text.splitlines()] == [f"decode-hd128-b64x4096-page{p}" for p in (1, 16, 64)]
+    assert "decode, 64 x (1 q, 4096 kv), 32/8 heads, hd 128" in capsys.readouterr().out
+
+
+def test_list_in_a_fresh_process():
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("JITATTN_")}, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "jitattn.bench", "--list"], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert [ln.split()[0] for ln in proc.stdout.splitlines()] == [c.name for c in bench.all_cases()]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_main_without_gpu_says_why():
+    with pytest.raises(SystemExit, match="needs a CUDA GPU.*--list and --compile-only"):
+        bench.main(["--case", "b1x32768"])
+
+
+def test_main_from_json_prints_and_writes_md(tmp_path, capsys):
+    path, md = tmp_path / "bench.json", tmp_path / "BENCHMARKS.md"
+    bench.write_json(path, ENV, bench.design_cases(), fake_results(), [])
+    md.write_text(BENCHMARKS)
+    text = bench.main(["--from-json", str(path), "--md", str(md)])
+    assert text == bench.format_table(fake_results()) + "\n" == capsys.readouterr().out
+    assert "## Latest: 2026-11-30 09:00 UTC" in md.read_text() and "| v4 | kept row |" in md.read_text()
+
+
+def test_main_merges_several_runs(tmp_path, capsys):
+    first, second, md = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "BENCHMARKS.md"
+    fig = CompileFigure("k", "sm_90a", 2.0, 1.9, 3000.0, 2500.0, 300.0, 15.0, 20.0, 12.0, "")
+    bench.write_json(first, ENV, [], fake_results()[:5], [])
+    bench.write_json(second, {**ENV, "command": "python -m jitattn.bench --compile-only"}, [], fake_results()[5:], [fig])
+    text = bench.main(["--from-json", str(first), "--from-json", str(second), "--md", str(md)])
+    assert text == bench.format_table(fake_results()) + "\n\n" + bench.format_compile_table([fig]) + "\n"
+    written = md.read_text()
+    assert "- Command: `python -m jitattn.bench --json out.json`.\n- Command: `python -m jitattn.bench --compile-only`." \
+        in written
+
+
+def test_bad_anchor_name_is_a_usage_error():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--anchors", "sdpa,flashattn"])
+    assert bench.parse_args(["--anchors", "flex,sdpa"]).anchors == ("sdpa", "flex")
+    assert bench.parse_args(["--anchors", ""]).anchors == ()
+    assert bench.parse_args(["--compile-only"]).compile
+
+
+def test_command_line_names_the_entry_point(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["/x/jitattn/bench.py"])
+    assert bench.command_line(["--case", "a b"]) == "python -m jitattn.bench --case 'a b'"
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/jitattn", "bench"])
+    assert bench.command_line(["--json", "o.json"]) == "jitattn bench --json o.json"
