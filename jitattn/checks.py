@@ -19,7 +19,7 @@ from jitattn.spec import AttentionSpec
 from jitattn.variant import Param
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-                 "int32": torch.int32, "int64": torch.int64}
+                 "int32": torch.int32, "int64": torch.int64, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,7 @@ def _check_kernel_layout(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.T
     if any(g != w for g, w, n in zip(got, want, inner) if n > 1):
         _fail(f"kv_cache: dims 1-4 must be contiguous (strides {want}), got {got}; "
               f"pages may be strided, nothing inside a page may")
-    if kv_cache.stride(0) % 8 or kv_cache.data_ptr() % 16:
+    if kv_cache.stride(0) % (16 // kv_cache.element_size()) or kv_cache.data_ptr() % 16:
         _fail(f"kv_cache: pages must start 16-byte aligned (stride(0)={kv_cache.stride(0)} elements, "
               f"data_ptr % 16 = {kv_cache.data_ptr() % 16})")
     if block_table.stride(1) != 1:

@@ -24,7 +24,8 @@ from jitattn.trace import ParamView
 from jitattn.variant import alibi_slopes as _alibi_slopes
 from jitattn.variant import builtin_transforms, structural_mask
 
-_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                 "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -129,6 +130,8 @@ def paged_attention(
     alibi_slopes: torch.Tensor | None = None,
     params: Mapping[str, torch.Tensor] | None = None,
     return_lse: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     compute_dtype: torch.dtype = torch.float32,
     max_score_bytes: int = 1 << 30,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -148,6 +151,7 @@ def paged_attention(
         alibi_slopes: float32 ``(num_qo_heads,)``; defaults to the standard slopes when ``spec.alibi``.
         params: the variant's parameter tensors by name.
         return_lse: also return the natural-log lse, float32 ``(total_q, num_qo_heads)``.
+        k_scale, v_scale: an FP8 cache holds ``K / k_scale`` and ``V / v_scale`` (per-tensor scales).
         compute_dtype: float32 (default) or float64 arithmetic.
         max_score_bytes: query rows are processed in chunks so one score matrix stays under this.
 
@@ -183,11 +187,11 @@ def paged_attention(
             continue
         k, v = gather_kv(spec, kv_cache, block_table, b, kv_len)
         kv_pos = torch.arange(kv_len, device=q.device)
-        k = k.to(compute_dtype)
+        k = k.to(compute_dtype) * k_scale
         if k_hook is not None:
             k = _transform_vectors(k_hook, k, b, kv_pos, view)
         k = k.repeat_interleave(spec.group_size, dim=1)  # (L, Hq, D)
-        v = v.to(compute_dtype).repeat_interleave(spec.group_size, dim=1)
+        v = (v.to(compute_dtype) * v_scale).repeat_interleave(spec.group_size, dim=1)
         rows = max(1, max_score_bytes // max(1, 8 * spec.num_qo_heads * max(kv_len, 1)))
         for r0 in range(q0, q1, rows):
             r1 = min(q1, r0 + rows)

@@ -26,7 +26,7 @@ from jitattn.variant import builtin_symbols, builtin_transforms, structural_mask
 TEMPLATE_NAME = "attention.cu.j2"
 RENDERED_FILE = "kernel.cu"
 
-CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
+CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float8_e4m3fn": "__nv_fp8_e4m3"}
 
 #: Kernel entry points in every rendered module (one module per spec, so plain names suffice).
 KERNEL_NAMES = {
@@ -76,6 +76,8 @@ BASE_FIELDS: tuple[Field, ...] = (
     Field("num_pages", "i32", "int", "pages in kv_cache; block_table entries past it mark a sequence invalid"),
     Field("num_splits", "i32", "int", "split-KV factor of the decode launch"),
     Field("prefill_skip_decode_rows", "i32", "int", "1: the prefill kernel leaves one-query sequences to decode"),
+    Field("k_scale", "f32", "float", "FP8 cache: K = stored * k_scale (1 otherwise)"),
+    Field("v_scale", "f32", "float", "FP8 cache: V = stored * v_scale (1 otherwise)"),
 )
 
 

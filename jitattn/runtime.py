@@ -214,13 +214,16 @@ class JitKernel:
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, sinks: torch.Tensor | None = None,
                         alibi_slopes: torch.Tensor | None = None, params: Mapping[str, Any] | None = None,
                         return_lse: bool = False, out: torch.Tensor | None = None, max_query_len: int | None = None,
-                        validate: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                        validate: bool = False, k_scale: float = 1.0, v_scale: float = 1.0
+                        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention over the paged KV cache; same contract as :func:`jitattn.reference.paged_attention`.
 
         Args:
             max_query_len: optional host-side hint; ``1`` promises a pure decode batch (only the decode
                 kernel is launched; a sequence with another query count is then left unwritten).
             validate: also check the metadata values (a device sync; not under graph capture).
+            k_scale, v_scale: per-tensor dequantisation scales of an FP8 cache (Python floats, so no
+                device sync; 1.0 for a 16-bit cache).
             out: optional preallocated output ``(total_q, num_qo_heads, head_dim_vo)``.
 
         Returns:
@@ -265,6 +268,7 @@ class JitKernel:
             "q_stride_token": q.stride(0), "kv_stride_page": kv_cache.stride(0), "kv_stride_kv": kv_cache.stride(1),
             "block_table_stride": block_table.stride(0), "batch_size": batch, "total_q": total_q,
             "num_pages": call.num_pages, "num_splits": splits, "prefill_skip_decode_rows": 1,
+            "k_scale": _scale("k_scale", k_scale), "v_scale": _scale("v_scale", v_scale),
         }
         for p in spec.params:
             if p.is_scalar:
@@ -285,6 +289,12 @@ class JitKernel:
 
 _KERNELS: dict[tuple[AttentionSpec, int], JitKernel] = {}
 _KERNELS_LOCK = threading.Lock()
+
+
+def _scale(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={value!r}: expected a positive finite Python float (a tensor would need a sync)")
+    return float(value)
 
 
 def _cuda_device(device: torch.device | str | int | None) -> torch.device:

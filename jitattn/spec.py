@@ -30,7 +30,7 @@ from jitattn.variant import Variant
 #: Query / output dtypes the kernels take.
 QO_DTYPES = ("float16", "bfloat16")
 #: KV-cache dtypes the kernels take.
-KV_DTYPES = ("float16", "bfloat16")
+KV_DTYPES = ("float16", "bfloat16", "float8_e4m3fn")
 KV_LAYOUTS = ("NHD", "HND")
 #: Head dims the templates are built for: multiples of 16 in this range.
 HEAD_DIM_MIN, HEAD_DIM_MAX = 32, 256
@@ -39,6 +39,8 @@ PAGE_SIZE_MAX = 1024
 _DTYPE_ALIASES = {
     "float16": "float16", "fp16": "float16", "half": "float16", "torch.float16": "float16",
     "bfloat16": "bfloat16", "bf16": "bfloat16", "torch.bfloat16": "bfloat16",
+    "float8_e4m3fn": "float8_e4m3fn", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "e4m3": "float8_e4m3fn",
+    "torch.float8_e4m3fn": "float8_e4m3fn",
 }
 
 
@@ -80,7 +82,8 @@ class AttentionSpec:
         head_dim_vo: value/output head dim; defaults to ``head_dim_qk``. The paged cache stores K
             and V in one tensor, so it must equal ``head_dim_qk``.
         q_dtype: ``"float16"`` or ``"bfloat16"`` (torch dtypes accepted).
-        kv_dtype: KV-cache dtype; defaults to ``q_dtype`` and must match it.
+        kv_dtype: KV-cache dtype; defaults to ``q_dtype``; either ``q_dtype`` or ``"float8_e4m3fn"``
+            (FP8 cache: per-tensor ``k_scale`` / ``v_scale`` at call time, dequantised in registers).
         o_dtype: output dtype; defaults to ``q_dtype``.
         kv_layout: ``"NHD"`` (cache ``(num_pages, 2, page_size, H_kv, D)``) or ``"HND"``
             (``(num_pages, 2, H_kv, page_size, D)``).
@@ -142,8 +145,8 @@ class AttentionSpec:
         _set("q_dtype", normalize_dtype(self.q_dtype, field="q_dtype", allowed=QO_DTYPES))
         _set("kv_dtype", normalize_dtype(self.kv_dtype or self.q_dtype, field="kv_dtype", allowed=KV_DTYPES))
         _set("o_dtype", normalize_dtype(self.o_dtype or self.q_dtype, field="o_dtype", allowed=QO_DTYPES))
-        if self.kv_dtype != self.q_dtype:
-            raise ValueError(f"kv_dtype={self.kv_dtype!r}: must equal q_dtype={self.q_dtype!r}")
+        if self.kv_dtype not in (self.q_dtype, "float8_e4m3fn"):
+            raise ValueError(f"kv_dtype={self.kv_dtype!r}: must equal q_dtype={self.q_dtype!r} or be 'float8_e4m3fn'")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout={self.kv_layout!r}: expected one of {KV_LAYOUTS}")
         _check_int("page_size", self.page_size, 1, PAGE_SIZE_MAX)
@@ -209,6 +212,8 @@ class AttentionSpec:
         """Readable, filesystem-safe name; unique together with :attr:`key`."""
         parts = [f"h{self.num_qo_heads}x{self.num_kv_heads}", f"d{self.head_dim_qk}",
                  {"float16": "f16", "bfloat16": "bf16"}[self.q_dtype], self.kv_layout.lower(), f"p{self.page_size}"]
+        if self.kv_dtype == "float8_e4m3fn":
+            parts.insert(3, "kvf8")
         if self.causal:
             parts.append("causal")
         if self.window_left >= 0 or self.window_right >= 0:

@@ -33,12 +33,13 @@ class PagedBatch:
     sinks: torch.Tensor | None = None
     alibi_slopes: torch.Tensor | None = None
     params: dict[str, Any] = field(default_factory=dict)
+    scales: dict[str, float] = field(default_factory=dict)  # k_scale / v_scale of an FP8 cache
 
     def args(self) -> tuple[torch.Tensor, ...]:
         return (self.q, self.kv_cache, self.block_table, self.seq_lens, self.query_start_loc)
 
     def kwargs(self) -> dict[str, Any]:
-        return {"sinks": self.sinks, "alibi_slopes": self.alibi_slopes, "params": self.params}
+        return {"sinks": self.sinks, "alibi_slopes": self.alibi_slopes, "params": self.params, **self.scales}
 
     @property
     def kv_bytes_read(self) -> int:
@@ -138,11 +139,17 @@ def random_paged_batch(spec: AttentionSpec, q_lens: Sequence[int], kv_lens: Sequ
     q = randn(sum(q_lens), spec.num_qo_heads, spec.head_dim_qk)
     k = randn(sum(kv_lens), spec.num_kv_heads, spec.head_dim_qk)
     v = randn(sum(kv_lens), spec.num_kv_heads, spec.head_dim_vo)
+    scales: dict[str, float] = {}
+    if spec.kv_dtype == "float8_e4m3fn":  # per-tensor scales so the largest |value| maps to e4m3's max, 448
+        scales = {"k_scale": max(k.float().abs().max().item(), 1e-6) / 448.0,
+                  "v_scale": max(v.float().abs().max().item(), 1e-6) / 448.0}
+        k = (k.float() / scales["k_scale"]).to(torch.float8_e4m3fn)
+        v = (v.float() / scales["v_scale"]).to(torch.float8_e4m3fn)
     kv_cache, block_table = make_paged_kv(k, v, kv_lens, spec, extra_pages=extra_pages, generator=gen)
     qsl = torch.tensor([0, *accumulate(q_lens)], dtype=torch.int32, device=device)
     sinks = (torch.randn(spec.num_qo_heads, generator=gen) + 1.0).to(device) if spec.sinks else None
     return PagedBatch(spec, q, kv_cache, block_table, torch.tensor(list(kv_lens), dtype=torch.int32, device=device),
-                      qsl, list(q_lens), list(kv_lens), sinks=sinks, params=dict(params or {}))
+                      qsl, list(q_lens), list(kv_lens), sinks=sinks, params=dict(params or {}), scales=scales)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -6,6 +6,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <stdint.h>
 
 namespace jitattn {
@@ -53,9 +54,35 @@ template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, f
 template <class T, int N>
 __device__ __forceinline__ void unpack16(const uint4& raw, float (&out)[N]) {
   static_assert(N * sizeof(T) == 16, "unpack16 reads exactly 16 bytes");
-  const T* e = reinterpret_cast<const T*>(&raw);
+  if constexpr (sizeof(T) == 1) {  // FP8 e4m3: two at a time through the half2 converter
+    const __nv_fp8x2_storage_t* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&raw);
 #pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = to_float(e[i]);
+    for (int i = 0; i < N / 2; ++i) {
+      const __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(pairs[i], __NV_E4M3));
+      const float2 f = __half22float2(h);
+      out[2 * i] = f.x;
+      out[2 * i + 1] = f.y;
+    }
+  } else {
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = to_float(e[i]);
+  }
+}
+
+// N elements of T (a multiple of 16 bytes) from 16-byte aligned global or shared memory, as floats.
+template <class T, int N>
+__device__ __forceinline__ void load_floats(const T* src, float (&out)[N], bool valid) {
+  constexpr int kPer = 16 / sizeof(T);
+  static_assert(N % kPer == 0, "load_floats reads whole 16-byte chunks");
+#pragma unroll
+  for (int c = 0; c < N / kPer; ++c) {
+    const uint4 raw = valid ? reinterpret_cast<const uint4*>(src)[c] : make_uint4(0, 0, 0, 0);
+    float part[kPer];
+    unpack16<T>(raw, part);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) out[c * kPer + i] = part[i];
+  }
 }
 
 // ---- fast math ----------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ struct DecodeTraits {
   // Each thread serves up to 4 query heads of the group, so each K/V element it loads is converted
   // once and used for several heads (a thread per head converted each element group-size times and
   // left decode issue-bound at ~2.6 TB/s on the H200, 2026-11-29). 8 heads spill at 3 blocks/SM.
-  static constexpr int kHeadsPerThread = ceil_div(S::kGroupSize, ceil_div(S::kGroupSize, 4));
+  static constexpr int kMaxHeadsPerThread = cmax(1, 32 / kVec);  // q and o: <= 32 floats each per thread
+  static constexpr int kHeadsPerThread = ceil_div(S::kGroupSize, ceil_div(S::kGroupSize, kMaxHeadsPerThread));
   static constexpr int kBdy = ceil_div(S::kGroupSize, kHeadsPerThread);
   // Enough key slots for ~128 threads, rounded so the block is whole warps.
   static constexpr int kBdz = round_up(ceil_div(128, kBdx * kBdy), 32 / gcd(kBdx * kBdy, 32));
@@ -43,6 +44,8 @@ struct DecodeTraits {
   static_assert(kHeadDim % kVec == 0, "head_dim must be a whole number of 16-byte chunks");
   static_assert(kBdx <= 32, "one K/V row must fit in one warp's lanes (head_dim <= 256)");
   static_assert(kThreads % 32 == 0 && kThreads <= 1024, "decode block must be whole warps");
+  static_assert(!(S::kHasQTransform || S::kHasKTransform) || (kHeadDim / 2) % kVec == 0,
+                "query/key transforms need head_dim / 2 to be whole 16-byte chunks of the KV type");
 };
 
 // Address of row `kv_idx` (K if which == 0, V if 1) of sequence `batch`, head `kv_head`, chunk 0.
@@ -118,6 +121,14 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
   const int tz = threadIdx.x / (T::kBdx * T::kBdy);
   const bool lane_has_dims = tx < T::kChunks;
 
+  // Prologue first: kStages - 1 tiles in flight while the query is read and transformed.
+#pragma unroll
+  for (int s = 0; s < T::kStages - 1; ++s) {
+    const int start = lo + s * T::kTileKeys;
+    if (start < hi) decode_load_tile<S>(p, smem + s * T::kStageBytes, batch, kv_head, start, hi, bad);
+    cp_async_commit();
+  }
+
   // Query heads of this thread: group-local g = ty * H + h.
   float q[H][V], o[H][V];
   SoftmaxState st[H];
@@ -126,15 +137,11 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
     const int g = ty * H + h;
     const int qo_head = kv_head * S::kGroupSize + min(g, S::kGroupSize - 1);
     const typename S::DTypeQ* q_head = p.q + q_row * p.q_stride_token + qo_head * S::kHeadDimQK;
-    uint4 raw = make_uint4(0, 0, 0, 0);
-    if (lane_has_dims && g < S::kGroupSize) raw = *reinterpret_cast<const uint4*>(q_head + tx * V);
-    unpack16<typename S::DTypeQ>(raw, q[h]);
-    if constexpr (S::kHasQTransform) {  // the rotate_half partner lies D/2 away: another 16-byte chunk
+    const bool has_q = lane_has_dims && g < S::kGroupSize;
+    load_floats<typename S::DTypeQ, V>(q_head + tx * V, q[h], has_q);  // V elements of the KV vector width
+    if constexpr (S::kHasQTransform) {  // the rotate_half partner lies D/2 away: another chunk
       float partner[V];
-      uint4 praw = make_uint4(0, 0, 0, 0);
-      if (lane_has_dims && g < S::kGroupSize)
-        praw = *reinterpret_cast<const uint4*>(q_head + ((tx + T::kChunks / 2) % T::kChunks) * V);
-      unpack16<typename S::DTypeQ>(praw, partner);
+      load_floats<typename S::DTypeQ, V>(q_head + ((tx + T::kChunks / 2) % T::kChunks) * V, partner, has_q);
 #pragma unroll
       for (int i = 0; i < V; ++i) {
         const int dim = tx * V + i;
@@ -144,18 +151,10 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
     }
 #pragma unroll
     for (int i = 0; i < V; ++i) {
-      q[h][i] *= q_prescale<S>();
+      q[h][i] *= q_prescale<S>() * p.k_scale;  // an FP8 cache's K scale folds into q
       o[h][i] = 0.f;
     }
     st[h] = SoftmaxState{S::kSoftmax ? kNegInf : 0.f, 0.f};
-  }
-
-  // Prologue: kStages - 1 tiles in flight.
-#pragma unroll
-  for (int s = 0; s < T::kStages - 1; ++s) {
-    const int start = lo + s * T::kTileKeys;
-    if (start < hi) decode_load_tile<S>(p, smem + s * T::kStageBytes, batch, kv_head, start, hi, bad);
-    cp_async_commit();
   }
 
   int it = 0;
@@ -276,15 +275,15 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
     const int qo_head = kv_head * S::kGroupSize + g;
     if (p.num_splits == 1) {
       float lse;
-      sm_scale[g] = finalize_state<S>(p, qo_head, SoftmaxState{m, d}, lse);
+      sm_scale[g] = finalize_state<S>(p, qo_head, SoftmaxState{m, d}, lse) * p.v_scale;
       if (p.lse != nullptr) p.lse[static_cast<long long>(q_row) * S::kNumQoHeads + qo_head] = lse + poison;
     } else if constexpr (S::kSoftmax) {  // normalised partial state, base 2: merged (and sinks added) by merge_splits
       const long long part = (static_cast<long long>(split) * p.batch_size + batch) * S::kNumQoHeads + qo_head;
-      sm_scale[g] = d > 0.f ? 1.0f / d : 0.f;
+      sm_scale[g] = d > 0.f ? p.v_scale / d : 0.f;
       p.partial_lse[part] = (d > 0.f ? m + __log2f(d) : kNegInf) + poison;
     } else {  // without softmax a partial is a plain sum; merge_splits adds them up
       const long long part = (static_cast<long long>(split) * p.batch_size + batch) * S::kNumQoHeads + qo_head;
-      sm_scale[g] = 1.0f;
+      sm_scale[g] = p.v_scale;
       p.partial_lse[part] = poison;
     }
   }

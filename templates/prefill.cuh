@@ -41,7 +41,11 @@ struct PrefillTraits {
   static constexpr int kChunks = kHeadDim / 8;     // 16-byte chunks per row
   static constexpr int kQBytes = kBlockM * kRowStride * 2;
   static constexpr int kTileBytes = kBlockN * kRowStride * 2;  // one of K or V
-  static constexpr int kSmemBytes = kQBytes + kStages * 2 * kTileBytes;
+  // An FP8 cache lands raw in a staging area (cp.async cannot convert) and is widened to DT per tile.
+  static constexpr bool kKvFp8 = sizeof(typename S::DTypeKV) == 1;
+  static constexpr int kRawChunks = kHeadDim / 16;  // 16-byte chunks of an FP8 row
+  static constexpr int kRawTileBytes = kKvFp8 ? 2 * kBlockN * kHeadDim : 0;  // K and V of one stage
+  static constexpr int kSmemBytes = kQBytes + kStages * (2 * kTileBytes + kRawTileBytes);
   static constexpr int kNTiles = kBlockN / 8;    // n-tiles of S per m-tile
   static constexpr int kDTiles = kHeadDim / 8;   // n-tiles of O per m-tile
   // Rescale O only when a row's max grows by more than this (log2 units): most tiles skip the
@@ -96,18 +100,53 @@ __device__ __forceinline__ bool prefill_find_tile(const Params& p, int block, in
 }
 
 // cp.async of keys [n0, n0 + kBlockN) (K and V) into one stage; keys at or past kv_end are zero-filled.
+// With an FP8 cache the bytes go to the stage's raw area (`raw`), widened later by prefill_widen_kv.
 template <class S>
-__device__ __forceinline__ void prefill_load_kv(const Params& p, typename S::DTypeKV* sk, typename S::DTypeKV* sv,
-                                                int batch, int kv_head, int n0, int kv_end, bool& bad) {
+__device__ __forceinline__ void prefill_load_kv(const Params& p, typename S::DTypeQ* sk, typename S::DTypeQ* sv,
+                                                uint8_t* raw, int batch, int kv_head, int n0, int kv_end, bool& bad) {
   using T = PrefillTraits<S>;
+  if constexpr (T::kKvFp8) {
 #pragma unroll
-  for (int c = threadIdx.x; c < T::kBlockN * T::kChunks; c += T::kThreads) {
-    const int row = c / T::kChunks, chunk = c % T::kChunks;
-    const int kv_idx = n0 + row;
-    const bool in = kv_idx < kv_end;
-    const auto* k = in ? kv_row<S>(p, batch, kv_head, kv_idx, 0, bad) + chunk * 8 : p.kv_cache;
-    cp_async_16(sk + row * T::kRowStride + chunk * 8, k, in);
-    cp_async_16(sv + row * T::kRowStride + chunk * 8, k + p.kv_stride_kv, in);  // V: same page, after K
+    for (int c = threadIdx.x; c < T::kBlockN * T::kRawChunks; c += T::kThreads) {
+      const int row = c / T::kRawChunks, chunk = c % T::kRawChunks;
+      const int kv_idx = n0 + row;
+      const bool in = kv_idx < kv_end;
+      const auto* k = in ? kv_row<S>(p, batch, kv_head, kv_idx, 0, bad) + chunk * 16 : p.kv_cache;
+      cp_async_16(raw + row * T::kHeadDim + chunk * 16, k, in);
+      cp_async_16(raw + (T::kBlockN + row) * T::kHeadDim + chunk * 16, k + p.kv_stride_kv, in);
+    }
+  } else {
+#pragma unroll
+    for (int c = threadIdx.x; c < T::kBlockN * T::kChunks; c += T::kThreads) {
+      const int row = c / T::kChunks, chunk = c % T::kChunks;
+      const int kv_idx = n0 + row;
+      const bool in = kv_idx < kv_end;
+      const auto* k = in ? kv_row<S>(p, batch, kv_head, kv_idx, 0, bad) + chunk * 8 : p.kv_cache;
+      cp_async_16(sk + row * T::kRowStride + chunk * 8, k, in);
+      cp_async_16(sv + row * T::kRowStride + chunk * 8, k + p.kv_stride_kv, in);  // V: same page, after K
+    }
+  }
+}
+
+// FP8 cache: widen one stage's raw K and V to DT (applying k_scale / v_scale) in the padded tiles.
+template <class S>
+__device__ __forceinline__ void prefill_widen_kv(const Params& p, const uint8_t* raw, typename S::DTypeQ* sk,
+                                                 typename S::DTypeQ* sv) {
+  using T = PrefillTraits<S>;
+  using DT = typename T::DT;
+  for (int c = threadIdx.x; c < 2 * T::kBlockN * T::kRawChunks; c += T::kThreads) {
+    const int which = c / (T::kBlockN * T::kRawChunks), rc = c % (T::kBlockN * T::kRawChunks);
+    const int row = rc / T::kRawChunks, chunk = rc % T::kRawChunks;
+    float f[16];
+    unpack16<typename S::DTypeKV>(*reinterpret_cast<const uint4*>(raw + (which * T::kBlockN + row) * T::kHeadDim +
+                                                                  chunk * 16), f);
+    const float scale = which == 0 ? p.k_scale : p.v_scale;
+    uint32_t w[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] = pack2<DT>(f[2 * i] * scale, f[2 * i + 1] * scale);
+    uint4* dst = reinterpret_cast<uint4*>((which == 0 ? sk : sv) + row * T::kRowStride + chunk * 16);
+    dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
   }
 }
 
@@ -162,7 +201,7 @@ __device__ __forceinline__ void prefill_qk(float (&s)[PrefillTraits<S>::kMTiles]
 template <class S>
 __device__ __forceinline__ void prefill_pv(float (&o)[PrefillTraits<S>::kMTiles][PrefillTraits<S>::kDTiles][4],
                                            const float (&s)[PrefillTraits<S>::kMTiles][PrefillTraits<S>::kNTiles][4],
-                                           const typename S::DTypeKV* sv, int lane) {
+                                           const typename S::DTypeQ* sv, int lane) {
   using T = PrefillTraits<S>;
   using DT = typename T::DT;
 #pragma unroll
@@ -226,6 +265,7 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
   DT* skv = reinterpret_cast<DT*>(smem + T::kQBytes);  // [stage][K|V][kBlockN][kRowStride]
   auto stage_k = [&](int s) { return skv + (2 * s) * T::kBlockN * T::kRowStride; };
   auto stage_v = [&](int s) { return skv + (2 * s + 1) * T::kBlockN * T::kRowStride; };
+  auto stage_raw = [&](int s) { return smem + T::kQBytes + T::kStages * 2 * T::kTileBytes + s * T::kRawTileBytes; };
 
   // Heavy (late, causal) tiles first: walk the grid backwards.
   int batch, tile;
@@ -268,7 +308,7 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
 #pragma unroll
   for (int stg = 0; stg < T::kStages - 1; ++stg) {
     const int n = n_first + stg * T::kBlockN;
-    if (n < kv_end) prefill_load_kv<S>(p, stage_k(stg), stage_v(stg), batch, kv_head, n, kv_end, bad);
+    if (n < kv_end) prefill_load_kv<S>(p, stage_k(stg), stage_v(stg), stage_raw(stg), batch, kv_head, n, kv_end, bad);
     cp_async_commit();
   }
   if constexpr (S::kHasQTransform) {
@@ -298,10 +338,16 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
     {
       const int n_next = n0 + (T::kStages - 1) * T::kBlockN;
       const int st_next = (it + T::kStages - 1) % T::kStages;
-      if (n_next < kv_end) prefill_load_kv<S>(p, stage_k(st_next), stage_v(st_next), batch, kv_head, n_next, kv_end, bad);
+      if (n_next < kv_end)
+        prefill_load_kv<S>(p, stage_k(st_next), stage_v(st_next), stage_raw(st_next), batch, kv_head, n_next, kv_end,
+                           bad);
       cp_async_commit();
     }
     const int stage = it % T::kStages;
+    if constexpr (T::kKvFp8) {
+      prefill_widen_kv<S>(p, stage_raw(stage), stage_k(stage), stage_v(stage));
+      __syncthreads();
+    }
     if constexpr (S::kHasKTransform) {  // the cache holds raw keys: transform this tile in place
       prefill_transform_rows<S, false>(p, stage_k(stage), T::kBlockN, n0, kv_end, 0, kv_head, batch, bad);
       __syncthreads();

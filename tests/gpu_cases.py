@@ -170,5 +170,18 @@ OUTPUT_GATE = Variant("output_gate", output_transform=_output_gate,
                       params=(Param("gate", "float32", ("num_qo_heads",)),))
 
 
+def fp8_cases() -> list[Case]:
+    """FP8 (e4m3) KV cache with per-tensor scales: decode dequantises in registers, prefill widens tiles."""
+    q, kv = [1, 50, 1, 20, 3, 1], [100, 50, 2049, 300, 3, 9000]
+    return [
+        Case("fp8-kv-hd128", AttentionSpec(32, 8, 128, kv_dtype="float8_e4m3fn"), q, kv),
+        Case("fp8-kv-gpt-oss-sliding-hnd", AttentionSpec(64, 8, 64, kv_dtype="float8_e4m3fn", sinks=True,
+                                                         window_left=127, kv_layout="HND"), q, kv),
+        Case("fp8-kv-hd256-fp16-softcap-rotary", AttentionSpec(16, 8, 256, q_dtype="float16", kv_dtype="float8_e4m3fn",
+                                                               logits_soft_cap=50.0, variant=rotary_embedding(256)), q, kv),
+        Case("fp8-kv-decode-b1-32768", AttentionSpec(32, 8, 128, kv_dtype="float8_e4m3fn"), [1], [32768]),
+    ]
+
+
 def all_cases() -> list[Case]:
-    return model_cases() + head_dim_cases() + feature_cases() + decode_cases() + variant_cases()
+    return model_cases() + head_dim_cases() + feature_cases() + decode_cases() + variant_cases() + fp8_cases()

@@ -113,7 +113,8 @@ def test_alibi_slopes_optional_but_checked():
     (dict(per_seq=torch.zeros(2, 3).T), r"params\['per_seq'\]: must be contiguous"),
     (dict(scale_=torch.tensor(0.5)), r"params\['scale_'\]: expected a Python float scalar \(float32\), got tensor"),
     (dict(scale_=True), r"params\['scale_'\]: expected a Python float scalar"),
-    (dict(n=3.0), r"params\['n'\]: expected a Python int scalar \(int32\), got 3.0"),
+    (dict(n=3.0), r"params\['n'\]: expected a Python int in \[-2\*\*31, 2\*\*31\) scalar \(int32\), got 3.0"),
+    (dict(n=2 ** 31), r"params\['n'\]: expected a Python int in \[-2\*\*31, 2\*\*31\) scalar \(int32\), got 2147483648"),
 ])
 def test_variant_params(change, match):
     batch = make(variant=VARIANT)
