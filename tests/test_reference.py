@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from jitattn import AttentionSpec, Param, Variant, reference
+from jitattn import AttentionSpec, Variant, reference
 from jitattn.testing import make_paged_kv, random_paged_batch, relative_error, visible_keys, visible_pairs
+from tests.gpu_cases import DOC_MASK, HIDE_HEAD, REL_BIAS
 
 TOL = {"float16": 2e-3, "bfloat16": 1.2e-2}  # output rounding to the spec's dtype, norm-wise
 
@@ -232,11 +233,6 @@ def test_sinks_match_softmax_with_an_extra_logit():
 
 
 # ---- rows that see no key ----------------------------------------------------------------------
-HIDE_HEAD = Variant(
-    name="hide_head", logits_mask="qo_head != hidden", params=(Param("hidden", "int32"),),
-    reference_mask=lambda b, h, qi, ki, p: (h != p["hidden"]) & (qi >= 0) & (ki >= 0))
-
-
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
 def test_rows_that_see_no_key_give_zero_and_neg_inf_lse(with_sinks):
     spec = AttentionSpec(4, 2, 64, q_dtype="float16", variant=HIDE_HEAD, sinks=with_sinks)
@@ -262,17 +258,7 @@ def test_zero_query_sequences_and_unused_cache_slots():
     assert out.shape == (3, 4, 64) and not torch.isnan(out).any() and torch.isfinite(lse).all()
 
 
-# ---- custom variants ---------------------------------------------------------------------------
-REL_BIAS = Variant(
-    name="rel_bias",
-    logits_transform="logits + bias[qo_head] * fminf((float)(qo_idx - kv_idx), max_dist)",
-    params=(Param("bias", "float32", ("num_qo_heads",)), Param("max_dist", "float32")),
-    reference_transform=lambda s, b, h, qi, ki, p: s + p["bias"][h] * torch.clamp((qi - ki).float(), max=p["max_dist"]),
-)
-DOC_MASK = Variant(
-    name="doc_mask", logits_mask="doc[qo_idx] == doc[kv_idx]", params=(Param("doc", "int32", ("*",)),),
-    reference_mask=lambda b, h, qi, ki, p: p["doc"][qi] == p["doc"][ki],
-)
+# ---- custom variants (the same CUDA-string variants the GPU tests run: tests/gpu_cases.py) -------
 
 
 def test_custom_transform_reference_functor():
