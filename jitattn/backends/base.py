@@ -1,0 +1,259 @@
+"""The backend interface: what every attention backend answers, and the device it answers about.
+
+A backend is one way to compute :func:`jitattn.reference.paged_attention` for a spec. It answers
+two questions:
+
+- :meth:`Backend.reasons` ``(spec, device, phase)``: why it cannot serve, as a list of precise
+  sentences that each start with the backend's name (``"sdpa: logits_soft_cap=50 not supported
+  (torch SDPA has no soft-cap)"``); an empty list means it can. It never needs the device itself,
+  only a :class:`DeviceInfo`, so ``jitattn select --device h100`` works on a laptop.
+- :meth:`Backend.build` ``(spec, device)``: a callable with the paged signature (:data:`PagedAttentionFn`)::
+
+      fn(q, kv_cache, block_table, seq_lens, query_start_loc, *, sinks=None, alibi_slopes=None,
+         params=None, return_lse=False, out=None, max_query_len=None)
+        -> out | (out, lse)
+
+  shapes and semantics exactly as :func:`jitattn.reference.paged_attention`: ``out``
+  ``(total_q, num_qo_heads, head_dim_vo)`` in ``spec.o_dtype``, ``lse`` float32 natural-log
+  ``(total_q, num_qo_heads)``. ``out`` (optional) is written in place and returned;
+  ``max_query_len`` is a host-side hint (``1``: a pure decode batch) that a backend may ignore.
+
+Phases (``phase`` argument): ``"prefill"`` (sequences bring many queries), ``"decode"`` (one
+query per sequence) and ``"mixed"`` (both in one call; the default). Every built-in backend
+serves every phase through the same call; a backend that could not would say so in its reasons.
+
+Two requirements a caller may add (:class:`Requirements`): ``need_lse`` (the call passes
+``return_lse=True``) and ``cuda_graph`` (the call is captured in a CUDA graph, so the backend must
+not read tensors on the host).
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Literal
+
+from jitattn.spec import QO_DTYPES, AttentionSpec
+
+Phase = Literal["prefill", "decode", "mixed"]
+PHASES: tuple[str, ...] = ("prefill", "decode", "mixed")
+
+#: The paged attention signature every built backend has (see the module doc).
+PagedAttentionFn = Callable[..., Any]
+
+#: GPU product names -> compute capability, for naming a device that is not present.
+KNOWN_GPUS: dict[str, tuple[int, int]] = {
+    "v100": (7, 0), "t4": (7, 5),
+    "a100": (8, 0), "a800": (8, 0), "a30": (8, 0), "a10": (8, 6), "a10g": (8, 6), "a40": (8, 6),
+    "rtx3090": (8, 6), "l4": (8, 9), "l40": (8, 9), "l40s": (8, 9), "rtx4090": (8, 9),
+    "h100": (9, 0), "h800": (9, 0), "h200": (9, 0), "h20": (9, 0), "gh200": (9, 0),
+    "b200": (10, 0), "gb200": (10, 0), "b100": (10, 0), "rtx5090": (12, 0),
+}
+_ARCH = re.compile(r"^(?:sm_?)?(\d{2,3})a?$")
+_CAPABILITY = re.compile(r"^(\d{1,2})\.(\d)$")
+
+
+def _check_phase(phase: str) -> str:
+    if phase not in PHASES:
+        raise ValueError(f"phase={phase!r}: expected one of {PHASES}")
+    return phase
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """A device as the backends see it: no handle to it, so it can name a device that is absent.
+
+    Attributes:
+        name: how it was named (``"cpu"``, ``"cuda"``, ``"h100"``, ``"sm_90"``, or torch's device name).
+        type: ``"cpu"`` or ``"cuda"``.
+        capability: ``(major, minor)`` for a CUDA device, None when unknown (``"cuda"`` named on a
+            machine without a GPU) or for the CPU.
+        index: the CUDA device index when it describes a real device, else None.
+    """
+
+    name: str
+    type: str
+    capability: tuple[int, int] | None = None
+    index: int | None = None
+
+    @classmethod
+    def parse(cls, text: "str | DeviceInfo | Any | None") -> "DeviceInfo":
+        """A device from a name: ``"cpu"``; ``"cuda"`` / ``"cuda:1"`` (the real device if torch sees
+        one, else capability unknown); a GPU name from :data:`KNOWN_GPUS` (``"h100"``); an arch
+        (``"sm_90"``, ``"sm_90a"``, ``"90"``) or a capability (``"9.0"``). A torch.device or None
+        (the current CUDA device if any, else the CPU) goes through :meth:`from_torch`.
+
+        Raises:
+            ValueError: an unknown name, listing what is accepted.
+        """
+        if isinstance(text, DeviceInfo):
+            return text
+        if text is None or not isinstance(text, str):
+            return cls.from_torch(text)
+        raw = text.strip().lower()
+        if raw == "cpu":
+            return cls("cpu", "cpu")
+        if raw == "cuda" or raw.startswith("cuda:"):
+            return cls._real_cuda(raw)
+        key = raw.replace("nvidia", "").replace("-", "").replace(" ", "").replace("_", "")
+        if key in KNOWN_GPUS:
+            return cls(raw, "cuda", KNOWN_GPUS[key])
+        m = _ARCH.match(raw)
+        if m:
+            num = int(m.group(1))
+            return cls(raw, "cuda", (num // 10, num % 10))
+        m = _CAPABILITY.match(raw)
+        if m:
+            return cls(raw, "cuda", (int(m.group(1)), int(m.group(2))))
+        raise ValueError(
+            f"device={text!r}: unknown device; expected 'cpu', 'cuda', 'cuda:N', a GPU name "
+            f"({', '.join(sorted(KNOWN_GPUS))}), an arch such as 'sm_90' or a capability such as '9.0'")
+
+    @classmethod
+    def _real_cuda(cls, raw: str) -> "DeviceInfo":
+        index = int(raw.split(":")[1]) if ":" in raw else None
+        try:
+            import torch
+        except ImportError:
+            return cls(raw, "cuda", None, index)
+        if not torch.cuda.is_available():
+            return cls(raw, "cuda", None, index)
+        return cls.from_torch(torch.device(raw))
+
+    @classmethod
+    def from_torch(cls, device: Any = None) -> "DeviceInfo":
+        """The real device a torch device (or tensor's device) names; None: current CUDA device, else CPU."""
+        import torch
+
+        if device is None:
+            device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            return cls(dev.type, dev.type)
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        name = torch.cuda.get_device_name(index)
+        return cls(name, "cuda", tuple(torch.cuda.get_device_capability(index)), index)  # type: ignore[arg-type]
+
+    @property
+    def arch(self) -> str | None:
+        """``"sm_90"`` for capability (9, 0); None when unknown."""
+        return f"sm_{self.capability[0]}{self.capability[1]}" if self.capability else None
+
+    def torch_device(self) -> Any:
+        """The torch device to run on (``cuda:index`` or the current CUDA device; ``cpu``)."""
+        import torch
+
+        if self.type == "cuda":
+            return torch.device("cuda", self.index) if self.index is not None else torch.device("cuda")
+        return torch.device(self.type)
+
+    def describe(self) -> str:
+        if self.type != "cuda":
+            return self.name
+        cap = f"{self.capability[0]}.{self.capability[1]}" if self.capability else "capability unknown"
+        return f"{self.name} (cuda, {cap})"
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """What a call needs beyond the spec.
+
+    Attributes:
+        need_lse: the call asks for the log-sum-exp (``return_lse=True``), e.g. to merge states.
+        cuda_graph: the call is captured in a CUDA graph: no host reads of tensor values, no
+            allocation that changes between replays.
+    """
+
+    need_lse: bool = False
+    cuda_graph: bool = False
+
+
+class Backend(ABC):
+    """One attention implementation. Subclasses set the class attributes and the two methods.
+
+    Attributes:
+        name: short unique name (``JITATTN_BACKEND`` value, table column).
+        priority: higher is tried first by the selector (built-ins: jit 100, flashinfer 80,
+            flex 60, sdpa 40, reference 0). A third-party backend picks its own.
+        graph_safe: its calls can be captured in a CUDA graph.
+        supports_lse: its calls can return the lse.
+        description: one line for tables and docs.
+    """
+
+    name: ClassVar[str]
+    priority: ClassVar[int] = 50
+    graph_safe: ClassVar[bool] = False
+    supports_lse: ClassVar[bool] = True
+    description: ClassVar[str] = ""
+
+    @abstractmethod
+    def spec_reasons(self, spec: AttentionSpec, device: DeviceInfo, phase: str) -> list[str]:
+        """Reasons specific to this backend (each a full sentence starting with ``"{name}: "``)."""
+
+    @abstractmethod
+    def build(self, spec: AttentionSpec, device: DeviceInfo) -> PagedAttentionFn:
+        """The callable serving ``spec`` on ``device`` (module doc: signature).
+
+        Only called after :meth:`reasons` returned nothing. May load or compile kernels.
+        """
+
+    def reasons(self, spec: AttentionSpec, device: "DeviceInfo | str", phase: str = "mixed",
+                requirements: Requirements = Requirements()) -> list[str]:
+        """Why this backend cannot serve ``spec`` on ``device`` in ``phase``; empty when it can.
+
+        Raises:
+            ValueError: an unknown phase or device name (a caller error, not a reason).
+        """
+        device = DeviceInfo.parse(device)
+        _check_phase(phase)
+        out = list(self.spec_reasons(spec, device, phase))
+        if requirements.need_lse and not self.supports_lse:
+            out.append(f"{self.name}: cannot return the lse (return_lse=True)")
+        if requirements.need_lse and spec.variant is not None and not spec.variant.softmax:
+            out.append(f"{self.name}: variant {spec.variant.name!r} has no softmax, so there is no lse")
+        if requirements.cuda_graph and not self.graph_safe:
+            out.append(f"{self.name}: not CUDA-graph capturable (reads sequence lengths on the host each call)")
+        return out
+
+    def __repr__(self) -> str:
+        return f"<jitattn backend {self.name!r} priority={self.priority}>"
+
+
+# ---- shared reason helpers -------------------------------------------------------------------------
+#: The 16-bit KV dtypes every built-in backend takes; an FP8 cache needs its scales applied on load.
+KV_DTYPES_16BIT = ("float16", "bfloat16")
+
+
+def dtype_reasons(name: str, spec: AttentionSpec, qo: tuple[str, ...] = QO_DTYPES,
+                  kv: tuple[str, ...] = KV_DTYPES_16BIT) -> list[str]:
+    """Reasons for q/o and KV dtypes outside what a backend takes (by default 16-bit KV only)."""
+    out = []
+    if spec.q_dtype not in qo or spec.o_dtype not in qo:
+        out.append(f"{name}: q_dtype={spec.q_dtype} / o_dtype={spec.o_dtype} not supported (takes {', '.join(qo)})")
+    if spec.kv_dtype not in kv:
+        extra = " (an FP8 cache needs k_scale / v_scale applied on load; this backend does not)" \
+            if "float8" in spec.kv_dtype else ""
+        out.append(f"{name}: kv_dtype={spec.kv_dtype} not supported (takes {', '.join(kv)}){extra}")
+    return out
+
+
+def cuda_reasons(name: str, device: DeviceInfo, *, min_capability: tuple[int, int] | None = None) -> list[str]:
+    """Reasons a CUDA-only backend gives for this device (not CUDA; capability unknown or too old)."""
+    if device.type != "cuda":
+        return [f"{name}: runs on CUDA devices only, device is {device.name}"]
+    if device.capability is None:
+        return [f"{name}: compute capability of device {device.name!r} unknown (no GPU visible); "
+                f"name the GPU or arch, e.g. --device h100 or --device sm_90"]
+    if min_capability and device.capability < min_capability:
+        have = f"{device.capability[0]}.{device.capability[1]}"
+        need = f"{min_capability[0]}.{min_capability[1]}"
+        return [f"{name}: needs compute capability >= {need}, device {device.name} has {have}"]
+    return []
+
+
+def variant_reasons(name: str, spec: AttentionSpec, why: str) -> list[str]:
+    """The reason a backend without user functors gives for a spec with a variant."""
+    if spec.variant is None:
+        return []
+    return [f"{name}: custom functors (variant {spec.variant.name!r}) not supported ({why})"]

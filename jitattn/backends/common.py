@@ -1,0 +1,49 @@
+"""Helpers the torch-level backends (reference, sdpa, flex) share: output handling and metadata."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from jitattn.checks import check_paged_call
+from jitattn.reference import torch_dtype
+from jitattn.spec import AttentionSpec
+
+
+def new_out(spec: AttentionSpec, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``out`` if given, else a zeroed ``(total_q, num_qo_heads, head_dim_vo)`` tensor in ``spec.o_dtype``."""
+    if out is not None:
+        return out
+    return torch.zeros(q.shape[0], spec.num_qo_heads, spec.head_dim_vo, dtype=torch_dtype(spec.o_dtype),
+                       device=q.device)
+
+
+def finish(result: torch.Tensor, lse: torch.Tensor | None, out: torch.Tensor | None,
+           return_lse: bool) -> Any:
+    """Copy ``result`` into ``out`` when the caller gave one; return ``out`` (and lse) per the contract."""
+    if out is not None and out is not result:
+        out.copy_(result)
+        result = out
+    return (result, lse) if return_lse else result
+
+
+def check_call(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, query_start_loc: torch.Tensor, kwargs: dict[str, Any]) -> None:
+    """The shared call-time checks (:func:`jitattn.checks.check_paged_call`), host-only, no sync."""
+    check_paged_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc, sinks=kwargs.get("sinks"),
+                     alibi_slopes=kwargs.get("alibi_slopes"), params=kwargs.get("params"), out=kwargs.get("out"))
+
+
+def query_positions(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, total_q: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query row: its sequence index and its position, int64 ``(total_q,)`` each, on the device.
+
+    Sequence ``b``'s queries sit at positions ``seq_lens[b] - qo_len ... seq_lens[b] - 1``.
+    """
+    rows = torch.arange(total_q, device=query_start_loc.device)
+    seq = torch.searchsorted(query_start_loc[1:].long(), rows, right=True)  # (total_q,)
+    start = query_start_loc.long()[seq]
+    qo_len = query_start_loc.long()[seq + 1] - start
+    pos = seq_lens.long()[seq] - qo_len + (rows - start)
+    return seq, pos

@@ -1,0 +1,45 @@
+"""``jit``: jitattn's own kernels, rendered for the spec, compiled by nvcc, cached, launched with CuPy.
+
+Serves every spec feature (soft-cap, windows, sinks, ALiBi, every variant hook, GQA of any group
+size, head dims 32..256 in steps of 16, NHD/HND, any page size, every KV dtype the spec takes) on CUDA devices whose compute
+capability runs one of the archs jitattn builds (:func:`jitattn.build.archs_for_capability`:
+today 8.0 and newer). Launches are CUDA-graph capturable and return the lse.
+
+Building may compile (seconds per spec) unless the cache is warm; under ``JITATTN_DISABLE_JIT=1``
+a missing kernel is an error naming the warm-up command (:class:`jitattn.cache.MissingKernelError`),
+never a silent switch to another backend.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jitattn.backends.base import Backend, DeviceInfo, PagedAttentionFn, cuda_reasons, dtype_reasons
+from jitattn.build import ARCHS, archs_for_capability
+from jitattn.spec import KV_DTYPES, AttentionSpec
+
+
+class JitBackend(Backend):
+    name = "jit"
+    priority = 100
+    graph_safe = True
+    supports_lse = True
+    description = "jitattn's specialised CUDA kernels (every spec feature; sm_80 and newer)"
+
+    def spec_reasons(self, spec: AttentionSpec, device: DeviceInfo, phase: str) -> list[str]:
+        out = cuda_reasons(self.name, device)
+        if not out and not archs_for_capability(*device.capability):  # type: ignore[misc]
+            cap = f"{device.capability[0]}.{device.capability[1]}"  # type: ignore[index]
+            out.append(f"{self.name}: no build target runs on compute capability {cap} ({device.name}); "
+                       f"jitattn builds {', '.join(ARCHS)}")
+        return out + dtype_reasons(self.name, spec, kv=KV_DTYPES)
+
+    def build(self, spec: AttentionSpec, device: DeviceInfo) -> PagedAttentionFn:
+        from jitattn.runtime import load_kernel
+
+        kernel = load_kernel(spec, device.torch_device())
+
+        def jit_paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, **kwargs: Any):
+            return kernel.paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, **kwargs)
+
+        return jit_paged_attention

@@ -1,0 +1,87 @@
+"""``sdpa``: torch's ``scaled_dot_product_attention`` (FlashAttention / cuDNN / memory-efficient / math).
+
+Serves plain attention only: causal or bidirectional, any GQA group, no window, no soft-cap, no
+sinks, no ALiBi, no custom functors (SDPA takes none of these; a dense mask could express windows,
+but it would take SDPA off its flash path and cost O(q x kv) memory, so this backend does not).
+
+Cost of the paged input: SDPA takes dense K/V, so each call gathers every sequence's pages into a
+contiguous copy (one extra read and write of the KV the batch touches) and makes one SDPA call per
+sequence, reading ``seq_lens`` / ``query_start_loc`` on the host (a device sync; not capturable in
+a CUDA graph). Causal masks are bottom-right aligned as jitattn's convention needs: a sequence
+whose queries are all its keys uses ``is_causal=True``; a single query sees every key (no mask);
+a chunk of queries after cached keys passes an explicit boolean mask.
+SDPA does not return the log-sum-exp, so ``return_lse=True`` is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from jitattn.backends.base import Backend, DeviceInfo, PagedAttentionFn, dtype_reasons, variant_reasons
+from jitattn.backends.common import check_call, finish, new_out
+from jitattn.reference import gather_kv
+from jitattn.spec import AttentionSpec
+
+
+class SdpaBackend(Backend):
+    name = "sdpa"
+    priority = 40
+    graph_safe = False
+    supports_lse = False
+    description = "torch scaled_dot_product_attention over gathered K/V (plain causal/bidirectional)"
+
+    def spec_reasons(self, spec: AttentionSpec, device: DeviceInfo, phase: str) -> list[str]:
+        n = self.name
+        out = []
+        windows = [f"{w}={getattr(spec, w)}" for w in ("window_left", "window_right") if getattr(spec, w) >= 0]
+        if windows:
+            out.append(f"{n}: sliding window ({', '.join(windows)}) not supported (torch SDPA has no window; "
+                       f"a dense mask would take it off its flash path)")
+        if spec.logits_soft_cap:
+            out.append(f"{n}: logits_soft_cap={spec.logits_soft_cap:g} not supported (torch SDPA has no soft-cap)")
+        if spec.sinks:
+            out.append(f"{n}: sinks not supported (torch SDPA has no sink term in the softmax denominator)")
+        if spec.alibi:
+            out.append(f"{n}: ALiBi not supported (torch SDPA takes no per-head position bias)")
+        out += variant_reasons(n, spec, "torch SDPA takes no score or mask functions")
+        return out + dtype_reasons(n, spec)
+
+    def build(self, spec: AttentionSpec, device: DeviceInfo) -> PagedAttentionFn:
+        def sdpa_paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, *, out=None,
+                                 return_lse: bool = False, max_query_len: int | None = None, **kwargs: Any):
+            if return_lse:
+                raise NotImplementedError("sdpa: cannot return the lse (torch SDPA does not expose it); "
+                                          "select a backend with need_lse=True")
+            check_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc, {**kwargs, "out": out})
+            result = new_out(spec, q, None)
+            qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+            for b, kv_len in enumerate(lens):
+                q0, q1 = qsl[b], qsl[b + 1]
+                if q1 - q0 > kv_len:
+                    raise ValueError(f"sequence {b}: {q1 - q0} queries but seq_lens[{b}]={kv_len}; "
+                                     f"seq_lens counts new tokens too")
+                if q1 > q0:
+                    result[q0:q1] = _one_sequence(spec, q[q0:q1], *gather_kv(spec, kv_cache, block_table, b, kv_len))
+            return finish(result, None, out, False)
+
+        return sdpa_paged_attention
+
+
+def _one_sequence(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """SDPA for one sequence: q ``(n, H_qo, D)``, k/v ``(L, H_kv, D)`` -> ``(n, H_qo, D)``."""
+    n, kv_len = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (H, n, D), (H_kv, L, D)
+    if spec.group_size > 1:
+        kh = kh.repeat_interleave(spec.group_size, dim=0)  # (H_qo, L, D)
+        vh = vh.repeat_interleave(spec.group_size, dim=0)
+    mask, is_causal = None, False
+    if spec.causal and n == kv_len:
+        is_causal = True
+    elif spec.causal and n > 1:  # queries at kv_len - n ... kv_len - 1: bottom-right aligned
+        rows = torch.arange(kv_len - n, kv_len, device=q.device)[:, None]
+        mask = torch.arange(kv_len, device=q.device)[None, :] <= rows  # (n, L)
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=is_causal, scale=spec.sm_scale)
+    return o.transpose(0, 1)  # (n, H, D)

@@ -1,0 +1,1 @@
+"""Integrations of jitattn's backends into model libraries (:mod:`jitattn.integrations.transformers`)."""

@@ -1,0 +1,212 @@
+"""Hugging Face transformers: ``attn_implementation="jitattn"``.
+
+Usage::
+
+    import jitattn.integrations.transformers  # registers "jitattn" with transformers
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="jitattn", dtype=torch.bfloat16)
+
+Importing this module registers :func:`attention_forward` in transformers' ``AttentionInterface``
+and a padding-mask builder in its ``AttentionMaskInterface`` (both under the name ``"jitattn"``;
+:func:`register` registers other names). Checked against transformers 5.17.
+
+Each call maps the attention module's arguments to an :class:`~jitattn.spec.AttentionSpec`:
+heads and head dim from the tensors (GQA from ``key``'s head count), ``scaling`` -> ``sm_scale``,
+``softcap`` -> ``logits_soft_cap``, ``sliding_window=W`` -> ``window_left=W-1`` (transformers masks
+``kv_idx > q_idx - W``), ``s_aux`` (gpt-oss sinks) -> ``sinks``, ``is_causal`` (module attribute or
+keyword) -> ``causal``, the query dtype -> ``q_dtype`` (float16 or bfloat16 only: jitattn's specs
+take no float32), ``kv_layout="NHD"``, ``page_size=``:data:`PAGE_SIZE`. The selector picks the
+backend for that spec on the query's device (``jit`` on a supported GPU; on the CPU ``sdpa`` for
+plain attention, else ``reference``), logged once per layer kind, and the call goes through the
+:mod:`jitattn.ops` custom op, so ``torch.compile`` does not break the graph on it.
+
+Packing the dense ``(B, H, N, D)`` tensors into jitattn's paged call: queries become
+``(B*N, H, D)`` rows; the keys and values (the cache's full ``(B, H_kv, L, D)`` states) are copied
+into one paged cache of ``ceil(L / PAGE_SIZE)`` pages per sequence. That copy is one extra read
+and write of the layer's KV per call, on every decode step too: this integration is for running
+models whose attention variant no stock kernel serves, not a paged-KV serving engine.
+
+Padding: with no padding transformers passes no mask and the packing has no host sync. With a
+2D padding mask each sequence's valid keys must form one contiguous run (left or right padding,
+as ``generate`` makes); they are gathered on the host (a device sync), padded query rows get
+output 0. Not supported (raise): a mask with holes, dropout in training, ``output_attentions``
+weights (None is returned), sliding-window static caches (their ring buffer breaks positions), and
+masks beyond causal / sliding / padding (e.g. Gemma-3's bidirectional image-token masks, packed
+sequences) are not translated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from jitattn.backends import DeviceInfo
+from jitattn.ops import register_spec, spec_from_json
+from jitattn.selector import select
+from jitattn.spec import AttentionSpec
+
+NAME = "jitattn"
+#: Tokens per page of the paged view built from the dense K/V (part of the spec: one kernel per value).
+PAGE_SIZE = 16
+_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def register(name: str = NAME) -> str:
+    """Register the attention function and its mask builder with transformers under ``name``; return it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, padding_mask)
+    return name
+
+
+def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: int = 0,
+                 mask_function: Any = None, attention_mask: torch.Tensor | None = None, **kwargs: Any
+                 ) -> torch.Tensor | None:
+    """transformers' mask hook: None without padding, else bool ``(batch, kv_length)``, True for real tokens.
+
+    Columns ``kv_offset ... kv_offset + kv_length - 1`` of the 2D mask are the keys this layer sees
+    (a sliding layer's cache holds only the last ones); keys past the mask (empty static-cache
+    slots) are padding.
+    """
+    if attention_mask is None:
+        return None
+    mask = attention_mask[:, kv_offset:kv_offset + kv_length].to(torch.bool)
+    if mask.shape[1] < kv_length:
+        mask = F.pad(mask, (0, kv_length - mask.shape[1]), value=False)
+    if bool(mask.all()):
+        return None
+    return mask
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      sliding_window: int | None = None, softcap: float | None = None,
+                      s_aux: torch.Tensor | None = None, is_causal: bool | None = None, **kwargs: Any
+                      ) -> tuple[torch.Tensor, None]:
+    """transformers' attention hook: query ``(B, H, N, D)``, key/value ``(B, H_kv, L, D)`` -> ``(B, N, H, D)``.
+
+    Raises:
+        NotImplementedError: dropout while training; a padding mask with holes; a mask longer than
+            the keys in a way jitattn cannot align.
+        ValueError: a float32 model (jitattn takes float16 / bfloat16), or a spec jitattn rejects
+            (e.g. head_dim 72), with AttentionSpec's message.
+        jitattn.selector.NoBackendError: no backend serves the layer on this device.
+    """
+    if dropout and module.training:
+        raise NotImplementedError(f"jitattn: attention dropout={dropout} in training is not supported")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    text = _spec_text(query.shape[1], key.shape[1], query.shape[-1], query.dtype, scaling, softcap,
+                      sliding_window, bool(causal), s_aux is not None)
+    batch, _, n, _ = query.shape
+    backend = _backend(text, query.device, "decode" if n == 1 else "prefill")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise NotImplementedError(f"jitattn: expected no mask or a 2D padding mask (from the 'jitattn' mask "
+                                  f"hook), got shape {tuple(attention_mask.shape)}")
+    packed = _pack_dense(query, key, value) if attention_mask is None else _pack_padded(query, key, value,
+                                                                                       attention_mask)
+    q, kv_cache, block_table, seq_lens, qsl, rows = packed
+    sinks = s_aux.float().contiguous() if s_aux is not None else None
+    out, _ = torch.ops.jitattn.paged_attention(q, kv_cache, block_table, seq_lens, qsl, text, backend, sinks, None,
+                                               [], [], False, 1 if n == 1 else -1)
+    if rows is not None:  # padded: scatter the valid rows back, padding rows are 0
+        full = out.new_zeros(batch * n, *out.shape[1:])
+        full[rows] = out
+        out = full
+    return out.view(batch, n, *out.shape[1:]), None  # (B, N, H, D)
+
+
+@torch.compiler.assume_constant_result
+def _spec_text(num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, scaling: float | None,
+               softcap: float | None, sliding_window: int | None, causal: bool, sinks: bool) -> str:
+    if dtype not in _DTYPES:
+        raise ValueError(f"jitattn: the model runs in {dtype}; jitattn's kernels take float16 or bfloat16: load the "
+                         f"model with dtype=torch.bfloat16 (or float16)")
+    spec = AttentionSpec(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim,
+                         q_dtype=_DTYPES[dtype], page_size=PAGE_SIZE, causal=causal,
+                         window_left=sliding_window - 1 if sliding_window else -1,
+                         logits_soft_cap=float(softcap or 0.0), sm_scale=scaling, sinks=sinks)
+    return register_spec(spec)
+
+
+@torch.compiler.assume_constant_result
+def _backend(spec_text: str, device: torch.device, phase: str) -> str:
+    return select(spec_from_json(spec_text), DeviceInfo.from_torch(device), phase).name
+
+
+def _pages(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``(B, L, H_kv, D)`` K and V -> NHD pages ``(B * ceil(L/P), 2, P, H_kv, D)``, sequence b's pages contiguous."""
+    batch, length, heads, dim = k.shape
+    n = -(-length // PAGE_SIZE)
+    pad = n * PAGE_SIZE - length
+    if pad:
+        k, v = F.pad(k, (0, 0, 0, 0, 0, pad)), F.pad(v, (0, 0, 0, 0, 0, pad))
+    kv = torch.stack((k.reshape(batch, n, PAGE_SIZE, heads, dim), v.reshape(batch, n, PAGE_SIZE, heads, dim)), dim=2)
+    return kv.reshape(batch * n, 2, PAGE_SIZE, heads, dim)
+
+
+def _pack_dense(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    """No padding: every sequence has all L keys and brings the last N as queries. No host sync."""
+    batch, heads, n, dim = query.shape
+    length = key.shape[2]
+    q = query.transpose(1, 2).reshape(batch * n, heads, dim)  # (B*N, H, D)
+    kv_cache = _pages(key.transpose(1, 2), value.transpose(1, 2))
+    pages = kv_cache.shape[0] // batch
+    dev = query.device
+    block_table = torch.arange(batch * pages, dtype=torch.int32, device=dev).view(batch, pages)
+    seq_lens = torch.full((batch,), length, dtype=torch.int32, device=dev)
+    qsl = torch.arange(0, batch * n + 1, n, dtype=torch.int32, device=dev)
+    return q, kv_cache, block_table, seq_lens, qsl, None
+
+
+def _pack_padded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor):
+    """A 2D padding mask: each sequence keeps its contiguous run of valid keys and the queries inside it."""
+    batch, heads, n, dim = query.shape
+    length = key.shape[2]
+    if mask.shape != (batch, length):
+        raise NotImplementedError(f"jitattn: padding mask of shape {tuple(mask.shape)} does not match the keys "
+                                  f"({batch}, {length})")
+    runs = _valid_runs(mask.cpu())
+    first_query = length - n  # key slot of query row 0
+    dev = query.device
+    rows, q_counts, parts, page_counts = [], [], [], []
+    for b, (s, e) in enumerate(runs):
+        a = max(s, first_query)
+        count = max(0, e - a)
+        rows.append(torch.arange(a - first_query, a - first_query + count) + b * n)
+        q_counts.append(count)
+        parts.append(_pages(key[b:b + 1, :, s:e].transpose(1, 2), value[b:b + 1, :, s:e].transpose(1, 2)))
+        page_counts.append(parts[-1].shape[0])
+    row_idx = torch.cat(rows).to(dev)
+    q = query.transpose(1, 2).reshape(batch * n, heads, dim)[row_idx]  # (valid rows, H, D)
+    kv_cache = torch.cat(parts)
+    width = max(max(page_counts), 1)
+    table = torch.zeros(batch, width, dtype=torch.int32)
+    start = 0
+    for b, count in enumerate(page_counts):
+        table[b, :count] = torch.arange(start, start + count, dtype=torch.int32)
+        start += count
+    seq_lens = torch.tensor([e - s for s, e in runs], dtype=torch.int32, device=dev)
+    qsl = torch.tensor([0, *torch.tensor(q_counts).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    return q, kv_cache, table.to(dev), seq_lens, qsl, row_idx
+
+
+def _valid_runs(mask: torch.Tensor) -> list[tuple[int, int]]:
+    """``(start, end)`` of each row's valid keys; NotImplementedError when they are not contiguous."""
+    runs = []
+    for b, row in enumerate(mask):
+        idx = torch.nonzero(row).flatten()
+        if idx.numel() == 0:
+            runs.append((0, 0))
+            continue
+        s, e = int(idx[0]), int(idx[-1]) + 1
+        if idx.numel() != e - s:
+            raise NotImplementedError(f"jitattn: sequence {b}'s padding mask has holes (valid keys {s}..{e - 1} with "
+                                      f"{e - s - idx.numel()} masked inside); only left or right padding is supported")
+        runs.append((s, e))
+    return runs
+
+
+register()

@@ -1,0 +1,154 @@
+"""jitattn's paged attention as a torch custom op: ``torch.ops.jitattn.paged_attention``.
+
+``torch.compile`` traces through it without a graph break (the op is opaque to the compiler; its
+fake implementation gives the output shapes), and a call on the ``jit`` backend can be captured
+in a CUDA graph (the ``jit`` launch reads no tensor on the host; pass ``max_query_len=1`` for a
+pure decode batch).
+
+Use :func:`paged_attention` (the Python wrapper); the raw op's schema is::
+
+    jitattn::paged_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens,
+        Tensor query_start_loc, str spec_json, str backend, Tensor? sinks, Tensor? alibi_slopes,
+        Tensor[] param_tensors, float[] param_scalars, bool return_lse, int max_query_len,
+        float k_scale, float v_scale) -> (Tensor out, Tensor lse)
+
+- ``spec_json``: the spec's canonical JSON (:meth:`AttentionSpec.canonical_json`). The wrapper
+  registers the spec object under it (:func:`register_spec`) so a variant's torch functors, which
+  JSON does not carry, reach the torch backends; an unregistered text is parsed with
+  :meth:`AttentionSpec.from_json`.
+- ``backend``: a registered backend name; the wrapper asks the selector once per (spec, device,
+  phase, lse) at trace time, so the choice is a constant of the compiled graph.
+- ``param_tensors`` / ``param_scalars``: the variant's tensor and scalar parameters, each in
+  declaration order (int32 scalars travel as floats and are converted back).
+- ``max_query_len``: ``-1`` for unknown, ``1`` for a pure decode batch.
+- ``k_scale`` / ``v_scale``: an FP8 cache's per-tensor scales (passed on only for an FP8 ``kv_dtype``).
+- ``lse``: float32 ``(total_q, num_qo_heads)`` when ``return_lse``, else an empty ``(0,)`` tensor.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Mapping, Optional
+
+import torch
+
+from jitattn.backends import DeviceInfo, get_backend
+from jitattn.reference import torch_dtype
+from jitattn.selector import _build_cached, select
+from jitattn.spec import AttentionSpec
+
+_specs: dict[str, AttentionSpec] = {}
+_lock = threading.Lock()
+
+
+def register_spec(spec: AttentionSpec) -> str:
+    """Remember ``spec`` (with its variant's torch functors) under its canonical JSON; return that text."""
+    text = spec.canonical_json()
+    with _lock:
+        _specs.setdefault(text, spec)
+    return text
+
+
+def spec_from_json(text: str) -> AttentionSpec:
+    """The registered spec for ``text``, else :meth:`AttentionSpec.from_json` (then registered)."""
+    with _lock:
+        spec = _specs.get(text)
+    if spec is None:
+        spec = AttentionSpec.from_json(text)
+        with _lock:
+            spec = _specs.setdefault(text, spec)
+    return spec
+
+
+@torch.library.custom_op("jitattn::paged_attention", mutates_args=())
+def paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                       query_start_loc: torch.Tensor, spec_json: str, backend: str, sinks: Optional[torch.Tensor],
+                       alibi_slopes: Optional[torch.Tensor], param_tensors: list[torch.Tensor],
+                       param_scalars: list[float], return_lse: bool, max_query_len: int, k_scale: float = 1.0,
+                       v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    spec = spec_from_json(spec_json)
+    fn = _build_cached(get_backend(backend), spec, DeviceInfo.from_torch(q.device))
+    fp8 = {"k_scale": k_scale, "v_scale": v_scale} if spec.kv_dtype != spec.q_dtype else {}
+    res = fn(q, kv_cache, block_table, seq_lens, query_start_loc, sinks=sinks, alibi_slopes=alibi_slopes,
+             params=_unpack_params(spec, param_tensors, param_scalars), return_lse=return_lse,
+             max_query_len=None if max_query_len < 0 else max_query_len, **fp8)
+    if return_lse:
+        return res[0], res[1]
+    return res, q.new_empty((0,), dtype=torch.float32)
+
+
+@paged_attention_op.register_fake
+def _paged_attention_fake(q, kv_cache, block_table, seq_lens, query_start_loc, spec_json, backend, sinks,
+                          alibi_slopes, param_tensors, param_scalars, return_lse, max_query_len, k_scale=1.0,
+                          v_scale=1.0):
+    spec = spec_from_json(spec_json)
+    out = q.new_empty((q.shape[0], spec.num_qo_heads, spec.head_dim_vo), dtype=torch_dtype(spec.o_dtype))
+    lse = q.new_empty((q.shape[0], spec.num_qo_heads) if return_lse else (0,), dtype=torch.float32)
+    return out, lse
+
+
+def _unpack_params(spec: AttentionSpec, tensors: list[torch.Tensor], scalars: list[float]) -> dict[str, Any]:
+    it_t, it_s = iter(tensors), iter(scalars)
+    out: dict[str, Any] = {}
+    for p in spec.params:
+        if p.is_scalar:
+            value = next(it_s)
+            out[p.name] = int(value) if p.dtype == "int32" else float(value)
+        else:
+            out[p.name] = next(it_t)
+    return out
+
+
+def _pack_params(spec: AttentionSpec, params: Mapping[str, Any] | None) -> tuple[list[torch.Tensor], list[float]]:
+    params = dict(params or {})
+    unknown = sorted(set(params) - {p.name for p in spec.params})
+    if unknown:
+        raise ValueError(f"params: unknown names {unknown}; the variant declares {[p.name for p in spec.params]}")
+    missing = [p.name for p in spec.params if p.name not in params]
+    if missing:
+        raise ValueError(f"params: missing {missing}")
+    tensors = [params[p.name] for p in spec.params if not p.is_scalar]
+    scalars = [float(params[p.name]) for p in spec.params if p.is_scalar]
+    return tensors, scalars
+
+
+@torch.compiler.assume_constant_result
+def _spec_text(spec: AttentionSpec) -> str:
+    return register_spec(spec)
+
+
+@torch.compiler.assume_constant_result
+def _backend_name(spec: AttentionSpec, device: torch.device, phase: str, need_lse: bool) -> str:
+    return select(spec, DeviceInfo.from_torch(device), phase, need_lse=need_lse).name
+
+
+def paged_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, sinks: torch.Tensor | None = None,
+                    alibi_slopes: torch.Tensor | None = None, params: Mapping[str, Any] | None = None,
+                    return_lse: bool = False, max_query_len: int | None = None, backend: str | None = None,
+                    phase: str = "mixed", k_scale: float = 1.0, v_scale: float = 1.0
+                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Paged attention through the custom op; contract of :func:`jitattn.reference.paged_attention`.
+
+    Args:
+        backend: a backend name; None asks :func:`jitattn.selector.select` (honouring
+            ``JITATTN_BACKEND``), once per (spec, device, phase, return_lse) when compiled.
+        phase: passed to the selector.
+        max_query_len: ``1`` promises a pure decode batch (the jit backend then launches only its
+            decode kernel).
+        k_scale, v_scale: per-tensor scales of an FP8 KV cache (Python floats; ignored otherwise).
+
+    Returns:
+        ``out`` ``(total_q, num_qo_heads, head_dim_vo)``, and lse if ``return_lse``.
+
+    Raises:
+        jitattn.selector.NoBackendError: no backend serves the spec (or the forced one cannot).
+        ValueError: bad tensors or params (from the backend's checks).
+    """
+    text = _spec_text(spec)
+    name = backend or _backend_name(spec, q.device, phase, return_lse)
+    tensors, scalars = _pack_params(spec, params)
+    out, lse = torch.ops.jitattn.paged_attention(
+        q, kv_cache, block_table, seq_lens, query_start_loc, text, name, sinks, alibi_slopes, tensors, scalars,
+        return_lse, -1 if max_query_len is None else int(max_query_len), float(k_scale), float(v_scale))
+    return (out, lse) if return_lse else out
