@@ -29,6 +29,7 @@ not read tensors on the host).
 
 from __future__ import annotations
 
+import functools
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -131,9 +132,7 @@ class DeviceInfo:
         dev = torch.device(device)
         if dev.type != "cuda":
             return cls(dev.type, dev.type)
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
-        name = torch.cuda.get_device_name(index)
-        return cls(name, "cuda", tuple(torch.cuda.get_device_capability(index)), index)  # type: ignore[arg-type]
+        return _cuda_device_info(dev.index if dev.index is not None else torch.cuda.current_device())
 
     @property
     def arch(self) -> str | None:
@@ -153,6 +152,15 @@ class DeviceInfo:
             return self.name
         cap = f"{self.capability[0]}.{self.capability[1]}" if self.capability else "capability unknown"
         return f"{self.name} (cuda, {cap})"
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_device_info(index: int) -> DeviceInfo:
+    """A real CUDA device's name and capability, asked once per process (calls run per attention call)."""
+    import torch
+
+    return DeviceInfo(torch.cuda.get_device_name(index), "cuda",
+                      tuple(torch.cuda.get_device_capability(index)), index)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

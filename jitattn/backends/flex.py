@@ -66,7 +66,7 @@ class FlexBackend(Backend):
 
         core = _flex_core(spec)
         if device.type == "cuda":
-            core = torch.compile(core, fullgraph=True)  # unfused otherwise: a full score matrix per call
+            core = torch.compile(core)  # unfused otherwise: a full score matrix per call
 
         def flex_paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, *, out=None,
                                  return_lse: bool = False, max_query_len: int | None = None, sinks=None,
@@ -85,7 +85,7 @@ class FlexBackend(Backend):
             mask_mod = _mask_mod(spec, q_seq, q_pos, kv_seq, kv_pos, valid, dict(params or {}))
             block_mask = create_block_mask(mask_mod, 1, None, total_q, k.shape[2], device=q.device)
             o, lse = core(q.transpose(0, 1)[None], k, v, block_mask, q_seq, q_pos, kv_seq, kv_pos, valid,
-                          alibi_slopes, dict(params or {}))
+                          alibi_slopes, ParamView(dict(params or {})))
             result = o[0].transpose(0, 1).to(torch_dtype(spec.o_dtype)).contiguous()  # (total_q, H, D)
             return finish(result, lse[0].transpose(0, 1).float().contiguous(), out, return_lse)
 
@@ -158,9 +158,7 @@ def _flex_core(spec: AttentionSpec):
     transform = spec.variant.reference("logits_transform") if spec.variant is not None else None
     cap = spec.logits_soft_cap
 
-    def core(q, k, v, block_mask, q_seq, q_pos, kv_seq, kv_pos, valid, slopes, params):
-        view = ParamView(params)
-
+    def core(q, k, v, block_mask, q_seq, q_pos, kv_seq, kv_pos, valid, slopes, view):
         def score_mod(score, b, h, qi, ki):
             if cap > 0:
                 score = cap * torch.tanh(score / cap)
