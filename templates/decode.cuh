@@ -95,6 +95,60 @@ __device__ __forceinline__ void decode_load_tile(const Params& p, uint8_t* stage
   }
 }
 
+// Merges the kZ partial states (one per key slot or warp) of every query head of the group and
+// writes the output (or this split's partial state). Scratch `sm_m` (floats, filled by the caller):
+// m[kZ][kSlots], d[kZ][kSlots], o[kZ][kSlots][head_dim_vo], then scale[kSlots]; slot g is group head g.
+template <class S, int kZ, int kSlots, int kThreads>
+__device__ __forceinline__ void decode_finish(const Params& p, float* sm_m, int split, int batch, int kv_head,
+                                              int q_row, int qo_idx, float poison) {
+  float* sm_d = sm_m + kZ * kSlots;
+  float* sm_o = sm_d + kZ * kSlots;
+  float* sm_scale = sm_o + kZ * kSlots * S::kHeadDimVO;
+  // Per head: merged max and sum; weights replace the maxima; the lse (or partial lse) is written here.
+  for (int g = threadIdx.x; g < S::kGroupSize; g += kThreads) {
+    float m = kNegInf, d = 0.f;
+    for (int z = 0; z < kZ; ++z) m = fmaxf(m, sm_m[z * kSlots + g]);
+    for (int z = 0; z < kZ; ++z) {
+      const float w = rescale_factor(sm_m[z * kSlots + g], m);
+      sm_m[z * kSlots + g] = w;
+      d += sm_d[z * kSlots + g] * w;
+    }
+    const int qo_head = kv_head * S::kGroupSize + g;
+    if (p.num_splits == 1) {
+      float lse;
+      sm_scale[g] = finalize_state<S>(p, qo_head, SoftmaxState{m, d}, lse) * p.v_scale;
+      if (p.lse != nullptr) p.lse[static_cast<long long>(q_row) * S::kNumQoHeads + qo_head] = lse + poison;
+    } else if constexpr (S::kSoftmax) {  // normalised partial state, base 2: merged (and sinks added) by merge_splits
+      const long long part = (static_cast<long long>(split) * p.batch_size + batch) * S::kNumQoHeads + qo_head;
+      sm_scale[g] = d > 0.f ? p.v_scale / d : 0.f;
+      p.partial_lse[part] = (d > 0.f ? m + __log2f(d) : kNegInf) + poison;
+    } else {  // without softmax a partial is a plain sum; merge_splits adds them up
+      const long long part = (static_cast<long long>(split) * p.batch_size + batch) * S::kNumQoHeads + qo_head;
+      sm_scale[g] = p.v_scale;
+      p.partial_lse[part] = poison;
+    }
+  }
+  __syncthreads();
+  // Every output element of the group: consecutive threads write consecutive elements.
+  for (int e = threadIdx.x; e < S::kGroupSize * S::kHeadDimVO; e += kThreads) {
+    const int g = e / S::kHeadDimVO, i = e % S::kHeadDimVO;
+    float acc = 0.f;
+#pragma unroll
+    for (int z = 0; z < kZ; ++z) acc += sm_m[z * kSlots + g] * sm_o[(z * kSlots + g) * S::kHeadDimVO + i];
+    float value = acc * sm_scale[g];
+    const int qo_head = kv_head * S::kGroupSize + g;
+    if (p.num_splits == 1) {
+      bool oob = false;  // a parameter read out of range here poisons this element
+      if constexpr (S::kHasOutTransform) value = S::output_transform(p, value, batch, qo_head, qo_idx, i, oob);
+      p.o[(static_cast<long long>(q_row) * S::kNumQoHeads + qo_head) * S::kHeadDimVO + i] =
+          from_float<typename S::DTypeO>(value + poison + (oob ? __int_as_float(0x7fc00000) : 0.f));
+    } else {
+      const long long part = (static_cast<long long>(split) * p.batch_size + batch) * S::kNumQoHeads + qo_head;
+      p.partial_o[part * S::kHeadDimVO + i] = value + poison;
+    }
+  }
+}
+
 template <class S>
 __device__ __forceinline__ void decode_kernel(const Params& p) {
   using T = DecodeTraits<S>;
@@ -250,7 +304,6 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
   float* sm_m = reinterpret_cast<float*>(smem);
   float* sm_d = sm_m + T::kBdz * kSlots;
   float* sm_o = sm_d + T::kBdz * kSlots;
-  float* sm_scale = sm_o + T::kBdz * kSlots * T::kHeadDim;
 #pragma unroll
   for (int h = 0; h < H; ++h) {
     const int slot = tz * kSlots + ty * H + h;
@@ -263,49 +316,7 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
       for (int i = 0; i < V; ++i) sm_o[slot * T::kHeadDim + tx * V + i] = o[h][i];
   }
   __syncthreads();
-  // Per head: merged max and sum; weights replace the maxima; the lse (or partial lse) is written here.
-  for (int g = threadIdx.x; g < S::kGroupSize; g += T::kThreads) {
-    float m = kNegInf, d = 0.f;
-    for (int z = 0; z < T::kBdz; ++z) m = fmaxf(m, sm_m[z * kSlots + g]);
-    for (int z = 0; z < T::kBdz; ++z) {
-      const float w = rescale_factor(sm_m[z * kSlots + g], m);
-      sm_m[z * kSlots + g] = w;
-      d += sm_d[z * kSlots + g] * w;
-    }
-    const int qo_head = kv_head * S::kGroupSize + g;
-    if (p.num_splits == 1) {
-      float lse;
-      sm_scale[g] = finalize_state<S>(p, qo_head, SoftmaxState{m, d}, lse) * p.v_scale;
-      if (p.lse != nullptr) p.lse[static_cast<long long>(q_row) * S::kNumQoHeads + qo_head] = lse + poison;
-    } else if constexpr (S::kSoftmax) {  // normalised partial state, base 2: merged (and sinks added) by merge_splits
-      const long long part = (static_cast<long long>(split) * p.batch_size + batch) * S::kNumQoHeads + qo_head;
-      sm_scale[g] = d > 0.f ? p.v_scale / d : 0.f;
-      p.partial_lse[part] = (d > 0.f ? m + __log2f(d) : kNegInf) + poison;
-    } else {  // without softmax a partial is a plain sum; merge_splits adds them up
-      const long long part = (static_cast<long long>(split) * p.batch_size + batch) * S::kNumQoHeads + qo_head;
-      sm_scale[g] = p.v_scale;
-      p.partial_lse[part] = poison;
-    }
-  }
-  __syncthreads();
-  // Every output element of the group: consecutive threads write consecutive elements.
-  for (int e = threadIdx.x; e < S::kGroupSize * T::kHeadDim; e += T::kThreads) {
-    const int g = e / T::kHeadDim, i = e % T::kHeadDim;
-    float acc = 0.f;
-#pragma unroll
-    for (int z = 0; z < T::kBdz; ++z) acc += sm_m[z * kSlots + g] * sm_o[(z * kSlots + g) * T::kHeadDim + i];
-    float value = acc * sm_scale[g];
-    const int qo_head = kv_head * S::kGroupSize + g;
-    if (p.num_splits == 1) {
-      bool oob = false;  // a parameter read out of range here poisons this element
-      if constexpr (S::kHasOutTransform) value = S::output_transform(p, value, batch, qo_head, qo_idx, i, oob);
-      p.o[(static_cast<long long>(q_row) * S::kNumQoHeads + qo_head) * S::kHeadDimVO + i] =
-          from_float<typename S::DTypeO>(value + poison + (oob ? __int_as_float(0x7fc00000) : 0.f));
-    } else {
-      const long long part = (static_cast<long long>(split) * p.batch_size + batch) * S::kNumQoHeads + qo_head;
-      p.partial_o[part * S::kHeadDimVO + i] = value + poison;
-    }
-  }
+  decode_finish<S, T::kBdz, kSlots, T::kThreads>(p, sm_m, split, batch, kv_head, q_row, qo_idx, poison);
 }
 
 // Upper bound of the split-KV factor (jitattn/runtime.py caps num_splits below it).

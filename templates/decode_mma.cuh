@@ -1,0 +1,215 @@
+// jitattn: decode on tensor cores, for GQA groups of 4 to 16 query heads.
+//
+// The CUDA-core decode kernel spends per key and head a conversion, head_dim FMAs and a shuffle
+// reduction; with 4+ query heads per KV head that, not memory, bounds it (3.4 TB/s on the H200 for
+// group 4, hd128; ncu: SM 70% busy). Here the group's query heads are the rows of one m16 tile
+// (rows past the group are zero), so S = Q K^T and O += P V are a handful of mma.sync per 16 keys
+// and the kernel is left to stream K/V (FlashInfer decodes GQA the same way). Each of the 4 warps
+// takes 16 keys of every 64-key tile and keeps its own online-softmax state; the warps' states merge
+// at the end (decode_finish), and splits merge in merge_splits_kernel.
+#pragma once
+
+#include "common.cuh"
+#include "decode.cuh"
+#include "variant.cuh"
+
+namespace jitattn {
+
+template <class S>
+struct DecodeMmaTraits {
+  using DT = typename S::DTypeQ;
+  static constexpr int kHeadDim = S::kHeadDimQK;
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kWarpKeys = 16;                  // keys per warp per tile: one k-step of P V
+  static constexpr int kTileKeys = kWarps * kWarpKeys;  // keys per pipeline stage
+  static constexpr int kRowStride = kHeadDim + 8;       // padded rows: conflict-free ldmatrix (see prefill.cuh)
+  static constexpr int kChunks = kHeadDim / 8;
+  static constexpr int kStageBytes = 2 * kTileKeys * kRowStride * 2;  // K and V of one tile
+  static constexpr int kStages = kHeadDim <= 128 ? 3 : 2;
+  static constexpr int kQBytes = 16 * kRowStride * 2;
+  static constexpr int kMergeBytes = (kWarps * 16 * (kHeadDim + 2) + 16) * 4;
+  static constexpr int kSmemBytes = cmax(kQBytes + kStages * kStageBytes, kMergeBytes);
+  static constexpr int kDTiles = kHeadDim / 8;
+  static constexpr int kMinBlocksPerSM = 1;
+  static_assert(S::kGroupSize <= 16, "the group's query heads must fit one m16 tile");
+  static_assert(sizeof(typename S::DTypeKV) == 2, "tensor-core decode reads a 16-bit cache");
+};
+
+// cp.async of keys [start, start + kTileKeys) into padded K/V tiles; rows at or past `end` zero-filled.
+template <class S>
+__device__ __forceinline__ void decode_mma_load_tile(const Params& p, typename S::DTypeQ* sk, typename S::DTypeQ* sv,
+                                                     int batch, int kv_head, int start, int end, bool& bad) {
+  using T = DecodeMmaTraits<S>;
+#pragma unroll
+  for (int c = threadIdx.x; c < T::kTileKeys * T::kChunks; c += T::kThreads) {
+    const int row = c / T::kChunks, chunk = c % T::kChunks;
+    const int kv_idx = start + row;
+    const bool in = kv_idx < end;
+    const auto* k = in ? kv_row<S>(p, batch, kv_head, kv_idx, 0, bad) + chunk * 8 : p.kv_cache;
+    cp_async_16(sk + row * T::kRowStride + chunk * 8, k, in);
+    cp_async_16(sv + row * T::kRowStride + chunk * 8, k + p.kv_stride_kv, in);
+  }
+}
+
+template <class S>
+__device__ __forceinline__ void decode_mma_kernel(const Params& p) {
+  using T = DecodeMmaTraits<S>;
+  using DT = typename T::DT;
+  extern __shared__ __align__(16) uint8_t smem[];
+  DT* sq = reinterpret_cast<DT*>(smem);
+  auto stage_k = [&](int s) { return reinterpret_cast<DT*>(smem + T::kQBytes + s * T::kStageBytes); };
+  auto stage_v = [&](int s) { return stage_k(s) + T::kTileKeys * T::kRowStride; };
+
+  const int split = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+  const int q_row = p.query_start_loc[batch];
+  if (p.query_start_loc[batch + 1] - q_row != 1) return;  // not a decode row: the prefill kernel serves it
+  if (q_row < 0 || q_row >= p.total_q) return;
+  const int kv_len = p.seq_lens[batch];
+  const int qo_idx = kv_len - 1;
+  bool bad = !sequence_ok<S>(p, 1, kv_len);
+  int kv_begin, kv_end;
+  visible_kv_range<S>(qo_idx, qo_idx, kv_len, kv_begin, kv_end);
+  if (bad) kv_end = kv_begin;
+  const int chunk_len = round_up(ceil_div(max(kv_end - kv_begin, 0), p.num_splits), T::kTileKeys);
+  const int lo = kv_begin + split * chunk_len;
+  const int hi = min(kv_end, lo + chunk_len);
+
+  // Prologue first: kStages - 1 tiles in flight while the query rows are prepared.
+#pragma unroll
+  for (int s = 0; s < T::kStages - 1; ++s) {
+    const int start = lo + s * T::kTileKeys;
+    if (start < hi) decode_mma_load_tile<S>(p, stage_k(s), stage_v(s), batch, kv_head, start, hi, bad);
+    cp_async_commit();
+  }
+  // Q rows (group heads; rows past the group are 0) -> shared memory, query transform applied.
+  const typename S::DTypeQ* q_base = p.q + q_row * p.q_stride_token + kv_head * S::kGroupSize * S::kHeadDimQK;
+  for (int e = threadIdx.x; e < 16 * T::kHeadDim; e += T::kThreads) {
+    const int g = e / T::kHeadDim, dim = e % T::kHeadDim;
+    float x = 0.f;
+    if (g < S::kGroupSize) {
+      x = to_float(q_base[g * S::kHeadDimQK + dim]);
+      if constexpr (S::kHasQTransform) {
+        const int half = T::kHeadDim / 2, partner = dim < half ? dim + half : dim - half;
+        x = S::query_transform(p, x, rotate_half_value(dim, T::kHeadDim, to_float(q_base[g * S::kHeadDimQK + partner])),
+                               batch, kv_head * S::kGroupSize + g, qo_idx, dim, bad);
+      }
+    }
+    sq[g * T::kRowStride + dim] = from_float<DT>(x);
+  }
+  __syncthreads();
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, tig = lane % 4;
+  uint32_t qf[T::kHeadDim / 16][4];  // A fragments of Q, loaded once
+#pragma unroll
+  for (int kk = 0; kk < T::kHeadDim / 16; ++kk)
+    ldmatrix_x4(qf[kk], sq + (lane % 16) * T::kRowStride + kk * 16 + (lane / 16) * 8);
+
+  float o[T::kDTiles][4];
+#pragma unroll
+  for (int d = 0; d < T::kDTiles; ++d)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o[d][i] = 0.f;
+  SoftmaxState st[2] = {{S::kSoftmax ? kNegInf : 0.f, 0.f}, {S::kSoftmax ? kNegInf : 0.f, 0.f}};
+  constexpr float kScale = q_prescale<S>();
+
+  int it = 0;
+  for (int start = lo; start < hi; start += T::kTileKeys, ++it) {
+    cp_async_wait<T::kStages - 2>();
+    __syncthreads();
+    {
+      const int next = start + (T::kStages - 1) * T::kTileKeys;
+      const int st_next = (it + T::kStages - 1) % T::kStages;
+      if (next < hi) decode_mma_load_tile<S>(p, stage_k(st_next), stage_v(st_next), batch, kv_head, next, hi, bad);
+      cp_async_commit();
+    }
+    const DT* sk = stage_k(it % T::kStages) + warp * T::kWarpKeys * T::kRowStride;
+    const DT* sv = stage_v(it % T::kStages) + warp * T::kWarpKeys * T::kRowStride;
+    const int key0 = start + warp * T::kWarpKeys;
+
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // 16 rows x 16 keys
+#pragma unroll
+    for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
+      uint32_t b[4];
+      ldmatrix_x4(b, sk + (lane % 8 + (lane / 16) * 8) * T::kRowStride + kk * 16 + ((lane / 8) % 2) * 8);
+      mma_16816<DT>(s[0], qf[kk], b[0], b[1]);
+      mma_16816<DT>(s[1], qf[kk], b[2], b[3]);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int head = kv_head * S::kGroupSize + min(g + 8 * r, S::kGroupSize - 1);
+      float tile_max = kNegInf;
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int kv_idx = key0 + n * 8 + 2 * tig + e;
+          float v = transform_logit<S>(p, s[n][2 * r + e] * kScale, batch, head, kv_head, qo_idx, kv_idx, 1, kv_len,
+                                       bad);
+          const bool ok = kv_idx < hi && custom_visible<S>(p, batch, head, kv_head, qo_idx, kv_idx, 1, kv_len, bad);
+          v = ok ? v : (S::kSoftmax ? kNegInf : 0.f);
+          s[n][2 * r + e] = v;
+          tile_max = fmaxf(tile_max, v);
+        }
+      if constexpr (S::kSoftmax) {
+        tile_max = group_max<4>(tile_max);
+        const float m_new = fmaxf(st[r].m, tile_max);
+        const float m_use = m_new == kNegInf ? 0.f : m_new;
+        const float alpha = rescale_factor(st[r].m, m_use);
+        st[r].m = m_new;
+        st[r].d *= alpha;
+#pragma unroll
+        for (int d = 0; d < T::kDTiles; ++d) {
+          o[d][2 * r] *= alpha;
+          o[d][2 * r + 1] *= alpha;
+        }
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pe = fast_exp2(s[n][2 * r + e] - m_use);
+            s[n][2 * r + e] = pe;
+            st[r].d += pe;
+          }
+      }
+    }
+    uint32_t a[4];  // P as the A operand: the two n-tiles' accumulators form one k-step
+    a[0] = pack2<DT>(s[0][0], s[0][1]);
+    a[1] = pack2<DT>(s[0][2], s[0][3]);
+    a[2] = pack2<DT>(s[1][0], s[1][1]);
+    a[3] = pack2<DT>(s[1][2], s[1][3]);
+#pragma unroll
+    for (int d2 = 0; d2 < T::kDTiles / 2; ++d2) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, sv + (lane % 8 + ((lane / 8) % 2) * 8) * T::kRowStride + d2 * 16 + (lane / 16) * 8);
+      mma_16816<DT>(o[2 * d2], a, b[0], b[1]);
+      mma_16816<DT>(o[2 * d2 + 1], a, b[2], b[3]);
+    }
+  }
+  cp_async_wait<0>();
+  const float poison = __syncthreads_or(bad) ? __int_as_float(0x7fc00000) : 0.f;
+
+  // Each warp's state of each row into the merge scratch: z = warp, slot = row (group head).
+  float* sm_m = reinterpret_cast<float*>(smem);
+  float* sm_d = sm_m + T::kWarps * 16;
+  float* sm_o = sm_d + T::kWarps * 16;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = g + 8 * r, slot = warp * 16 + row;
+    const float d = group_sum<4>(st[r].d);
+    if (tig == 0) {
+      sm_m[slot] = st[r].m;
+      sm_d[slot] = d;
+    }
+#pragma unroll
+    for (int dt = 0; dt < T::kDTiles; ++dt) {
+      sm_o[slot * T::kHeadDim + dt * 8 + 2 * tig] = o[dt][2 * r];
+      sm_o[slot * T::kHeadDim + dt * 8 + 2 * tig + 1] = o[dt][2 * r + 1];
+    }
+  }
+  __syncthreads();
+  decode_finish<S, T::kWarps, 16, T::kThreads>(p, sm_m, split, batch, kv_head, q_row, qo_idx, poison);
+}
+
+}  // namespace jitattn
