@@ -41,6 +41,7 @@ MATRIX = [
     ("rel-bias", AttentionSpec(8, 2, 128, variant=REL_BIAS),
      {"bias": lambda d: torch.linspace(-0.2, 0.3, 8, device=d), "max_dist": 64.0}),
     ("doc-mask", AttentionSpec(8, 2, 128, variant=DOC_MASK, causal=False), {"doc": lambda d: _doc_params(d)["doc"]}),
+    ("fp8-kv-window", AttentionSpec(32, 8, 128, kv_dtype="float8_e4m3fn", window_left=255), {}),
 ]
 Q_LENS, KV_LENS = [1, 40, 1, 130, 7, 1, 0], [1, 300, 1000, 130, 2100, 17, 5]
 BACKENDS = ["jit", "flashinfer", "flex", "sdpa", "reference"]

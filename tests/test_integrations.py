@@ -75,6 +75,16 @@ def test_op_carries_variant_params_and_torch_functors():
         paged_attention(spec, *batch.args(), params={"bias": params["bias"]})
 
 
+def test_op_fp8_kv_cache_through_the_reference():
+    spec = AttentionSpec(8, 2, 64, kv_dtype="float8_e4m3fn", window_left=10)
+    batch = random_paged_batch(spec, Q_LENS, KV_LENS)
+    assert batch.kv_cache.dtype == torch.float8_e4m3fn and batch.kwargs()["k_scale"] != 1.0
+    compiled = torch.compile(lambda *a, **kw: paged_attention(spec, *a, **kw), fullgraph=True, backend="aot_eager")
+    out = compiled(*batch.args(), k_scale=batch.kwargs()["k_scale"], v_scale=batch.kwargs()["v_scale"])
+    assert relative_error(out, reference.paged_attention(spec, *batch.args(), **batch.kwargs())) == 0
+    assert [selector.select(spec, d).name for d in ("cpu", "h100")] == ["reference", "jit"]
+
+
 def test_op_with_forced_backend_name():
     spec = AttentionSpec(8, 2, 64)
     batch = random_paged_batch(spec, Q_LENS, KV_LENS)

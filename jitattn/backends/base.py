@@ -10,13 +10,14 @@ two questions:
 - :meth:`Backend.build` ``(spec, device)``: a callable with the paged signature (:data:`PagedAttentionFn`)::
 
       fn(q, kv_cache, block_table, seq_lens, query_start_loc, *, sinks=None, alibi_slopes=None,
-         params=None, return_lse=False, out=None, max_query_len=None)
+         params=None, return_lse=False, out=None, max_query_len=None, k_scale=1.0, v_scale=1.0)
         -> out | (out, lse)
 
   shapes and semantics exactly as :func:`jitattn.reference.paged_attention`: ``out``
   ``(total_q, num_qo_heads, head_dim_vo)`` in ``spec.o_dtype``, ``lse`` float32 natural-log
   ``(total_q, num_qo_heads)``. ``out`` (optional) is written in place and returned;
-  ``max_query_len`` is a host-side hint (``1``: a pure decode batch) that a backend may ignore.
+  ``max_query_len`` is a host-side hint (``1``: a pure decode batch) that a backend may ignore;
+  ``k_scale`` / ``v_scale`` are an FP8 cache's per-tensor scales (1.0 and unused for 16-bit KV).
 
 Phases (``phase`` argument): ``"prefill"`` (sequences bring many queries), ``"decode"`` (one
 query per sequence) and ``"mixed"`` (both in one call; the default). Every built-in backend
