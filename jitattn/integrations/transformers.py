@@ -7,7 +7,8 @@ Usage::
 
 Importing this module registers :func:`attention_forward` in transformers' ``AttentionInterface``
 and a padding-mask builder in its ``AttentionMaskInterface`` (both under the name ``"jitattn"``;
-:func:`register` registers other names). Checked against transformers 5.17.
+:func:`register` registers other names). Checked against transformers 5.17 (the device's) and
+5.24 (CPU tests).
 
 Each call maps the attention module's arguments to an :class:`~jitattn.spec.AttentionSpec`:
 heads and head dim from the tensors (GQA from ``key``'s head count), ``scaling`` -> ``sm_scale``,
