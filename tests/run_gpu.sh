@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run the GPU tests (and the benchmark with --bench) on a CUDA machine, e.g. through the device tool.
 # Writes logs and the per-test JSON lines to $OUT (default ./gpu_out). Wheels found in .whl/ are
-# installed first (packages the machine lacks; it has no network).
+# installed first (packages the machine lacks; it has no network). PYTEST_PATHS narrows the test files,
+# PYTEST_ARGS adds pytest options, BENCH_ARGS passes options to `python3 -m jitattn.bench`.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
@@ -18,7 +19,7 @@ export JITATTN_GPU_RESULTS=$OUT/gpu_results.jsonl
 cat "$OUT/device.txt"
 rc=0
 if [ "${1:-}" != "--bench-only" ]; then
-  python3 -m pytest -m gpu tests/ -q -p no:cacheprovider --timeout 900 ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -40
+  python3 -m pytest -m gpu ${PYTEST_PATHS:-tests/} -q -p no:cacheprovider --timeout 900 ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -40
   rc=${PIPESTATUS[0]}
 fi
 if [ "${1:-}" = "--bench" ] || [ "${1:-}" = "--bench-only" ]; then
