@@ -348,7 +348,8 @@ def plain_attention_problem(case: BenchCase) -> str | None:
     has_window = (s.window_left >= 0 or s.window_right >= 0) and not window_masks_nothing(case)
     extras = [name for name, on in (("window", has_window), ("soft-cap", bool(s.logits_soft_cap)),
                                     ("ALiBi", s.alibi), ("sinks", s.sinks),
-                                    ("custom variant", s.variant is not None)) if on]
+                                    ("custom variant", s.variant is not None),
+                                    (f"{s.kv_dtype} KV cache", s.kv_dtype != s.q_dtype)) if on]
     return f"SDPA flash/cuDNN take no {', '.join(extras)}" if extras else None
 
 
@@ -434,6 +435,8 @@ def flex_problem(spec: AttentionSpec) -> str | None:
         return "sinks (a per-head logit in the softmax denominator only) have no score_mod/mask_mod form"
     if spec.variant is not None:
         return f"custom variant {spec.variant.name!r}: no Flex translation of its functors"
+    if spec.kv_dtype != spec.q_dtype:
+        return f"{spec.kv_dtype} KV cache: the dense Flex inputs would need dequantising first"
     return None
 
 
@@ -532,9 +535,9 @@ def _flashinfer_plain(fi: Any, case: BenchCase, batch: PagedBatch, workspace: to
                       pages: tuple[torch.Tensor, ...]) -> tuple[Any, tuple]:
     """A planned BatchDecode (fa2; tensor cores for GQA groups > 4, vLLM's rule) or BatchPrefill
     (FlashInfer picks fa3 on Hopper, else fa2) paged wrapper, and the extra run() arguments (none)."""
-    s, dtype = case.spec, torch_dtype(case.spec.q_dtype)
+    s, dtype, kv_dtype = case.spec, torch_dtype(case.spec.q_dtype), torch_dtype(case.spec.kv_dtype)
     kw = dict(pos_encoding_mode="ALIBI" if s.alibi else "NONE", window_left=s.window_left,
-              logits_soft_cap=s.logits_soft_cap or None, sm_scale=s.sm_scale, q_data_type=dtype, kv_data_type=dtype)
+              logits_soft_cap=s.logits_soft_cap or None, sm_scale=s.sm_scale, q_data_type=dtype, kv_data_type=kv_dtype)
     heads = (s.num_qo_heads, s.num_kv_heads, s.head_dim_qk, s.page_size)
     if case.is_decode:
         wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, s.kv_layout, use_tensor_cores=s.group_size > 4,
@@ -553,14 +556,14 @@ def _flashinfer_sinks(fi: Any, case: BenchCase, batch: PagedBatch, workspace: to
     Raises:
         Skip: this FlashInfer has no attention-sink wrapper.
     """
-    s, dtype = case.spec, torch_dtype(case.spec.q_dtype)
+    s, dtype, kv_dtype = case.spec, torch_dtype(case.spec.q_dtype), torch_dtype(case.spec.kv_dtype)
     name = "BatchDecodeWithAttentionSinkWrapper" if case.is_decode else "BatchAttentionWithAttentionSinkWrapper"
     cls = getattr(fi, name, None)
     if cls is None:
         raise Skip(f"flashinfer {getattr(fi, '__version__', '?')} has no {name} (sinks)")
-    wrapper = cls(workspace, s.kv_layout, q_data_type=dtype, kv_data_type=dtype, head_dim_qk=s.head_dim_qk,
+    wrapper = cls(workspace, s.kv_layout, q_data_type=dtype, kv_data_type=kv_dtype, head_dim_qk=s.head_dim_qk,
                   head_dim_vo=s.head_dim_vo, window_left=s.window_left)
-    kw = dict(window_left=s.window_left, sm_scale=s.sm_scale, q_data_type=dtype, kv_data_type=dtype)
+    kw = dict(window_left=s.window_left, sm_scale=s.sm_scale, q_data_type=dtype, kv_data_type=kv_dtype)
     heads = (s.num_qo_heads, s.num_kv_heads, s.head_dim_qk, s.page_size)
     if case.is_decode:
         wrapper.plan(*pages, *heads, **kw)
@@ -765,11 +768,12 @@ def _inductor_caches_off() -> Iterator[None]:
         yield
 
 
-def flex_compile_seconds(spec: AttentionSpec, phase: str, *, kv_len: int = 1024) -> float:
+def flex_compile_seconds(spec: AttentionSpec, phase: str) -> float:
     """Seconds of the first call of torch.compile'd Flex for ``spec`` (compile + one small run).
 
-    After ``torch._dynamo.reset()`` with inductor's caches off. Shapes: prefill 1 x (kv_len q,
-    kv_len kv); decode 8 x (1 q, kv_len kv): compile time barely depends on them.
+    After ``torch._dynamo.reset()`` with inductor's caches off. Shapes: prefill 1 x (L q, L kv);
+    decode 8 x (1 q, L kv), with L = 1024, or 256 keys past the window so the mask is compiled in
+    too: compile time barely depends on the shapes.
 
     Raises:
         Skip: the spec has no Flex form (sinks, custom variant).
@@ -779,6 +783,7 @@ def flex_compile_seconds(spec: AttentionSpec, phase: str, *, kv_len: int = 1024)
     problem = flex_problem(spec)
     if problem:
         raise Skip(problem)
+    kv_len = max(1024, -(-(spec.window_left + 257) // 128) * 128)
     b, n = (8, 1) if phase == "decode" else (1, kv_len)
     dt, d = torch_dtype(spec.q_dtype), spec.head_dim_qk
     q = torch.randn(b, spec.num_qo_heads, n, d, dtype=dt, device="cuda")

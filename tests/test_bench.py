@@ -512,12 +512,14 @@ def test_main_merges_several_runs(tmp_path, capsys):
     first, second, md = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "BENCHMARKS.md"
     fig = CompileFigure("k", "sm_90a", 2.0, 1.9, 3000.0, 2500.0, 300.0, 15.0, 20.0, 12.0, "")
     bench.write_json(first, ENV, [], fake_results()[:5], [])
-    bench.write_json(second, {**ENV, "command": "python -m jitattn.bench --compile-only"}, [], fake_results()[5:], [fig])
+    compile_env = {**ENV, "command": "python -m jitattn.bench --compile-only"}
+    bench.write_json(second, compile_env, [], fake_results()[5:], [fig])
     text = bench.main(["--from-json", str(first), "--from-json", str(second), "--md", str(md)])
     assert text == bench.format_table(fake_results()) + "\n\n" + bench.format_compile_table([fig]) + "\n"
     written = md.read_text()
-    assert "- Command: `python -m jitattn.bench --json out.json`.\n- Command: `python -m jitattn.bench --compile-only`." \
-        in written
+    commands = ["- Command: `python -m jitattn.bench --json out.json`.",
+                "- Command: `python -m jitattn.bench --compile-only`."]
+    assert "\n".join(commands) in written
 
 
 def test_bad_anchor_name_is_a_usage_error():
