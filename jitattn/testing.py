@@ -130,11 +130,14 @@ def random_paged_batch(spec: AttentionSpec, q_lens: Sequence[int], kv_lens: Sequ
     for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
         if ql > kl or ql < 0:
             raise ValueError(f"sequence {b}: q_len={ql} must be in [0, kv_len={kl}]")
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    # Generated where they are used: the large benchmark batches (billions of values) would cost tens
+    # of seconds and tens of GB of host memory through the CPU. Page order comes from a CPU generator.
+    gen = torch.Generator(device=device).manual_seed(seed)
+    cpu_gen = torch.Generator(device="cpu").manual_seed(seed)
     dt = torch_dtype(spec.q_dtype)
 
     def randn(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * scale).to(dt).to(device)
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dt)
 
     q = randn(sum(q_lens), spec.num_qo_heads, spec.head_dim_qk)
     k = randn(sum(kv_lens), spec.num_kv_heads, spec.head_dim_qk)
@@ -145,9 +148,9 @@ def random_paged_batch(spec: AttentionSpec, q_lens: Sequence[int], kv_lens: Sequ
                   "v_scale": max(v.float().abs().max().item(), 1e-6) / 448.0}
         k = (k.float() / scales["k_scale"]).to(torch.float8_e4m3fn)
         v = (v.float() / scales["v_scale"]).to(torch.float8_e4m3fn)
-    kv_cache, block_table = make_paged_kv(k, v, kv_lens, spec, extra_pages=extra_pages, generator=gen)
+    kv_cache, block_table = make_paged_kv(k, v, kv_lens, spec, extra_pages=extra_pages, generator=cpu_gen)
     qsl = torch.tensor([0, *accumulate(q_lens)], dtype=torch.int32, device=device)
-    sinks = (torch.randn(spec.num_qo_heads, generator=gen) + 1.0).to(device) if spec.sinks else None
+    sinks = (torch.randn(spec.num_qo_heads, generator=cpu_gen) + 1.0).to(device) if spec.sinks else None
     return PagedBatch(spec, q, kv_cache, block_table, torch.tensor(list(kv_lens), dtype=torch.int32, device=device),
                       qsl, list(q_lens), list(kv_lens), sinks=sinks, params=dict(params or {}), scales=scales)
 
