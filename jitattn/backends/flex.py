@@ -66,7 +66,9 @@ class FlexBackend(Backend):
 
         core = _flex_core(spec)
         if device.type == "cuda":
-            core = torch.compile(core)  # unfused otherwise: a full score matrix per call
+            # unfused otherwise: a full score matrix per call. dynamic=False: torch 2.11 turned the soft-cap
+            # float captured by score_mod into a SymFloat that flex_attention rejects (H200, 2026-11-29).
+            core = torch.compile(core, dynamic=False)
 
         def flex_paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, *, out=None,
                                  return_lse: bool = False, max_query_len: int | None = None, sinks=None,
