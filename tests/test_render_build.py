@@ -50,7 +50,7 @@ def test_constants_are_injected():
     # soft-cap and ALiBi are built-in functors, traced from jitattn/variant.py, applied before the user's
     assert text.index("// >>> functor soft_cap") < text.index("// >>> functor alibi") < text.index(
         "// >>> functor logits_transform")
-    assert "3.000000000e+01f * jitattn::fast_tanh((logits * 3.333333433e-02f))" in text
+    assert "3.000000000e+01f * jitattn::fast_tanh((logits * 3.333333333e-02f))" in text
     assert "params.alibi_slopes[qo_head]" in text
     assert "((qo_idx - kv_idx) <= 31) && ((kv_idx - qo_idx) <= 17)" in text  # the window bounds functor
 
