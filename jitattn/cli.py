@@ -2,16 +2,23 @@
 
 - ``jitattn warmup``: compile every kernel some models (``--model config.json``) or specs
   (``--spec``) need, for every target arch, into the cache. nvcc only: no GPU, no torch.
-- ``jitattn cache ls``: every entry of every cache layer, verified.
+- ``jitattn cache ls | verify | prune | clear | export | import``: list the entries of every layer;
+  check every checksum (quarantining corrupt entries); remove what no lookup uses; empty the
+  writable root; ship the entries a model needs as one archive, and add one, verified, elsewhere
+  (:mod:`jitattn.cache_admin`).
+- ``jitattn select``: which backend serves each layer kind of a model on a device, and why
+  (:func:`jitattn.selector.select_model`).
 - ``jitattn bench``: jitattn against the anchors on a CUDA GPU (:mod:`jitattn.bench`).
 
-Exit codes: 0 success; 1 a kernel failed to compile (each failure's nvcc message is printed);
-2 a usage error (missing file, bad JSON, unknown arch, invalid spec, nvcc missing, no GPU),
-printed as one ``jitattn: error: ...`` line without a traceback.
+Exit codes: 0 success; 1 the work found a problem: a kernel failed to compile (nvcc's message is
+printed), ``cache verify`` found corrupt entries, ``cache export`` misses kernels (the warm-up
+command that fills them is printed), ``cache import`` refused an archive, ``select`` found a layer
+kind no backend serves; 2 a usage error (missing file, bad JSON, unknown arch, invalid spec, nvcc
+missing, an unwritable cache root, no GPU), printed as one ``jitattn: error: ...`` line without
+a traceback.
 
 Each verb is a small function over the library's own objects (:class:`~jitattn.cache.KernelCache`,
-:func:`~jitattn.models.load_model_config`, :class:`~jitattn.spec.AttentionSpec`); later verbs
-(``select``, ``doctor``, more ``cache`` verbs) are added the same way.
+:func:`~jitattn.models.load_model_config`, :class:`~jitattn.spec.AttentionSpec`).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -34,18 +42,20 @@ from rich.table import Table
 import jitattn
 from jitattn import settings
 from jitattn.build import BuildError, CompileError, normalize_arch, nvcc_version
-from jitattn.cache import MANIFEST, KernelCache
+from jitattn.cache import MANIFEST, CacheWriteError, KernelCache
 from jitattn.spec import AttentionSpec
 
 app = typer.Typer(
     name="jitattn",
-    help="JIT kernel-specialisation compiler for attention: warm the kernel cache, inspect it, benchmark.",
+    help="JIT kernel-specialisation compiler for attention: warm the kernel cache, look after it, ship it, "
+         "select backends, benchmark.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-cache_app = typer.Typer(help="Inspect the on-disk kernel cache.", no_args_is_help=True)
+cache_app = typer.Typer(help="Look after the on-disk kernel cache: ls, verify, prune, clear, export, import.",
+                        no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
 
 USAGE_ERROR = 2
@@ -74,7 +84,7 @@ def _usage_errors() -> Iterator[None]:
         yield
     except UsageError as exc:
         _fail(str(exc))
-    except (ValueError, FileNotFoundError, BuildError) as exc:
+    except (ValueError, FileNotFoundError, BuildError, CacheWriteError) as exc:
         _fail(str(exc).strip().replace("\n", " "))
 
 
@@ -88,6 +98,20 @@ def _version_callback(value: bool) -> None:
 def main(version: Annotated[bool, typer.Option("--version", callback=_version_callback, is_eager=True,
                                                help="Print the version and exit.")] = False) -> None:
     """JIT kernel-specialisation compiler for attention."""
+
+
+# ---- options shared by the verbs that take models ----------------------------------------------
+ModelOpt = Annotated[Optional[list[Path]], typer.Option(
+    "--model", "-m", help="Hugging Face config.json; repeat for several models.")]
+SpecOpt = Annotated[Optional[list[str]], typer.Option(
+    "--spec", help="AttentionSpec JSON text, or a path to a .json file (one spec or a list); repeatable.")]
+ArchOpt = Annotated[Optional[list[str]], typer.Option(
+    "--arch", "-a", help="Target arch such as sm_80 or sm_90a; repeatable. Default: JITATTN_ARCHS (sm_80, sm_90a).")]
+DtypeOpt = Annotated[Optional[str], typer.Option(
+    "--dtype", help="float16 or bfloat16 for --model specs (default: the config's torch_dtype).")]
+PageSizeOpt = Annotated[int, typer.Option("--page-size", help="KV page size of --model specs.")]
+KvLayoutOpt = Annotated[str, typer.Option("--kv-layout", help="NHD or HND, for --model specs.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="JSON output, for scripts.")]
 
 
 # ---- warmup: what to build ---------------------------------------------------------------------
@@ -255,19 +279,14 @@ def summary_table(outcomes: list[Outcome]) -> Table:
 
 @app.command()
 def warmup(
-    model: Annotated[Optional[list[Path]], typer.Option(
-        "--model", "-m", help="Hugging Face config.json; repeat for several models.")] = None,
-    spec: Annotated[Optional[list[str]], typer.Option(
-        "--spec", help="AttentionSpec JSON text, or a path to a .json file (one spec or a list); repeatable.")] = None,
-    arch: Annotated[Optional[list[str]], typer.Option(
-        "--arch", "-a", help="Target arch such as sm_80 or sm_90a; repeatable. Default: JITATTN_ARCHS "
-                             "(sm_80, sm_90a).")] = None,
+    model: ModelOpt = None,
+    spec: SpecOpt = None,
+    arch: ArchOpt = None,
     jobs: Annotated[Optional[int], typer.Option(
         "--jobs", "-j", min=1, help="Compiles at once. Default: cores, at most one per 2 GiB of free memory.")] = None,
-    dtype: Annotated[Optional[str], typer.Option(
-        "--dtype", help="float16 or bfloat16 for --model specs (default: the config's torch_dtype).")] = None,
-    page_size: Annotated[int, typer.Option("--page-size", help="KV page size of --model specs.")] = 16,
-    kv_layout: Annotated[str, typer.Option("--kv-layout", help="NHD or HND, for --model specs.")] = "NHD",
+    dtype: DtypeOpt = None,
+    page_size: PageSizeOpt = 16,
+    kv_layout: KvLayoutOpt = "NHD",
 ) -> None:
     """Compile every kernel the models or specs need, for every arch, into the cache (nvcc only, no GPU).
 
@@ -376,6 +395,218 @@ def cache_ls(as_json: Annotated[bool, typer.Option("--json", help="One JSON list
         if r["status"] != "ok":  # never loaded: a lookup in the writable root moves it to quarantine/
             out.print(f"corrupt {r['key'][:12]} ({r['path']}): {r['status']}", markup=False, highlight=False,
                       soft_wrap=True)
+
+
+def _say(console: Console, text: str) -> None:
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+@cache_app.command("verify")
+def cache_verify(
+    as_json: JsonOpt = False,
+    no_quarantine: Annotated[bool, typer.Option(
+        "--no-quarantine", help="Only report corrupt entries of the writable root; do not move them.")] = False,
+) -> None:
+    """Check every entry of every layer (manifest, key, each artifact's sha256).
+
+    Corrupt entries of the writable root move to quarantine (the next request rebuilds them);
+    those of read-only layers are reported. Exit code 1 when any entry is corrupt.
+    """
+    from jitattn import cache_admin
+
+    with _usage_errors():
+        findings = cache_admin.verify(KernelCache(), quarantine=not no_quarantine)
+    bad = [f for f in findings if f.problem]
+    if as_json:
+        typer.echo(json.dumps([f.to_json() for f in findings], indent=1))
+    else:
+        out = _console()
+        for f in bad:
+            where = f"moved to {f.quarantined}" if f.quarantined else f"left in place ({f.layer})"
+            _say(out, f"corrupt {f.path}: {f.problem}; {where}")
+        _say(out, f"{len(findings)} entries checked, {len(findings) - len(bad)} ok, {len(bad)} corrupt")
+    if bad:
+        raise typer.Exit(1)
+
+
+def _print_removals(removals: list, verb: str, dry_run: bool, as_json: bool, root: Path) -> None:
+    if as_json:
+        typer.echo(json.dumps([r.to_json() for r in removals], indent=1))
+        return
+    out = _console()
+    label = f"would {verb}" if dry_run else f"{verb}d"
+    for r in removals:
+        _say(out, f"{label} {r.path} ({_human(r.size)}): {r.reason}")
+    total = _human(sum(r.size for r in removals))
+    _say(out, f"{label} {len(removals)} items, {total}, in {root}" if removals else f"nothing to {verb} in {root}")
+
+
+@cache_app.command("prune")
+def cache_prune(
+    dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Say what would go; remove nothing.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Remove from the writable root what no lookup uses, saying what and why.
+
+    Unfinished publishes and imports (tmp/), killed builds (build/), failed builds, quarantine, idle
+    lock files, markers of missing entries, and entries built by another jitattn version, other
+    templates or other nvcc flags. Work in progress (a held lock, a live process) is left alone;
+    read-only layers are never touched.
+    """
+    from jitattn import cache_admin
+
+    with _usage_errors():
+        cache = KernelCache()
+        try:
+            removals = cache_admin.prune(cache, dry_run=dry_run)
+        except OSError as exc:
+            raise UsageError(f"cannot prune {cache.root}: {exc}") from None
+    _print_removals(removals, "remove", dry_run, as_json, cache.root)
+
+
+@cache_app.command("clear")
+def cache_clear(
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Really remove every entry of the writable root.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Say what would go; remove nothing.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Remove every entry of the writable root (JITATTN_CACHE_DIR), then prune. Layers are untouched.
+
+    Refuses without --yes, saying how much it would remove.
+    """
+    from jitattn import cache_admin
+
+    with _usage_errors():
+        cache = KernelCache()
+        if not yes and not dry_run:
+            planned = cache_admin.clear(cache, dry_run=True)
+            count = sum(r.reason == "cleared" for r in planned)
+            raise UsageError(f"cache clear removes {count} entries ({_human(sum(r.size for r in planned))}) "
+                             f"from {cache.root}; pass --yes to do it, or --dry-run to list them")
+        try:
+            removals = cache_admin.clear(cache, dry_run=dry_run)
+        except OSError as exc:
+            raise UsageError(f"cannot clear {cache.root}: {exc}") from None
+    _print_removals(removals, "remove", dry_run, as_json, cache.root)
+
+
+def _warmup_command(models: list[Path], specs: list[str], archs: list[str], dtype: str | None, page_size: int,
+                    kv_layout: str) -> str:
+    """The ``jitattn warmup`` command that builds what the same arguments name."""
+    words = ["jitattn", "warmup"]
+    words += [w for m in models for w in ("--model", str(m))] + [w for s in specs for w in ("--spec", s)]
+    words += [w for a in archs for w in ("--arch", a)]
+    if dtype:
+        words += ["--dtype", dtype]
+    if page_size != 16:
+        words += ["--page-size", str(page_size)]
+    if kv_layout != "NHD":
+        words += ["--kv-layout", kv_layout]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+@cache_app.command("export")
+def cache_export(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Archive to write: .tar.gz, .tgz or .tar.")],
+    model: ModelOpt = None,
+    spec: SpecOpt = None,
+    arch: ArchOpt = None,
+    dtype: DtypeOpt = None,
+    page_size: PageSizeOpt = 16,
+    kv_layout: KvLayoutOpt = "NHD",
+) -> None:
+    """Write exactly the entries the models or specs need, for the archs, into one archive.
+
+    A deployment ships only what it uses; `jitattn cache import FILE` adds it to another cache, or
+    `tar -xzf FILE -C DIR` makes DIR a cache layer. Nothing compiles: a kernel that is not cached
+    fails the export (exit 1) with the `jitattn warmup` command that builds it.
+    """
+    from jitattn import cache_admin
+
+    with _usage_errors():
+        if not model and not spec:
+            raise UsageError("nothing to export: pass --model CONFIG.json and/or --spec JSON_OR_FILE")
+        targets = collect_targets(model or [], spec or [], dtype=dtype, page_size=page_size, kv_layout=kv_layout)
+        archs = resolve_archs(arch or [])
+        cache = KernelCache()
+        wanted = cache_admin.needed(((t.spec, t.sources) for t in targets), archs)
+        try:
+            entries = cache_admin.export_entries(cache, wanted, output)
+        except cache_admin.MissingEntriesError as exc:
+            lines = [f"  {w.spec.name} {w.arch} (needed by {', '.join(w.needed_by)})" for w in exc.missing]
+            looked = ", ".join(str(r) for r in cache.roots)
+            command = _warmup_command(model or [], spec or [], archs, dtype, page_size, kv_layout)
+            typer.echo(f"jitattn: error: {len(exc.missing)} of {len(wanted)} kernels are not cached (looked in "
+                       f"{looked}); nothing written:\n" + "\n".join(lines) +
+                       f"\nbuild them on a machine with nvcc, then export again:\n  {command}", err=True)
+            raise typer.Exit(1) from None
+        except OSError as exc:
+            raise UsageError(f"cannot write {output}: {exc.strerror or exc}") from None
+    size = output.stat().st_size
+    _say(_console(), f"exported {len(entries)} entries ({len(targets)} specs x {len(archs)} archs: "
+                     f"{', '.join(archs)}) to {output} ({_human(size)})")
+
+
+@cache_app.command("import")
+def cache_import(
+    archive: Annotated[Path, typer.Argument(help="An archive written by `jitattn cache export`.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Add the entries of an exported archive to the writable root (JITATTN_CACHE_DIR).
+
+    Every artifact is checked against its manifest's sha256 before any entry becomes visible; one
+    bad entry refuses the whole archive (exit 1). Entries are renamed into place atomically.
+    """
+    from jitattn import cache_admin
+
+    with _usage_errors():
+        cache = KernelCache()
+        try:
+            results = cache_admin.import_archive(cache, archive)
+        except cache_admin.ArchiveError as exc:
+            typer.echo(f"jitattn: error: {exc}", err=True)
+            raise typer.Exit(1) from None
+    if as_json:
+        typer.echo(json.dumps([r.to_json() for r in results], indent=1))
+        return
+    out = _console()
+    for r in results:
+        _say(out, f"{r.status:>8} {r.key[:12]} {r.name} {r.arch}")
+    imported = sum(r.status == "imported" for r in results)
+    _say(out, f"imported {imported}, already present {len(results) - imported}, into {cache.root}")
+
+
+# ---- select ------------------------------------------------------------------------------------
+@app.command()
+def select(
+    model: Annotated[Path, typer.Option("--model", "-m", help="Hugging Face config.json.")],
+    device: Annotated[Optional[str], typer.Option(
+        "--device", "-d", help="cpu, cuda, cuda:N, a GPU name (h100, a100, ...), an arch (sm_90) or a capability "
+                               "(9.0). Default: the current CUDA device, else the CPU.")] = None,
+    phase: Annotated[str, typer.Option("--phase", help="prefill, decode or mixed.")] = "mixed",
+    dtype: DtypeOpt = None,
+    page_size: PageSizeOpt = 16,
+    kv_layout: KvLayoutOpt = "NHD",
+    need_lse: Annotated[bool, typer.Option("--need-lse", help="The caller needs the lse.")] = False,
+    cuda_graph: Annotated[bool, typer.Option("--cuda-graph", help="Calls are captured in CUDA graphs.")] = False,
+    backend: Annotated[Optional[str], typer.Option("--backend", help="Force one backend by name.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Which backend serves each layer kind of a model on a device, and why the others do not.
+
+    Works without a GPU when the device is named. Exit code 1 when a layer kind has no backend.
+    """
+    from jitattn.selector import format_model_selection, select_model
+
+    with _usage_errors():
+        result = select_model(model, device, phase=phase, dtype=dtype, kv_layout=kv_layout, page_size=page_size,
+                              need_lse=need_lse, cuda_graph=cuda_graph, backend=backend)
+    if as_json:
+        typer.echo(json.dumps(result.to_json(), indent=1))
+    else:
+        typer.echo(format_model_selection(result), nl=False)
+    if not result.ok:
+        raise typer.Exit(1)
 
 
 # ---- bench -------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from jitattn import AttentionSpec, Param, Variant
 from jitattn.cache import KernelCache, MissingKernelError
 from jitattn.cli import default_jobs, parse_spec_arg
 from jitattn.models import model_specs
-from tests.test_cache import compile_calls, fake_nvcc
+from tests.test_cache import REAL_NVCC, compile_calls, fake_nvcc
 
 REPO = Path(__file__).resolve().parent.parent
 GEMMA = REPO / "examples" / "models" / "gemma-2-9b.json"
@@ -169,6 +169,51 @@ def test_default_jobs_is_at_least_one():
     assert 1 <= default_jobs() <= (os.cpu_count() or 1)
 
 
+@pytest.mark.parametrize("cores,free_gib,jobs", [(2, 20, 2), (64, 20, 10), (16, 3, 1), (8, 0, 1), (1, 100, 1)])
+def test_default_jobs_from_cores_and_memory(monkeypatch, cores, free_gib, jobs):
+    from jitattn import cli
+
+    monkeypatch.setattr(cli.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(cli, "_available_gib", lambda: free_gib)
+    assert default_jobs() == jobs  # one compile per core, at most one per 2 GiB of free memory
+
+
+def copying_nvcc(tmp_path: Path, sleep: float) -> tuple[Path, Path]:
+    """A stand-in nvcc that records how many compiles run at once, sleeps, and writes a fake cubin.
+
+    Returns the script and the log of concurrent compiles (one count per compile, taken as it starts).
+    """
+    running, counts = tmp_path / "running", tmp_path / "concurrency.log"
+    running.mkdir()
+    script = tmp_path / "nvcc-copy"
+    script.write_text(f"""#!/bin/sh
+if [ "$1" = "--version" ]; then exec "{REAL_NVCC}" --version; fi
+prev=""; out=""
+for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done
+touch "{running}/$$"
+ls "{running}" | wc -l >> "{counts}"
+sleep {sleep}
+printf 'not a real cubin' > "$out"
+rm -f "{running}/$$"
+""")
+    script.chmod(0o755)
+    return script, counts
+
+
+@pytest.mark.parametrize("jobs,specs", [("2", 4), ("1", 2), (None, 3)])
+def test_warmup_runs_at_most_j_compiles_at_once(tmp_path, jobs, specs):
+    nvcc, counts = copying_nvcc(tmp_path, sleep=1.0)
+    spec_file = tmp_path / "specs.json"
+    spec_file.write_text(json.dumps([SMALL.replace(page_size=2 ** i).to_json() for i in range(specs)]))
+    args = ["warmup", "--spec", str(spec_file), "--arch", "sm_80"] + (["-j", jobs] if jobs else [])
+    proc = jitattn(*args, cache=tmp_path / "c", env={"JITATTN_NVCC": str(nvcc)})
+    assert proc.returncode == 0, proc.stderr
+    cap = int(jobs) if jobs else default_jobs()
+    assert f"{specs} specs x 1 archs (sm_80), -j {cap}" in proc.stderr
+    seen = [int(n) for n in counts.read_text().split()]
+    assert len(seen) == specs and max(seen) == min(cap, specs), seen  # the cap is reached, never passed
+
+
 # ---- cache ls ----------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_cache_ls_lists_every_layer_with_status(tmp_path):
@@ -231,5 +276,28 @@ def test_version_and_help(tmp_path):
 
     assert jitattn("--version", cache=tmp_path).stdout.strip() == f"jitattn {pkg.__version__}"
     helptext = jitattn("--help", cache=tmp_path).stdout
-    for verb in ("warmup", "cache", "bench"):
+    for verb in ("warmup", "cache", "select", "bench"):
         assert verb in helptext
+    cache_help = jitattn("cache", "--help", cache=tmp_path).stdout
+    for verb in ("ls", "verify", "prune", "clear", "export", "import"):
+        assert verb in cache_help
+
+
+# ---- select ------------------------------------------------------------------------------------
+def test_select_names_a_backend_per_layer_kind_without_a_gpu(tmp_path):
+    proc = jitattn("select", "--model", str(GEMMA), "--device", "h100", cache=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("gemma-2-9b (gemma2, 42 layers) on h100")
+    assert "| sliding_attention | 21 (0, 2, 4, 6, ...) | jit |" in proc.stdout
+    data = json.loads(jitattn("select", "-m", str(GEMMA), "-d", "sm_90", "--phase", "decode", "--json", cache=tmp_path).stdout)
+    assert data["ok"] is True and data["phase"] == "decode"
+    assert [(k["layer_kind"], k["backend"]) for k in data["layer_kinds"]] == [("sliding_attention", "jit"),
+                                                                            ("full_attention", "jit")]
+
+
+def test_select_exit_codes(tmp_path):
+    forced = jitattn("select", "-m", str(GEMMA), "--device", "cpu", "--backend", "jit", cache=tmp_path)
+    assert forced.returncode == 1, forced.stderr  # jit cannot serve on a CPU: the table says why
+    assert "| sliding_attention | 21 (0, 2, 4, 6, ...) | none |" in forced.stdout
+    bad = jitattn("select", "-m", str(GEMMA), "--device", "tpu", cache=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.startswith("jitattn: error: device='tpu': unknown device")
