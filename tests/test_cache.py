@@ -308,7 +308,6 @@ CORRUPTIONS = [("truncated cubin", "does not match its sha256"), ("flipped byte"
 def test_corrupt_entry_is_quarantined_then_rebuilt(tmp_path, shipped, how, problem):
     cache = KernelCache(root=copy_of(shipped, tmp_path / "cache"), layers=())
     entry = cache.find(SPEC, "sm_80")
-    original = entry.cubin.read_bytes()
     _corrupt(entry.path, how)
     assert problem in verify_entry(entry.path)
     assert cache.find(SPEC, "sm_80") is None  # never loaded
@@ -317,7 +316,7 @@ def test_corrupt_entry_is_quarantined_then_rebuilt(tmp_path, shipped, how, probl
     assert not entry.path.exists()
     fresh, built = cache.get_or_build(SPEC, "sm_80")
     assert built and fresh.path == entry.path and verify_entry(fresh.path) is None
-    assert fresh.cubin.read_bytes()[:4] == b"\x7fELF" and len(fresh.cubin.read_bytes()) == len(original)
+    assert fresh.cubin.read_bytes()[:4] == b"\x7fELF"  # (other bytes: the line table names this root's build dir)
 
 
 @pytest.mark.slow
