@@ -627,16 +627,21 @@ def gpu_problem() -> str | None:
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench(ctx: typer.Context) -> None:
-    """Time jitattn against the anchors side by side (needs a CUDA GPU).
+    """Time jitattn against the anchors side by side (SDPA, FlexAttention, FlashInfer) on a CUDA GPU.
 
-    Other arguments go to jitattn.bench: --case NAME (repeatable), --host-profile, --no-check.
+    Every argument goes to jitattn.bench (`jitattn bench --help`): --case NAME, --model CONFIG,
+    --anchors, --json PATH, --md PATH, --compile, --no-check, --host-profile. Without a GPU, --list,
+    --from-json (tables and BENCHMARKS.md from earlier runs) and --compile-only (nvcc figures) still work.
     """
-    problem = gpu_problem()
+    args = list(ctx.args)
+    cpu_ok = {"--list", "--from-json", "--compile-only", "-h", "--help"}
+    problem = None if any(a.split("=")[0] in cpu_ok for a in args) else gpu_problem()
     if problem:
-        _fail(f"jitattn bench runs kernels on a CUDA GPU, and cannot here: {problem}")
+        _fail(f"jitattn bench runs kernels on a CUDA GPU, and cannot here: {problem} "
+              f"(--list, --from-json and --compile-only work without one)")
     from jitattn import bench as bench_module
 
-    bench_module.main(list(ctx.args))
+    bench_module.main(args)
 
 
 if __name__ == "__main__":

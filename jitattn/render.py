@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-import jinja2
-
 from jitattn.spec import AttentionSpec
 from jitattn.variant import builtin_symbols, builtin_transforms, structural_mask, trace_hook
 
@@ -157,7 +155,9 @@ def _cbool(x: bool) -> str:
 
 
 @lru_cache(maxsize=4)
-def _environment(directory: str) -> jinja2.Environment:
+def _environment(directory: str):
+    import jinja2  # here, not at import: a serving node that only loads cached kernels never renders
+
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(directory), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True, autoescape=False)
     env.globals.update(cfloat=_cfloat, cbool=_cbool, ctype=CTYPES)

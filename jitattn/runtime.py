@@ -174,7 +174,8 @@ class JitKernel:
         self._packer, self._field_order = params_packer(spec)
         if self.geometry["params_size"] != self._packer.size:
             raise RuntimeError(f"{self.entry.cubin}: Params is {self.geometry['params_size']} bytes in the cubin but "
-                               f"{self._packer.size} on the host; the cache entry is stale, clear it")
+                               f"{self._packer.size} on the host; the cache entry is stale: `jitattn cache clear --yes` "
+                               f"(or `jitattn cache prune`) and warm up again")
         for name in ("decode", "prefill"):
             smem = self.geometry[f"{name}_smem"]
             if smem > _DEFAULT_SMEM_LIMIT:
