@@ -69,6 +69,27 @@ def session_cache(session_cache_dir, monkeypatch) -> Path:
     return session_cache_dir
 
 
+#: Tolerance of a kernel against the fp32 reference (norm-wise relative error), by query dtype.
+GPU_TOL = {"bfloat16": 1e-2, "float16": 5e-3}
+
+
+def precompile(specs, root: Path) -> None:
+    """Build every spec for this GPU's arch up front, in parallel (device time is the scarce thing)."""
+    import torch
+
+    from jitattn.build import archs_for_capability
+    from jitattn.cache import KernelCache
+
+    if not torch.cuda.is_available():
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    arch = archs_for_capability(*torch.cuda.get_device_capability())[0]
+    cache = KernelCache(root=root, layers=())
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
+        list(pool.map(lambda s: cache.get_or_build(s, arch), list(dict.fromkeys(specs))))
+
+
 @pytest.fixture
 def record(request):
     """Call ``record(key=value, ...)`` to attach numbers to this test's line in the GPU results file."""

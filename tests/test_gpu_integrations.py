@@ -13,22 +13,19 @@
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from jitattn import AttentionSpec, reference, selector
 from jitattn.backends import DeviceInfo, get_backend, registered_backends
-from jitattn.build import archs_for_capability
-from jitattn.cache import KernelCache
 from jitattn.ops import paged_attention
 from jitattn.testing import random_paged_batch, relative_error
+from tests.conftest import GPU_TOL, precompile
 from tests.gpu_cases import DOC_MASK, REL_BIAS, _doc_params
 
 pytestmark = pytest.mark.gpu
-TOL = {"bfloat16": 1e-2, "float16": 5e-3}
+TOL = GPU_TOL
 
 MATRIX = [
     ("plain-hd128", AttentionSpec(32, 8, 128), {}),
@@ -69,13 +66,7 @@ GRAPH_SPECS = [AttentionSpec(32, 8, 128), AttentionSpec(16, 8, 256, logits_soft_
 @pytest.fixture(scope="module", autouse=True)
 def compiled(session_cache_dir):
     """Compile every jit spec these tests use up front, in parallel."""
-    if not torch.cuda.is_available():
-        return
-    arch = archs_for_capability(*torch.cuda.get_device_capability())[0]
-    cache = KernelCache(root=session_cache_dir, layers=())
-    specs = list({s: None for s in [m[1] for m in MATRIX] + _hf_specs() + GRAPH_SPECS})
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
-        list(pool.map(lambda s: cache.get_or_build(s, arch), specs))
+    precompile([m[1] for m in MATRIX] + _hf_specs() + GRAPH_SPECS, session_cache_dir)
 
 
 @pytest.fixture(autouse=True)

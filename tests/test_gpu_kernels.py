@@ -9,35 +9,27 @@ from __future__ import annotations
 
 import os
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from jitattn import reference
-from jitattn.build import archs_for_capability
-from jitattn.cache import KernelCache
 from jitattn.runtime import load_kernel
 from jitattn.testing import random_paged_batch, relative_error
+from tests.conftest import GPU_TOL, precompile
 from tests.gpu_cases import all_cases
 
 pytestmark = pytest.mark.gpu
 CASES = all_cases()
-TOL = {"bfloat16": 1e-2, "float16": 5e-3}
+TOL = GPU_TOL
 # Fresh inputs every run; the seed is recorded with each result so a failure can be replayed.
 SEED = int(os.environ.get("JITATTN_TEST_SEED", zlib.crc32(os.urandom(4)) % 100000))
 
 
 @pytest.fixture(scope="module", autouse=True)
 def compiled(session_cache_dir):
-    """Compile every spec of the matrix up front, in parallel (device time is the scarce thing)."""
-    if not torch.cuda.is_available():
-        return
-    arch = archs_for_capability(*torch.cuda.get_device_capability())[0]
-    cache = KernelCache(root=session_cache_dir, layers=())
-    specs = list({c.spec: None for c in CASES})
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
-        list(pool.map(lambda s: cache.get_or_build(s, arch), specs))
+    """Compile every spec of the matrix up front, in parallel."""
+    precompile([c.spec for c in CASES], session_cache_dir)
 
 
 def _check(case, out, lse, ref_out, ref_lse, record):
