@@ -75,6 +75,26 @@ __device__ __forceinline__ bool sequence_ok(const Params& p, int qo_len, int kv_
   return qo_len <= kv_len && kv_len <= p.block_table_stride * S::kPageSize;
 }
 
+// cp.async of the K and V rows of keys [start, start + kRows) into two shared-memory tiles whose rows
+// are kRowStride elements apart, 16 bytes per copy; rows at or past `end` are zero-filled (never
+// read). One page lookup per row: V sits kv_stride_kv elements after K in the same page. Every
+// decode and prefill kernel loads its K/V through this.
+template <class S, int kRows, int kRowStride, int kThreads>
+__device__ __forceinline__ void load_kv_rows(const Params& p, typename S::DTypeKV* sk, typename S::DTypeKV* sv,
+                                             int batch, int kv_head, int start, int end, bool& bad) {
+  constexpr int kVec = 16 / sizeof(typename S::DTypeKV);
+  constexpr int kChunks = S::kHeadDimQK / kVec;
+#pragma unroll
+  for (int c = threadIdx.x; c < kRows * kChunks; c += kThreads) {
+    const int row = c / kChunks, chunk = c % kChunks;
+    const int kv_idx = start + row;
+    const bool in = kv_idx < end;
+    const auto* k = in ? kv_row<S>(p, batch, kv_head, kv_idx, 0, bad) + chunk * kVec : p.kv_cache;
+    cp_async_16(sk + row * kRowStride + chunk * kVec, k, in);
+    cp_async_16(sv + row * kRowStride + chunk * kVec, k + p.kv_stride_kv, in);
+  }
+}
+
 // Issue cp.async for keys [start, start + kTileKeys) into one stage; rows at or past `end` are zero-filled.
 template <class S>
 __device__ __forceinline__ void decode_load_tile(const Params& p, uint8_t* stage, int batch, int kv_head, int start,
@@ -82,17 +102,8 @@ __device__ __forceinline__ void decode_load_tile(const Params& p, uint8_t* stage
   using T = DecodeTraits<S>;
   using DT = typename S::DTypeKV;
   DT* sk = reinterpret_cast<DT*>(stage);
-  DT* sv = sk + T::kTileKeys * T::kHeadDim;
-#pragma unroll
-  for (int c = threadIdx.x; c < T::kTileKeys * T::kChunks; c += T::kThreads) {
-    const int row = c / T::kChunks, chunk = c % T::kChunks;
-    const int kv_idx = start + row;
-    const bool in = kv_idx < end;
-    // One page lookup per row: V sits kv_stride_kv elements after K in the same page.
-    const DT* k = in ? kv_row<S>(p, batch, kv_head, kv_idx, 0, bad) + chunk * T::kVec : p.kv_cache;
-    cp_async_16(sk + row * T::kHeadDim + chunk * T::kVec, k, in);
-    cp_async_16(sv + row * T::kHeadDim + chunk * T::kVec, k + p.kv_stride_kv, in);
-  }
+  load_kv_rows<S, T::kTileKeys, T::kHeadDim, T::kThreads>(p, sk, sk + T::kTileKeys * T::kHeadDim, batch, kv_head,
+                                                          start, end, bad);
 }
 
 // Merges the kZ partial states (one per key slot or warp) of every query head of the group and

@@ -36,22 +36,6 @@ struct DecodeMmaTraits {
   static_assert(sizeof(typename S::DTypeKV) == 2, "tensor-core decode reads a 16-bit cache");
 };
 
-// cp.async of keys [start, start + kTileKeys) into padded K/V tiles; rows at or past `end` zero-filled.
-template <class S>
-__device__ __forceinline__ void decode_mma_load_tile(const Params& p, typename S::DTypeQ* sk, typename S::DTypeQ* sv,
-                                                     int batch, int kv_head, int start, int end, bool& bad) {
-  using T = DecodeMmaTraits<S>;
-#pragma unroll
-  for (int c = threadIdx.x; c < T::kTileKeys * T::kChunks; c += T::kThreads) {
-    const int row = c / T::kChunks, chunk = c % T::kChunks;
-    const int kv_idx = start + row;
-    const bool in = kv_idx < end;
-    const auto* k = in ? kv_row<S>(p, batch, kv_head, kv_idx, 0, bad) + chunk * 8 : p.kv_cache;
-    cp_async_16(sk + row * T::kRowStride + chunk * 8, k, in);
-    cp_async_16(sv + row * T::kRowStride + chunk * 8, k + p.kv_stride_kv, in);
-  }
-}
-
 template <class S>
 __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
   using T = DecodeMmaTraits<S>;
@@ -79,7 +63,8 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
 #pragma unroll
   for (int s = 0; s < T::kStages - 1; ++s) {
     const int start = lo + s * T::kTileKeys;
-    if (start < hi) decode_mma_load_tile<S>(p, stage_k(s), stage_v(s), batch, kv_head, start, hi, bad);
+    if (start < hi) load_kv_rows<S, T::kTileKeys, T::kRowStride, T::kThreads>(p, stage_k(s), stage_v(s), batch, kv_head, start, hi,
+                                                                  bad);
     cp_async_commit();
   }
   // Q rows (group heads; rows past the group are 0) -> shared memory, query transform applied.
@@ -121,7 +106,9 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
     {
       const int next = start + (T::kStages - 1) * T::kTileKeys;
       const int st_next = (it + T::kStages - 1) % T::kStages;
-      if (next < hi) decode_mma_load_tile<S>(p, stage_k(st_next), stage_v(st_next), batch, kv_head, next, hi, bad);
+      if (next < hi)
+        load_kv_rows<S, T::kTileKeys, T::kRowStride, T::kThreads>(p, stage_k(st_next), stage_v(st_next), batch,
+                                                                  kv_head, next, hi, bad);
       cp_async_commit();
     }
     const DT* sk = stage_k(it % T::kStages) + warp * T::kWarpKeys * T::kRowStride;

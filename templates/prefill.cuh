@@ -105,26 +105,14 @@ template <class S>
 __device__ __forceinline__ void prefill_load_kv(const Params& p, typename S::DTypeQ* sk, typename S::DTypeQ* sv,
                                                 uint8_t* raw, int batch, int kv_head, int n0, int kv_end, bool& bad) {
   using T = PrefillTraits<S>;
-  if constexpr (T::kKvFp8) {
-#pragma unroll
-    for (int c = threadIdx.x; c < T::kBlockN * T::kRawChunks; c += T::kThreads) {
-      const int row = c / T::kRawChunks, chunk = c % T::kRawChunks;
-      const int kv_idx = n0 + row;
-      const bool in = kv_idx < kv_end;
-      const auto* k = in ? kv_row<S>(p, batch, kv_head, kv_idx, 0, bad) + chunk * 16 : p.kv_cache;
-      cp_async_16(raw + row * T::kHeadDim + chunk * 16, k, in);
-      cp_async_16(raw + (T::kBlockN + row) * T::kHeadDim + chunk * 16, k + p.kv_stride_kv, in);
-    }
+  using KV = typename S::DTypeKV;
+  if constexpr (T::kKvFp8) {  // raw rows of head_dim bytes, K then V
+    KV* rk = reinterpret_cast<KV*>(raw);
+    load_kv_rows<S, T::kBlockN, T::kHeadDim, T::kThreads>(p, rk, rk + T::kBlockN * T::kHeadDim, batch, kv_head, n0,
+                                                          kv_end, bad);
   } else {
-#pragma unroll
-    for (int c = threadIdx.x; c < T::kBlockN * T::kChunks; c += T::kThreads) {
-      const int row = c / T::kChunks, chunk = c % T::kChunks;
-      const int kv_idx = n0 + row;
-      const bool in = kv_idx < kv_end;
-      const auto* k = in ? kv_row<S>(p, batch, kv_head, kv_idx, 0, bad) + chunk * 8 : p.kv_cache;
-      cp_async_16(sk + row * T::kRowStride + chunk * 8, k, in);
-      cp_async_16(sv + row * T::kRowStride + chunk * 8, k + p.kv_stride_kv, in);  // V: same page, after K
-    }
+    load_kv_rows<S, T::kBlockN, T::kRowStride, T::kThreads>(p, reinterpret_cast<KV*>(sk), reinterpret_cast<KV*>(sv),
+                                                            batch, kv_head, n0, kv_end, bad);
   }
 }
 
