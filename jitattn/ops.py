@@ -12,10 +12,10 @@ Use :func:`paged_attention` (the Python wrapper); the raw op's schema is::
         Tensor[] param_tensors, float[] param_scalars, bool return_lse, int max_query_len,
         float k_scale, float v_scale) -> (Tensor out, Tensor lse)
 
-- ``spec_json``: the spec's canonical JSON (:meth:`AttentionSpec.canonical_json`). The wrapper
-  registers the spec object under it (:func:`register_spec`) so a variant's torch functors, which
-  JSON does not carry, reach the torch backends; an unregistered text is parsed with
-  :meth:`AttentionSpec.from_json`.
+- ``spec_json``: the spec's canonical JSON (:attr:`AttentionSpec.canonical_text`). The op finds
+  the spec object by it (:func:`register_spec`, else :func:`jitattn.spec.live_spec`), so a
+  variant's torch functors, which JSON does not carry, reach the torch backends; an unknown text
+  is parsed with :meth:`AttentionSpec.from_json`.
 - ``backend``: a registered backend name; the wrapper asks the selector once per (spec, device,
   phase, lse) at trace time, so the choice is a constant of the compiled graph.
 - ``param_tensors`` / ``param_scalars``: the variant's tensor and scalar parameters, each in
@@ -35,7 +35,7 @@ import torch
 from jitattn.backends import DeviceInfo, get_backend
 from jitattn.reference import torch_dtype
 from jitattn.selector import _build_cached, select
-from jitattn.spec import AttentionSpec
+from jitattn.spec import AttentionSpec, live_spec
 
 _specs: dict[str, AttentionSpec] = {}
 _lock = threading.Lock()
@@ -50,11 +50,11 @@ def register_spec(spec: AttentionSpec) -> str:
 
 
 def spec_from_json(text: str) -> AttentionSpec:
-    """The registered spec for ``text``, else :meth:`AttentionSpec.from_json` (then registered)."""
+    """The spec for ``text``: registered, else live (:func:`jitattn.spec.live_spec`), else parsed."""
     with _lock:
         spec = _specs.get(text)
     if spec is None:
-        spec = AttentionSpec.from_json(text)
+        spec = live_spec(text) or AttentionSpec.from_json(text)
         with _lock:
             spec = _specs.setdefault(text, spec)
     return spec
@@ -99,27 +99,33 @@ def _unpack_params(spec: AttentionSpec, tensors: list[torch.Tensor], scalars: li
     return out
 
 
-def _pack_params(spec: AttentionSpec, params: Mapping[str, Any] | None) -> tuple[list[torch.Tensor], list[float]]:
+def _pack_params(layout: tuple[tuple[str, bool], ...], params: Mapping[str, Any] | None
+                 ) -> tuple[list[torch.Tensor], list[float]]:
     params = dict(params or {})
-    unknown = sorted(set(params) - {p.name for p in spec.params})
+    names = [name for name, _ in layout]
+    unknown = sorted(set(params) - set(names))
     if unknown:
-        raise ValueError(f"params: unknown names {unknown}; the variant declares {[p.name for p in spec.params]}")
-    missing = [p.name for p in spec.params if p.name not in params]
+        raise ValueError(f"params: unknown names {unknown}; the variant declares {names}")
+    missing = [name for name in names if name not in params]
     if missing:
         raise ValueError(f"params: missing {missing}")
-    tensors = [params[p.name] for p in spec.params if not p.is_scalar]
-    scalars = [float(params[p.name]) for p in spec.params if p.is_scalar]
+    tensors = [params[name] for name, scalar in layout if not scalar]
+    scalars = [float(params[name]) for name, scalar in layout if scalar]
     return tensors, scalars
 
 
+# The wrapper below hands the compiler only strings and numbers: the spec object itself never
+# crosses into a traced call (torch 2.11's dynamo cannot reconstruct a frozen dataclass there).
+# Each helper runs once per distinct argument tuple at trace time and is a constant of the graph.
 @torch.compiler.assume_constant_result
-def _spec_text(spec: AttentionSpec) -> str:
-    return register_spec(spec)
+def _param_layout(text: str) -> tuple[tuple[str, bool], ...]:
+    return tuple((p.name, p.is_scalar) for p in spec_from_json(text).params)
 
 
 @torch.compiler.assume_constant_result
-def _backend_name(spec: AttentionSpec, device: torch.device, phase: str, need_lse: bool) -> str:
-    return select(spec, DeviceInfo.from_torch(device), phase, need_lse=need_lse).name
+def _backend_name(text: str, device_type: str, device_index: int, phase: str, need_lse: bool) -> str:
+    device = torch.device(device_type, device_index) if device_index >= 0 else torch.device(device_type)
+    return select(spec_from_json(text), DeviceInfo.from_torch(device), phase, need_lse=need_lse).name
 
 
 def paged_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -145,9 +151,11 @@ def paged_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor
         jitattn.selector.NoBackendError: no backend serves the spec (or the forced one cannot).
         ValueError: bad tensors or params (from the backend's checks).
     """
-    text = _spec_text(spec)
-    name = backend or _backend_name(spec, q.device, phase, return_lse)
-    tensors, scalars = _pack_params(spec, params)
+    text = spec.canonical_text
+    device = q.device
+    name = backend or _backend_name(text, device.type, -1 if device.index is None else device.index, phase,
+                                    return_lse)
+    tensors, scalars = _pack_params(_param_layout(text), params)
     out, lse = torch.ops.jitattn.paged_attention(
         q, kv_cache, block_table, seq_lens, query_start_loc, text, name, sinks, alibi_slopes, tensors, scalars,
         return_lse, -1 if max_query_len is None else int(max_query_len), float(k_scale), float(v_scale))

@@ -22,6 +22,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,9 @@ QO_DTYPES = ("float16", "bfloat16")
 #: KV-cache dtypes the kernels take.
 KV_DTYPES = ("float16", "bfloat16", "float8_e4m3fn")
 KV_LAYOUTS = ("NHD", "HND")
+# Every live spec by its canonical text: the torch custom op (jitattn/ops.py) passes the text and
+# finds the object, with its variant's torch functors, here.
+_LIVE_SPECS: "weakref.WeakValueDictionary[str, AttentionSpec]" = weakref.WeakValueDictionary()
 #: Head dims the templates are built for: multiples of 16 in this range.
 HEAD_DIM_MIN, HEAD_DIM_MAX = 32, 256
 PAGE_SIZE_MAX = 1024
@@ -167,6 +171,10 @@ class AttentionSpec:
         if self.variant is not None and not self.variant.softmax and self.sinks:
             raise ValueError(f"sinks=True with variant {self.variant.name!r} (softmax=False): sinks join a softmax "
                              f"denominator; a variant without softmax has none")
+        # The canonical text, computed once: torch.compile reads it as a plain str attribute (the op
+        # wrapper in jitattn/ops.py never hands the spec object itself to the compiler).
+        _set("_canonical_text", self.canonical_json())
+        _LIVE_SPECS[self._canonical_text] = self
 
     # ---- derived -------------------------------------------------------------------------------
     @property
@@ -184,6 +192,11 @@ class AttentionSpec:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data["variant"] = self.variant.to_json() if self.variant else None
         return data
+
+    @property
+    def canonical_text(self) -> str:
+        """:meth:`canonical_json`, computed once at construction (a plain ``str`` attribute)."""
+        return self._canonical_text
 
     def canonical_json(self) -> str:
         """Sorted keys, no whitespace, floats in Python's round-trip repr: equal specs, equal text."""
@@ -205,7 +218,7 @@ class AttentionSpec:
     @property
     def key(self) -> str:
         """Stable content hash of the canonical JSON (hex sha256, first 16 chars)."""
-        return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
+        return hashlib.sha256(self._canonical_text.encode()).hexdigest()[:16]
 
     @property
     def name(self) -> str:
@@ -263,3 +276,8 @@ class AttentionSpec:
             feats.append(f"variant={self.variant.name}")
         return (f"{self.num_qo_heads}/{self.num_kv_heads} heads, hd {self.head_dim_qk}, {self.q_dtype}, "
                 f"{self.kv_layout} p{self.page_size}, scale {self.sm_scale:.4g}" + (", " + ", ".join(feats) if feats else ""))
+
+
+def live_spec(text: str) -> AttentionSpec | None:
+    """The live :class:`AttentionSpec` whose canonical JSON is ``text``, or None (weakly held)."""
+    return _LIVE_SPECS.get(text)

@@ -152,14 +152,6 @@ def test_gpt_oss_sinks_on_device_through_jit(session_cache, record):
 
 
 # ---- the custom op under torch.compile and CUDA graphs ----------------------------------------------------------
-_OLD_DYNAMO = pytest.mark.skipif(
-    tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
-    reason="torch < 2.13: dynamo fails on the op's spec argument ('can't reconstruct arbitrary frozen dataclass "
-           "instances', torch 2.11 on the H200, 2026-11-29); the same fullgraph trace passes on torch 2.13 "
-           "(tests/test_integrations.py, CPU)")
-
-
-@_OLD_DYNAMO
 def test_op_compiles_fullgraph_with_inductor_on_jit(session_cache):
     spec = MATRIX[1][1]
     batch = random_paged_batch(spec, Q_LENS, KV_LENS, device="cuda", seed=5)
@@ -173,7 +165,6 @@ def test_op_compiles_fullgraph_with_inductor_on_jit(session_cache):
     assert relative_error(got, ref) < TOL[spec.q_dtype]
 
 
-@_OLD_DYNAMO
 def test_op_selects_jit_when_compiled(session_cache):
     spec = MATRIX[0][1]
     batch = random_paged_batch(spec, Q_LENS, KV_LENS, device="cuda", seed=6)
