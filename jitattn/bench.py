@@ -102,12 +102,16 @@ def design_cases() -> list[BenchCase]:
 
 
 def decode_target_cases() -> list[BenchCase]:
-    """Extra decode cases of the fast-decode targets: gpt-oss sliding layer, page sizes 1/16/64."""
+    """Extra decode cases of the fast-decode targets: gpt-oss sliding layer, page sizes 1/16/64, FP8 KV."""
     gpt_oss = AttentionSpec(64, 8, 64, window_left=127, sinks=True)
     out = [BenchCase("decode-gpt-oss-sliding-b256x8192", gpt_oss, [1] * 256, [8192] * 256, "decode")]
     for ps in (1, 16, 64):
         out.append(BenchCase(f"decode-hd128-b64x4096-page{ps}", AttentionSpec(32, 8, 128, page_size=ps),
                              [1] * 64, [4096] * 64, "decode"))
+    # FP8 (e4m3) KV with per-tensor k_scale / v_scale: half the bytes of the page16 case above, so
+    # the same time would show half the TB/s; the target is a ratio of times against that case.
+    out.append(BenchCase("decode-hd128-b64x4096-fp8", AttentionSpec(32, 8, 128, kv_dtype="float8_e4m3fn"),
+                         [1] * 64, [4096] * 64, "decode"))
     return out
 
 
@@ -591,7 +595,8 @@ def flashinfer_runner(case: BenchCase, batch: PagedBatch) -> Runner:
     workspace = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=batch.q.device)
     t0 = time.perf_counter()
     wrapper, extra = (_flashinfer_sinks if case.spec.sinks else _flashinfer_plain)(fi, case, batch, workspace, pages)
-    call = lambda: wrapper.run(batch.q, batch.kv_cache, *extra)  # noqa: E731
+    scales = batch.scales  # FP8: k_scale, v_scale (empty for a 16-bit cache)
+    call = lambda: wrapper.run(batch.q, batch.kv_cache, *extra, **scales)  # noqa: E731
     call()
     torch.cuda.synchronize()
     backend = getattr(wrapper, "_backend", "?")
