@@ -25,16 +25,45 @@ struct DecodeMmaTraits {
   static constexpr int kTileKeys = kWarps * kWarpKeys;  // keys per pipeline stage
   static constexpr int kRowStride = kHeadDim + 8;       // padded rows: conflict-free ldmatrix (see prefill.cuh)
   static constexpr int kChunks = kHeadDim / 8;
-  static constexpr int kStageBytes = 2 * kTileKeys * kRowStride * 2;  // K and V of one tile
-  static constexpr int kStages = kHeadDim <= 128 ? 3 : 2;
+  static constexpr int kTileBytes = 2 * kTileKeys * kRowStride * 2;  // K and V of one tile, 16-bit, padded
+  // An FP8 cache: each stage holds the raw rows (half the bytes, cp.async cannot convert), widened
+  // to DT into one padded tile before the mma (scales folded: k_scale into the logit scale, v_scale
+  // into the output). Half-size stages let twice as many keys be in flight.
+  static constexpr bool kKvFp8 = sizeof(typename S::DTypeKV) == 1;
+  static constexpr int kRawChunks = kHeadDim / 16;  // 16-byte chunks of an FP8 row
+  static constexpr int kStageBytes = kKvFp8 ? 2 * kTileKeys * kHeadDim : kTileBytes;
+  static constexpr int kStages = kKvFp8 ? (kHeadDim <= 128 ? 4 : 3) : (kHeadDim <= 128 ? 3 : 2);
   static constexpr int kQBytes = 16 * kRowStride * 2;
   static constexpr int kMergeBytes = (kWarps * 16 * (kHeadDim + 2) + 16) * 4;
-  static constexpr int kSmemBytes = cmax(kQBytes + kStages * kStageBytes, kMergeBytes);
+  static constexpr int kSmemBytes =
+      cmax(kQBytes + kStages * kStageBytes + (kKvFp8 ? kTileBytes : 0), kMergeBytes);
   static constexpr int kDTiles = kHeadDim / 8;
   static constexpr int kMinBlocksPerSM = 1;
   static_assert(S::kGroupSize <= 16, "the group's query heads must fit one m16 tile");
-  static_assert(sizeof(typename S::DTypeKV) == 2, "tensor-core decode reads a 16-bit cache");
+  static_assert(kKvFp8 || sizeof(typename S::DTypeKV) == sizeof(DT), "a 16-bit cache has q's dtype");
 };
+
+// FP8 cache: widen one stage's raw K and V rows (e4m3, unscaled: the conversion is exact) to DT in
+// the padded tile the mma reads.
+template <class S>
+__device__ __forceinline__ void decode_mma_widen(const uint8_t* raw, typename S::DTypeQ* sk, typename S::DTypeQ* sv) {
+  using T = DecodeMmaTraits<S>;
+  using DT = typename T::DT;
+#pragma unroll
+  for (int c = threadIdx.x; c < 2 * T::kTileKeys * T::kRawChunks; c += T::kThreads) {
+    const int which = c / (T::kTileKeys * T::kRawChunks), rc = c % (T::kTileKeys * T::kRawChunks);
+    const int row = rc / T::kRawChunks, chunk = rc % T::kRawChunks;
+    float f[16];
+    unpack16<typename S::DTypeKV>(
+        *reinterpret_cast<const uint4*>(raw + (which * T::kTileKeys + row) * T::kHeadDim + chunk * 16), f);
+    uint32_t w[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] = pack2<DT>(f[2 * i], f[2 * i + 1]);
+    uint4* dst = reinterpret_cast<uint4*>((which == 0 ? sk : sv) + row * T::kRowStride + chunk * 16);
+    dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+  }
+}
 
 template <class S>
 __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
@@ -42,8 +71,14 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
   using DT = typename T::DT;
   extern __shared__ __align__(16) uint8_t smem[];
   DT* sq = reinterpret_cast<DT*>(smem);
-  auto stage_k = [&](int s) { return reinterpret_cast<DT*>(smem + T::kQBytes + s * T::kStageBytes); };
+  using KV = typename S::DTypeKV;
+  // 16-bit cache: stage s holds K then V, padded. FP8: stage s holds raw K then V rows; the widened
+  // tile sits after the stages.
+  auto stage_k = [&](int s) {
+    return reinterpret_cast<DT*>(smem + T::kQBytes + (T::kKvFp8 ? T::kStages : s) * T::kStageBytes);
+  };
   auto stage_v = [&](int s) { return stage_k(s) + T::kTileKeys * T::kRowStride; };
+  auto stage_raw = [&](int s) { return reinterpret_cast<KV*>(smem + T::kQBytes + s * T::kStageBytes); };
 
   const int split = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
   const int q_row = p.query_start_loc[batch];
@@ -58,13 +93,22 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
   const int chunk_len = round_up(ceil_div(max(kv_end - kv_begin, 0), p.num_splits), T::kTileKeys);
   const int lo = kv_begin + split * chunk_len;
   const int hi = min(kv_end, lo + chunk_len);
+  auto load_stage = [&](int s, int start, int end, bool& bad_ref) {
+    if constexpr (T::kKvFp8) {
+      load_kv_rows<S, T::kTileKeys, T::kHeadDim, T::kThreads>(p, stage_raw(s), stage_raw(s) + T::kTileKeys * T::kHeadDim,
+                                                              batch, kv_head, start, end, bad_ref);
+    } else {
+      load_kv_rows<S, T::kTileKeys, T::kRowStride, T::kThreads>(p, reinterpret_cast<KV*>(stage_k(s)),
+                                                                reinterpret_cast<KV*>(stage_v(s)), batch, kv_head,
+                                                                start, end, bad_ref);
+    }
+  };
 
   // Prologue first: kStages - 1 tiles in flight while the query rows are prepared.
 #pragma unroll
   for (int s = 0; s < T::kStages - 1; ++s) {
     const int start = lo + s * T::kTileKeys;
-    if (start < hi) load_kv_rows<S, T::kTileKeys, T::kRowStride, T::kThreads>(p, stage_k(s), stage_v(s), batch, kv_head, start, hi,
-                                                                  bad);
+    if (start < hi) load_stage(s, start, hi, bad);
     cp_async_commit();
   }
   // Q rows (group heads; rows past the group are 0) -> shared memory, query transform applied.
@@ -97,7 +141,8 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) o[d][i] = 0.f;
   SoftmaxState st[2] = {{S::kSoftmax ? kNegInf : 0.f, 0.f}, {S::kSoftmax ? kNegInf : 0.f, 0.f}};
-  constexpr float kScale = q_prescale<S>();
+  // An FP8 cache's k_scale folds into the logit scale (its v_scale is applied by decode_finish).
+  const float kScale = T::kKvFp8 ? q_prescale<S>() * p.k_scale : q_prescale<S>();
 
   int it = 0;
   for (int start = lo; start < hi; start += T::kTileKeys, ++it) {
@@ -106,10 +151,12 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
     {
       const int next = start + (T::kStages - 1) * T::kTileKeys;
       const int st_next = (it + T::kStages - 1) % T::kStages;
-      if (next < hi)
-        load_kv_rows<S, T::kTileKeys, T::kRowStride, T::kThreads>(p, stage_k(st_next), stage_v(st_next), batch,
-                                                                  kv_head, next, hi, bad);
+      if (next < hi) load_stage(st_next, next, hi, bad);
       cp_async_commit();
+    }
+    if constexpr (T::kKvFp8) {  // the previous tile's mma finished before the barrier above
+      decode_mma_widen<S>(reinterpret_cast<const uint8_t*>(stage_raw(it % T::kStages)), stage_k(0), stage_v(0));
+      __syncthreads();
     }
     const DT* sk = stage_k(it % T::kStages) + warp * T::kWarpKeys * T::kRowStride;
     const DT* sv = stage_v(it % T::kStages) + warp * T::kWarpKeys * T::kRowStride;

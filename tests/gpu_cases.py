@@ -180,6 +180,8 @@ def fp8_cases() -> list[Case]:
         Case("fp8-kv-hd256-fp16-softcap-rotary", AttentionSpec(16, 8, 256, q_dtype="float16", kv_dtype="float8_e4m3fn",
                                                                logits_soft_cap=50.0, variant=rotary_embedding(256)), q, kv),
         Case("fp8-kv-decode-b1-32768", AttentionSpec(32, 8, 128, kv_dtype="float8_e4m3fn"), [1], [32768]),
+        Case("fp8-kv-hd256-group16-page1-softcap", AttentionSpec(32, 2, 256, kv_dtype="float8_e4m3fn", page_size=1,
+                                                                 logits_soft_cap=30.0, window_left=1000), q, kv),
     ]
 
 
