@@ -66,7 +66,7 @@ class BenchCase:
     spec: AttentionSpec
     q_lens: list[int]
     kv_lens: list[int]
-    phase: str  # "prefill" or "decode": which unit the table reports
+    phase: str  # "prefill", "decode" or "mixed" (prefill chunks and decode rows in one call; FLOP units)
 
     @property
     def is_decode(self) -> bool:
@@ -75,7 +75,7 @@ class BenchCase:
     @property
     def check_seqs(self) -> int:
         """Sequences whose rows the reference checks: all, except prefill cases of > 2 sequences (the first)."""
-        if not self.is_decode and len(self.q_lens) > FULL_CHECK_MAX_SEQS:
+        if self.phase == "prefill" and len(self.q_lens) > FULL_CHECK_MAX_SEQS:
             return 1
         return len(self.q_lens)
 
@@ -113,6 +113,17 @@ def decode_target_cases() -> list[BenchCase]:
     out.append(BenchCase("decode-hd128-b64x4096-fp8", AttentionSpec(32, 8, 128, kv_dtype="float8_e4m3fn"),
                          [1] * 64, [4096] * 64, "decode"))
     return out
+
+
+def mixed_cases() -> list[BenchCase]:
+    """Issue #6's mixed batch: 4 prefill chunks of 2048 and 60 decode rows (4096 keys each), one call.
+
+    Prefill sequences come first, so ``jitattn-separate`` (the same batch as one prefill call and
+    one decode call, :func:`split_batch`) writes the same output rows.
+    """
+    hd128 = AttentionSpec(32, 8, 128)
+    return [BenchCase("mixed-hd128-4x2048-prefill+60x4096-decode", hd128, [2048] * 4 + [1] * 60,
+                      [2048] * 4 + [4096] * 60, "mixed")]
 
 
 def decode_kv_bytes(spec: AttentionSpec, batch: int, kv_len: int) -> int:
@@ -162,7 +173,7 @@ def example_model_configs() -> list[Path]:
 
 def all_cases(models: list[Path] | None = None) -> list[BenchCase]:
     """DESIGN.md's six, the decode targets, then every layer kind of every model (default: examples/models)."""
-    out = design_cases() + decode_target_cases()
+    out = design_cases() + decode_target_cases() + mixed_cases()
     for config in example_model_configs() if models is None else models:
         out += model_cases(config)
     return out
@@ -322,7 +333,7 @@ def to_contiguous(batch: PagedBatch) -> Contiguous | None:
     return Contiguous(q.contiguous(), k, v)
 
 
-def jitattn_runner(case: BenchCase, batch: PagedBatch) -> Runner:
+def jitattn_runner(case: BenchCase, batch: PagedBatch) -> Runner | dict[str, Runner]:
     """jitattn's kernels on the paged batch (compiled or loaded from the cache on first use)."""
     from jitattn.runtime import load_kernel
 
@@ -331,7 +342,35 @@ def jitattn_runner(case: BenchCase, batch: PagedBatch) -> Runner:
     out = torch.empty(batch.q.shape[0], case.spec.num_qo_heads, case.spec.head_dim_vo,
                       dtype=torch_dtype(case.spec.o_dtype), device=batch.q.device)
     call = lambda: kernel.paged_attention(*batch.args(), **batch.kwargs(), out=out, max_query_len=hint)  # noqa: E731
-    return Runner(call, note=f"{kernel.entry.arch}")
+    if case.phase != "mixed":
+        return Runner(call, note=f"{kernel.entry.arch}")
+    # The same batch as two calls, the prefill sequences then the decode rows: what one call must beat.
+    n = sum(1 for ql in batch.q_lens if ql > 1)
+    first, rest = split_batch(batch, n)
+    rows = first.q.shape[0]
+
+    def separate() -> torch.Tensor:
+        kernel.paged_attention(*first.args(), **first.kwargs(), out=out[:rows])
+        kernel.paged_attention(*rest.args(), **rest.kwargs(), out=out[rows:], max_query_len=1)
+        return out
+
+    return {"jitattn": Runner(call, note=f"{kernel.entry.arch}, one call"),
+            "jitattn-separate": Runner(separate, note=f"prefill call ({n} seqs) + decode call, same kernels")}
+
+
+def split_batch(batch: PagedBatch, n: int) -> tuple[PagedBatch, PagedBatch]:
+    """Sequences ``[0, n)`` and ``[n, B)`` of ``batch`` as two batches over the same KV cache (views)."""
+    import dataclasses
+
+    qsl = batch.query_start_loc
+    rows = int(qsl[n])
+    first = dataclasses.replace(batch, q=batch.q[:rows], block_table=batch.block_table[:n],
+                                seq_lens=batch.seq_lens[:n], query_start_loc=qsl[: n + 1],
+                                q_lens=batch.q_lens[:n], kv_lens=batch.kv_lens[:n])
+    rest = dataclasses.replace(batch, q=batch.q[rows:], block_table=batch.block_table[n:],
+                               seq_lens=batch.seq_lens[n:], query_start_loc=qsl[n:] - rows,
+                               q_lens=batch.q_lens[n:], kv_lens=batch.kv_lens[n:])
+    return first, rest
 
 
 def window_masks_nothing(case: BenchCase) -> bool:
@@ -700,10 +739,10 @@ class CompileFigure:
     warm_import_ms: float  # inside it: import torch, jitattn and jitattn.runtime
     warm_cuda_init_ms: float  # inside it: CUDA context creation
     warm_load_ms: float  # inside it: load_kernel (cache lookup, checksum, module load) + synchronize
-    warm_jitattn_import_ms: float = math.nan  # of warm_import_ms: import jitattn + jitattn.runtime (torch loaded)
     flex_prefill_s: float = math.nan  # torch.compile'd Flex, first call, dynamo reset, inductor caches off
     flex_decode_s: float = math.nan
     note: str = ""
+    warm_jitattn_import_ms: float = math.nan  # of warm_import_ms: import jitattn + jitattn.runtime (torch loaded)
 
 
 WARM_LOAD_SCRIPT = """\

@@ -40,7 +40,8 @@ V0_CASES = {  # the v0 names and shapes, which BENCHMARKS.md's history refers to
 
 def test_existing_cases_keep_their_names_and_shapes():
     cases = {c.name: c for c in bench.design_cases() + bench.decode_target_cases()}
-    assert set(cases) == set(V0_CASES)
+    assert set(V0_CASES) <= set(cases)
+    assert cases["decode-hd128-b64x4096-fp8"].spec.kv_dtype == "float8_e4m3fn"
     for name, (b, q, kv) in V0_CASES.items():
         c = cases[name]
         assert (len(c.q_lens), set(c.q_lens), set(c.kv_lens)) == (b, {q}, {kv})
@@ -78,7 +79,9 @@ def test_narrow_windows_get_bigger_decode_batches():
 def test_all_cases_are_unique_and_cover_the_examples():
     names = [c.name for c in bench.all_cases()]
     assert len(names) == len(set(names))
-    assert len(names) == len(V0_CASES) + sum(len(bench.model_cases(m)) for m in MODELS)
+    extra = ["decode-hd128-b64x4096-fp8", "mixed-hd128-4x2048-prefill+60x4096-decode"]
+    assert len(names) == len(V0_CASES) + len(extra) + sum(len(bench.model_cases(m)) for m in MODELS)
+    assert set(extra) <= set(names)
 
 
 def test_select_cases():
@@ -109,6 +112,19 @@ def test_reference_rows_of_the_first_sequence_match_the_full_reference():
     assert first.shape == (9, 4, 64)
     torch.testing.assert_close(first, full[:9])
     assert bench.check_error(full, first) == 0.0
+
+
+def test_mixed_case_checks_every_row_and_splits_into_the_same_output():
+    case = bench.mixed_cases()[0]
+    assert case.q_lens == [2048] * 4 + [1] * 60 and case.check_seqs == 64 and not case.is_decode
+    spec = AttentionSpec(4, 2, 64)
+    batch = random_paged_batch(spec, [20, 9, 1, 1, 1], [20, 30, 50, 7, 64], seed=4)
+    first, rest = bench.split_batch(batch, 2)
+    assert first.q.shape[0] == 29 and rest.q.shape[0] == 3 and rest.query_start_loc.tolist() == [0, 1, 2, 3]
+    assert rest.kv_cache is batch.kv_cache
+    whole = reference.paged_attention(spec, *batch.args(), **batch.kwargs())
+    parts = [reference.paged_attention(spec, *b.args(), **b.kwargs()) for b in (first, rest)]
+    torch.testing.assert_close(torch.cat(parts), whole, rtol=0, atol=0)
 
 
 # ---- FLOP and byte accounting -----------------------------------------------------------------
@@ -363,9 +379,9 @@ def test_format_table_ratios_against_the_best_correct_anchor():
 
 
 def test_format_compile_table():
-    fig = CompileFigure("h32x8_d128", "sm_90a", 41.24, 40.9, 2210.0, 1850.0, 240.0, 12.34, 18.2, nan, "")
+    fig = CompileFigure("h32x8_d128", "sm_90a", 41.24, 40.9, 2210.0, 1850.0, 240.0, 12.34, 18.2, nan, "", 31.6)
     row = table_rows(bench.format_compile_table([fig]))[0]
-    assert row == ["h32x8_d128", "sm_90a", "41.2 (40.9)", "2210", "1850", "240", "12.3", "18.2", "-", ""]
+    assert row == ["h32x8_d128", "sm_90a", "41.2 (40.9)", "2210", "1850 (32)", "240", "12.3", "18.2", "-", ""]
 
 
 def test_one_line_keeps_tables_intact():
@@ -475,7 +491,8 @@ def test_distinct_specs_with_phases():
     specs = dict(bench.distinct_specs(cases))
     assert specs[AttentionSpec(32, 8, 128)] == {"prefill", "decode"}
     assert specs[AttentionSpec(32, 8, 128, page_size=64)] == {"decode"}
-    assert len(specs) == 6
+    assert specs[AttentionSpec(32, 8, 128, kv_dtype="float8_e4m3fn")] == {"decode"}
+    assert len(specs) == 7
 
 
 # ---- the command line -------------------------------------------------------------------------
