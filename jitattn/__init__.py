@@ -11,7 +11,8 @@ from jitattn.variant import Param, Variant
 
 __version__ = "0.1.0"
 
-__all__ = ["AttentionSpec", "Param", "Variant", "__version__", "paged_attention", "load_kernel"]
+__all__ = ["AttentionSpec", "Param", "Variant", "__version__", "paged_attention", "load_kernel", "merge_state",
+           "merge_state_in_place", "merge_states"]
 
 
 def __getattr__(name: str):
@@ -20,4 +21,8 @@ def __getattr__(name: str):
         from jitattn import runtime
 
         return getattr(runtime, name)
+    if name in ("merge_state", "merge_state_in_place", "merge_states"):
+        from jitattn import merge
+
+        return getattr(merge, name)
     raise AttributeError(f"module 'jitattn' has no attribute {name!r}")

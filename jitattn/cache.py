@@ -224,7 +224,11 @@ class CacheEntry:
 
     @property
     def spec(self) -> AttentionSpec:
-        return AttentionSpec.from_json(self.manifest["key_inputs"]["spec"])
+        """The spec the entry was built for (a :class:`jitattn.merge_module.MergeModule` for a utility module)."""
+        data = self.manifest["key_inputs"]["spec"]
+        from jitattn.merge_module import MergeModule, is_module_json
+
+        return MergeModule.from_json(data) if is_module_json(data) else AttentionSpec.from_json(data)
 
 
 @dataclass

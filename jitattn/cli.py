@@ -1,7 +1,9 @@
 """The ``jitattn`` command line.
 
 - ``jitattn warmup``: compile every kernel some models (``--model config.json``) or specs
-  (``--spec``) need, for every target arch, into the cache. nvcc only: no GPU, no torch.
+  (``--spec``) need, for every target arch, into the cache. nvcc only: no GPU, no torch. A model
+  also gets the ``merge_state`` utility module of its output dtype (:mod:`jitattn.merge_module`);
+  ``--spec '{"kind":"merge_state","dtype":"bfloat16"}'`` names one directly.
 - ``jitattn cache ls | verify | prune | clear | export | import``: list the entries of every layer;
   check every checksum (quarantining corrupt entries); remove what no lookup uses; empty the
   writable root; ship the entries a model needs as one archive, and add one, verified, elsewhere
@@ -43,6 +45,7 @@ import jitattn
 from jitattn import settings
 from jitattn.build import BuildError, CompileError, normalize_arch, nvcc_version
 from jitattn.cache import MANIFEST, CacheWriteError, KernelCache
+from jitattn.merge_module import MergeModule, is_module_json
 from jitattn.spec import AttentionSpec
 
 app = typer.Typer(
@@ -104,7 +107,8 @@ def main(version: Annotated[bool, typer.Option("--version", callback=_version_ca
 ModelOpt = Annotated[Optional[list[Path]], typer.Option(
     "--model", "-m", help="Hugging Face config.json; repeat for several models.")]
 SpecOpt = Annotated[Optional[list[str]], typer.Option(
-    "--spec", help="AttentionSpec JSON text, or a path to a .json file (one spec or a list); repeatable.")]
+    "--spec", help="AttentionSpec JSON text, or a path to a .json file (one spec or a list); repeatable. "
+                   "'{\"kind\":\"merge_state\",\"dtype\":\"bfloat16\"}' names a merge_state module.")]
 ArchOpt = Annotated[Optional[list[str]], typer.Option(
     "--arch", "-a", help="Target arch such as sm_80 or sm_90a; repeatable. Default: JITATTN_ARCHS (sm_80, sm_90a).")]
 DtypeOpt = Annotated[Optional[str], typer.Option(
@@ -117,9 +121,10 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="JSON output, for scripts.
 # ---- warmup: what to build ---------------------------------------------------------------------
 @dataclass
 class Target:
-    """One spec to build, with every source that asked for it (``model/layer kind`` or ``--spec #i``)."""
+    """One spec (or utility module) to build, with every source that asked for it (``model/layer kind``,
+    ``model/merge_state`` or ``--spec #i``)."""
 
-    spec: AttentionSpec
+    spec: AttentionSpec | MergeModule
     sources: list[str]
 
 
@@ -149,6 +154,9 @@ def _available_gib() -> int:
 def parse_spec_arg(text: str) -> list[AttentionSpec]:
     """``--spec`` value: AttentionSpec JSON text, or a path to a file holding a spec object or a list.
 
+    An object with ``"kind": "merge_state"`` is a :class:`~jitattn.merge_module.MergeModule` (the
+    text its missing-kernel error prints).
+
     Raises:
         UsageError: not JSON and not a file, invalid JSON, or an invalid spec (AttentionSpec's message).
     """
@@ -172,7 +180,10 @@ def parse_spec_arg(text: str) -> list[AttentionSpec]:
         if not isinstance(item, dict):
             raise UsageError(f"{where}: expected a JSON object with AttentionSpec fields, got {type(item).__name__}")
         try:
-            specs.append(AttentionSpec.from_json(item))
+            if is_module_json(item):  # a utility module: {"kind": "merge_state", "dtype": ...}
+                specs.append(MergeModule.from_json(item))
+            else:
+                specs.append(AttentionSpec.from_json(item))
         except (ValueError, TypeError, KeyError) as exc:
             raise UsageError(f"{where}: invalid spec: {exc}") from None
     return specs
@@ -180,7 +191,10 @@ def parse_spec_arg(text: str) -> list[AttentionSpec]:
 
 def collect_targets(models: list[Path], spec_args: list[str], *, dtype: str | None, page_size: int,
                     kv_layout: str) -> list[Target]:
-    """The distinct specs to build, in order of first mention, each with who asked for it."""
+    """The distinct specs to build, in order of first mention, each with who asked for it.
+
+    Each model also needs the ``merge_state`` module of each of its output dtypes (after its specs).
+    """
     from jitattn.models import load_model_config
 
     targets: dict[AttentionSpec, Target] = {}
@@ -192,6 +206,8 @@ def collect_targets(models: list[Path], spec_args: list[str], *, dtype: str | No
         model = load_model_config(path, dtype=dtype, kv_layout=kv_layout, page_size=page_size)
         for kind in model.layer_kinds:
             add(kind.spec, f"{Path(path).stem}/{kind.name}")
+        for out_dtype in dict.fromkeys(kind.spec.o_dtype for kind in model.layer_kinds):
+            add(MergeModule(out_dtype), f"{Path(path).stem}/merge_state")  # jitattn.merge_state on its outputs
     for i, text in enumerate(spec_args, start=1):
         for spec in parse_spec_arg(text):
             add(spec, f"--spec #{i}")

@@ -23,11 +23,18 @@ import pytest
 
 from jitattn import AttentionSpec
 from jitattn.cache import MANIFEST, KernelCache, key_lock, verify_entry
+from jitattn.merge_module import MergeModule
 from jitattn.models import model_specs
 from tests.test_cache import child_env, copy_of, fake_nvcc
 from tests.test_cli import GEMMA, jitattn
 
 SMALL = AttentionSpec(8, 2, 64)
+GEMMA_MERGE = MergeModule("bfloat16")  # the merge_state module a model's warmup/export adds for its output dtype
+
+
+def gemma_kernels() -> list:
+    """What `--model gemma-2-9b.json` needs: its two layer kinds' specs and the bf16 merge_state module."""
+    return [*model_specs(GEMMA), GEMMA_MERGE]
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +47,11 @@ def small(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory) -> Path:
-    """A cache root holding Gemma-2-9B's two kernels for sm_80, and SMALL (which no export of Gemma ships)."""
+    """A cache root holding Gemma-2-9B's kernels for sm_80 (2 specs + merge_state), and SMALL (which no
+    export of Gemma ships)."""
     root = tmp_path_factory.mktemp("gemma") / "cache"
     cache = KernelCache(root=root, layers=())
-    for spec in [*model_specs(GEMMA), SMALL]:
+    for spec in [*gemma_kernels(), SMALL]:
         cache.get_or_build(spec, "sm_80")
     return root
 
@@ -184,9 +192,9 @@ def test_export_ships_exactly_the_model_entries_and_import_makes_them_load_anywh
     out = tmp_path / "gemma-sm80.tar.gz"
     proc = jitattn("cache", "export", "--model", str(GEMMA), "--arch", "sm_80", "-o", str(out), cache=gemma)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith(f"exported 2 entries (2 specs x 1 archs: sm_80) to {out} (")
+    assert proc.stdout.startswith(f"exported 3 entries (3 specs x 1 archs: sm_80) to {out} (")
     cache = KernelCache(root=gemma, layers=())
-    wanted = [cache.find(spec, "sm_80") for spec in model_specs(GEMMA)]
+    wanted = [cache.find(spec, "sm_80") for spec in gemma_kernels()]
     expected = {"jitattn-export.json"}
     for e in wanted:
         expected |= {f"v1/entries/{e.key[:2]}/{e.key}/{name}" for name in [*e.manifest["artifacts"], MANIFEST]}
@@ -197,6 +205,7 @@ def test_export_ships_exactly_the_model_entries_and_import_makes_them_load_anywh
     with tarfile.open(out) as tar:
         listing = json.load(tar.extractfile("jitattn-export.json"))
     assert sorted(e["needed_by"][0] for e in listing["entries"]) == ["gemma-2-9b/full_attention",
+                                                                    "gemma-2-9b/merge_state",
                                                                     "gemma-2-9b/sliding_attention"]
     again = tmp_path / "again.tar.gz"
     jitattn("cache", "export", "-m", str(GEMMA), "-a", "sm_80", "-o", str(again), cache=gemma)
@@ -205,9 +214,9 @@ def test_export_ships_exactly_the_model_entries_and_import_makes_them_load_anywh
     node = tmp_path / "node"
     imported = jitattn("cache", "import", str(out), cache=node)
     assert imported.returncode == 0, imported.stderr
-    assert imported.stdout.splitlines()[-1] == f"imported 2, already present 0, into {node}"
+    assert imported.stdout.splitlines()[-1] == f"imported 3, already present 0, into {node}"
     assert jitattn("cache", "import", str(out), cache=node).stdout.splitlines()[-1] == \
-        f"imported 0, already present 2, into {node}"
+        f"imported 0, already present 3, into {node}"
     assert not list((node / "v1" / "tmp").iterdir())
     unpacked = tmp_path / "layer"  # `tar -x` alone makes a layer too
     unpacked.mkdir()
@@ -215,7 +224,7 @@ def test_export_ships_exactly_the_model_entries_and_import_makes_them_load_anywh
     refusing, log = fake_nvcc(tmp_path, "no-compile")
     for env in ({"JITATTN_CACHE_DIR": str(node)},
                 {"JITATTN_CACHE_DIR": str(tmp_path / "empty"), "JITATTN_CACHE_PATH": str(unpacked)}):
-        for spec, entry in zip(model_specs(GEMMA), wanted):
+        for spec, entry in zip(gemma_kernels(), wanted):
             got = _load(spec, {**env, "JITATTN_DISABLE_JIT": "1", "JITATTN_NVCC": str(refusing)})
             assert got == {"built": False, "key": entry.key}
     assert not log.exists()
@@ -225,12 +234,15 @@ _LOAD = """
 import json, sys
 from jitattn import AttentionSpec
 from jitattn.cache import KernelCache
-entry, built = KernelCache().get_or_build(AttentionSpec.from_json(sys.argv[1]), "sm_80")
+from jitattn.merge_module import MergeModule, is_module_json
+data = json.loads(sys.argv[1])
+spec = MergeModule.from_json(data) if is_module_json(data) else AttentionSpec.from_json(data)
+entry, built = KernelCache().get_or_build(spec, "sm_80")
 print(json.dumps({"built": built, "key": entry.key}))
 """
 
 
-def _load(spec: AttentionSpec, env: dict[str, str]) -> dict:
+def _load(spec: AttentionSpec | MergeModule, env: dict[str, str]) -> dict:
     proc = subprocess.run([sys.executable, "-c", _LOAD, spec.canonical_json()], capture_output=True, text=True,
                           env={**child_env(), **env}, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -243,8 +255,8 @@ def test_export_of_a_missing_kernel_fails_with_the_warmup_command(tmp_path, gemm
     proc = jitattn("cache", "export", "-m", str(GEMMA), "-a", "sm_80", "-a", "sm_90a", "-o", str(out), cache=gemma)
     assert proc.returncode == 1 and not out.exists() and not list(tmp_path.glob(".g.tar*"))
     err = proc.stderr
-    assert err.startswith(f"jitattn: error: 2 of 4 kernels are not cached (looked in {gemma}); nothing written:")
-    for spec in model_specs(GEMMA):
+    assert err.startswith(f"jitattn: error: 3 of 6 kernels are not cached (looked in {gemma}); nothing written:")
+    for spec in gemma_kernels():
         assert f"  {spec.name} sm_90a (needed by gemma-2-9b/" in err
     assert err.rstrip().endswith(f"build them on a machine with nvcc, then export again:\n"
                                  f"  jitattn warmup --model {GEMMA} --arch sm_80 --arch sm_90a")

@@ -14,6 +14,7 @@ import pytest
 from jitattn import AttentionSpec, Param, Variant
 from jitattn.cache import KernelCache, MissingKernelError
 from jitattn.cli import default_jobs, parse_spec_arg
+from jitattn.merge_module import MergeModule
 from jitattn.models import model_specs
 from tests.test_cache import REAL_NVCC, compile_calls, fake_nvcc
 
@@ -41,18 +42,19 @@ def test_warmup_twice_second_run_all_cached_without_nvcc(tmp_path):
     first = jitattn("warmup", "--model", "examples/models/gemma-2-9b.json", "--arch", "sm_90a", cache=tmp_path / "c",
                     env=env)
     assert first.returncode == 0, first.stderr
-    assert summary(first).startswith("compiled 2, cached 0, failed 0 in ")
-    for spec in model_specs(GEMMA):
+    assert summary(first).startswith("compiled 3, cached 0, failed 0 in ")  # 2 layer kinds + merge_state (bf16)
+    for spec in [*model_specs(GEMMA), MergeModule("bfloat16")]:
         assert spec.name in first.stdout
     assert "gemma-2-9b/sliding_attention" in first.stdout and "gemma-2-9b/full_attention" in first.stdout
-    assert len(compile_calls(log)) == 2 and all("sm_90a" in c for c in compile_calls(log))
-    assert "2 specs x 1 archs (sm_90a)" in first.stderr
+    assert "gemma-2-9b/merge_state" in first.stdout
+    assert len(compile_calls(log)) == 3 and all("sm_90a" in c for c in compile_calls(log))
+    assert "3 specs x 1 archs (sm_90a)" in first.stderr
 
     refusing, log2 = fake_nvcc(tmp_path, "no-compile")
     second = jitattn("warmup", "--model", str(GEMMA), "--arch", "90a", cache=tmp_path / "c",
                      env={"JITATTN_NVCC": str(refusing)})
     assert second.returncode == 0, second.stderr
-    assert summary(second).startswith("compiled 0, cached 2, failed 0 in ")
+    assert summary(second).startswith("compiled 0, cached 3, failed 0 in ")
     assert compile_calls(log2) == []
 
 
@@ -61,10 +63,10 @@ def test_warmup_default_archs_jobs_and_dedup(tmp_path):
     proc = jitattn("warmup", "-m", str(GEMMA), "-m", str(GEMMA), "--spec", SMALL.canonical_json(), "-j", "1",
                    cache=tmp_path / "c", env={"JITATTN_ARCHS": "sm_80"})
     assert proc.returncode == 0, proc.stderr
-    assert summary(proc).startswith("compiled 3, cached 0, failed 0")  # the model twice: its 2 specs once
-    assert "3 specs x 1 archs (sm_80), -j 1" in proc.stderr
+    assert summary(proc).startswith("compiled 4, cached 0, failed 0")  # the model twice: its 2 specs + merge once
+    assert "4 specs x 1 archs (sm_80), -j 1" in proc.stderr
     rows = [ln for ln in proc.stdout.splitlines() if "sm_80" in ln]
-    assert len(rows) == 3
+    assert len(rows) == 4
     assert "gemma-2-9b/sliding_attention, gemma-2-9b/sliding_attention" in proc.stdout
     assert "--spec #1" in proc.stdout
 

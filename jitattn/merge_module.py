@@ -1,0 +1,170 @@
+"""The merge_state utility module: what it is, how it renders, how its arguments are laid out.
+
+The attention kernels are one module per :class:`~jitattn.spec.AttentionSpec`. ``merge_state``
+(:mod:`jitattn.merge`) needs no spec, only the element type of the attention output, so it is one
+small fixed module per dtype (``templates/merge.cu.j2``; head_dim, head count, strides and the
+number of states are launch arguments). :class:`MergeModule` describes it with the same surface
+the cache and the build use for a spec (``canonical_json``, ``name``, ``key``, rendering), so it
+goes through the very same pipeline: rendered, compiled by nvcc through ninja, stored in the
+content-addressed cache (keyed by its canonical JSON, the rendered source, every template and
+header, nvcc, arch, flags and version), found under ``JITATTN_DISABLE_JIT=1``, built by
+``jitattn warmup`` (``--model`` adds the module of each model's output dtype; ``--spec`` takes its
+JSON, ``{"kind":"merge_state","dtype":"bfloat16"}``) and shipped by ``jitattn cache export``.
+
+This module imports neither torch nor jinja2 at import time, so a build box without torch can
+warm the cache with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from jitattn.render import CTYPES, Field, RenderedSource, params_layout
+
+#: Element types of the attention output the module is built for.
+MERGE_DTYPES = ("float16", "bfloat16", "float32")
+#: The ``kind`` of a merge module's canonical JSON (an AttentionSpec's JSON has no ``kind``).
+KIND = "merge_state"
+TEMPLATE_NAME = "merge.cu.j2"
+#: Kernel entry points of the module.
+KERNEL_NAMES = {
+    "merge_state": "jitattn_merge_state",  # two states: a, b -> out
+    "merge_states": "jitattn_merge_states",  # num_states states stacked along dim 1 of a -> out
+    "geometry": "jitattn_merge_geometry",
+}
+#: Threads per block (kThreads in templates/merge.cu.j2).
+THREADS = 128
+#: Geometry values the host reads from the cubin, in order.
+GEOMETRY = ("threads", "params_size", "vec_elems")
+
+_DTYPE_ALIASES = {"float16": "float16", "fp16": "float16", "half": "float16", "torch.float16": "float16",
+                  "bfloat16": "bfloat16", "bf16": "bfloat16", "torch.bfloat16": "bfloat16",
+                  "float32": "float32", "fp32": "float32", "float": "float32", "torch.float32": "float32"}
+
+#: The ``Params`` struct of the merge kernels. Strides are in elements; ``{t}`` is the element type.
+FIELDS: tuple[Field, ...] = (
+    Field("v_a", "ptr", "const {t}*", "state a values (seq, [num_states,] num_heads, head_dim)"),
+    Field("s_a", "ptr", "const float*", "state a lse (seq, [num_states,] num_heads), natural log"),
+    Field("v_b", "ptr", "const {t}*", "state b values (merge_state only)"),
+    Field("s_b", "ptr", "const float*", "state b lse (merge_state only)"),
+    Field("v_out", "ptr", "{t}*", "merged values (seq, num_heads, head_dim); may be v_a (in place)"),
+    Field("s_out", "ptr", "float*", "merged lse (seq, num_heads); may be s_a (in place)"),
+    Field("mask", "ptr", "const unsigned char*", "bool (seq,): rows to merge, or null for all"),
+    Field("v_a_stride_seq", "i64", "long long"),
+    Field("v_a_stride_state", "i64", "long long", "merge_states only"),
+    Field("v_a_stride_head", "i64", "long long"),
+    Field("s_a_stride_seq", "i64", "long long"),
+    Field("s_a_stride_state", "i64", "long long", "merge_states only"),
+    Field("s_a_stride_head", "i64", "long long"),
+    Field("v_b_stride_seq", "i64", "long long"),
+    Field("v_b_stride_head", "i64", "long long"),
+    Field("s_b_stride_seq", "i64", "long long"),
+    Field("s_b_stride_head", "i64", "long long"),
+    Field("v_out_stride_seq", "i64", "long long"),
+    Field("v_out_stride_head", "i64", "long long"),
+    Field("s_out_stride_seq", "i64", "long long"),
+    Field("s_out_stride_head", "i64", "long long"),
+    Field("mask_stride", "i64", "long long"),
+    Field("num_rows", "i32", "int", "seq"),
+    Field("num_heads", "i32", "int"),
+    Field("head_dim", "i32", "int"),
+    Field("num_states", "i32", "int", "merge_states only (2 for merge_state)"),
+    Field("group_threads", "i32", "int", "threads per (row, head): a power of two <= 32"),
+    Field("vectorized", "i32", "int", "1: every value row is 16-byte aligned, head_dim a multiple of 16 bytes"),
+)
+
+
+def normalize_merge_dtype(value: Any, field: str = "dtype") -> str:
+    """``"bf16"``, ``torch.bfloat16`` or ``"bfloat16"`` -> ``"bfloat16"``; ValueError if not a merge dtype."""
+    name = _DTYPE_ALIASES.get(str(value))
+    if name is None:
+        raise ValueError(f"{field}={value!r}: merge_state takes values of dtype {MERGE_DTYPES} "
+                         f"(or the matching torch dtype)")
+    return name
+
+
+@dataclass(frozen=True)
+class MergeModule:
+    """The compiled merge kernels for one element type (``float16``, ``bfloat16`` or ``float32``).
+
+    Hashable and comparable; stands where the cache, the build and ``jitattn warmup`` take an
+    :class:`~jitattn.spec.AttentionSpec`.
+
+    Raises:
+        ValueError: ``dtype`` is not one of :data:`MERGE_DTYPES`.
+    """
+
+    dtype: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", normalize_merge_dtype(self.dtype))
+
+    # ---- the surface the cache uses (same names as AttentionSpec) ---------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": KIND, "dtype": self.dtype}
+
+    def canonical_json(self) -> str:
+        """Sorted keys, no whitespace: the text the cache key hashes and ``jitattn warmup --spec`` takes."""
+        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | str) -> "MergeModule":
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            ValueError: not a merge module's JSON, or an unknown field or dtype.
+        """
+        if isinstance(data, str):
+            data = json.loads(data)
+        data = dict(data)
+        if data.pop("kind", None) != KIND:
+            raise ValueError(f"MergeModule.from_json: expected \"kind\": \"{KIND}\", got {data!r}")
+        unknown = set(data) - {"dtype"}
+        if unknown or "dtype" not in data:
+            raise ValueError(f"MergeModule.from_json: expected exactly the field 'dtype', got {sorted(data)}")
+        return cls(data["dtype"])
+
+    @property
+    def key(self) -> str:
+        """Content hash of the canonical JSON (hex sha256, first 16 chars)."""
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
+
+    @property
+    def name(self) -> str:
+        """Readable, filesystem-safe name: ``merge_state_bf16_<key8>``."""
+        short = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}[self.dtype]
+        return f"merge_state_{short}_{self.key[:8]}"
+
+    def describe(self) -> str:
+        return f"merge_state utility module, {self.dtype} values, fp32 lse"
+
+    # ---- rendering ----------------------------------------------------------------------------------
+    @property
+    def fields(self) -> tuple[Field, ...]:
+        """The ``Params`` members with this dtype's element type, 8-byte members first."""
+        fields = [Field(f.name, f.kind, f.cuda_type.format(t=CTYPES[self.dtype]), f.doc) for f in FIELDS]
+        return tuple(sorted(fields, key=lambda f: -f.size))
+
+    def render(self) -> RenderedSource:
+        """The CUDA source of this module (``templates/merge.cu.j2``), as :func:`jitattn.render.render`
+        renders a spec.
+
+        Raises:
+            FileNotFoundError: the templates are missing.
+        """
+        from jitattn import render as _render
+
+        fields = self.fields
+        _, size = params_layout(fields)
+        env = _render._environment(str(_render.template_dir()))
+        text = env.get_template(TEMPLATE_NAME).render(module=self, dtype=CTYPES[self.dtype], fields=fields,
+                                                       params_size=size, names=KERNEL_NAMES, threads=THREADS)
+        return RenderedSource(text, fields, size, dict(KERNEL_NAMES))
+
+
+def is_module_json(data: Any) -> bool:
+    """Whether parsed JSON describes a merge module (rather than an AttentionSpec)."""
+    return isinstance(data, dict) and data.get("kind") == KIND
