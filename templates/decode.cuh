@@ -52,9 +52,8 @@ struct DecodeTraits {
 // A page id outside [0, num_pages) sets `bad` and reads page 0 instead: invalid metadata turns the
 // sequence's output into NaN (loud) rather than an out-of-bounds read (a crash).
 template <class S>
-__device__ __forceinline__ const typename S::DTypeKV* kv_row(const Params& p, int batch, int kv_head, int kv_idx,
-                                                             int which, bool& bad) {
-  int page = p.block_table[static_cast<long long>(batch) * p.block_table_stride + kv_idx / S::kPageSize];
+__device__ __forceinline__ const typename S::DTypeKV* kv_row_in_page(const Params& p, int page, int kv_head,
+                                                                     int kv_idx, int which, bool& bad) {
   if (static_cast<unsigned>(page) >= static_cast<unsigned>(p.num_pages)) {
     bad = true;
     page = 0;
@@ -69,10 +68,60 @@ __device__ __forceinline__ const typename S::DTypeKV* kv_row(const Params& p, in
   return p.kv_cache + off;
 }
 
+template <class S>
+__device__ __forceinline__ int page_of(const Params& p, int batch, int kv_idx) {
+  return p.block_table[static_cast<long long>(batch) * p.block_table_stride + kv_idx / S::kPageSize];
+}
+
+template <class S>
+__device__ __forceinline__ const typename S::DTypeKV* kv_row(const Params& p, int batch, int kv_head, int kv_idx,
+                                                             int which, bool& bad) {
+  return kv_row_in_page<S>(p, page_of<S>(p, batch, kv_idx), kv_head, kv_idx, which, bad);
+}
+
+// The page ids of the rows this thread copies when load_kv_rows loads kRows keys from `start` (the
+// same chunk-to-thread assignment: chunk c = threadIdx.x + j * kThreads holds row c / kChunks).
+// A decode kernel fetches them one tile ahead, so the dependent block_table read is off the path
+// from a barrier to the next cp.async (with page_size 1 it is one read per row).
+template <class S, int kRows, int kThreads>
+struct KvPages {
+  static constexpr int kChunks = S::kHeadDimQK * static_cast<int>(sizeof(typename S::DTypeKV)) / 16;
+  static constexpr int kIters = ceil_div(kRows * kChunks, kThreads);
+  int page[kIters];
+  __device__ __forceinline__ void fetch(const Params& p, int batch, int start, int end) {
+#pragma unroll
+    for (int j = 0; j < kIters; ++j) {
+      const int c = threadIdx.x + j * kThreads, kv_idx = start + c / kChunks;
+      page[j] = (c < kRows * kChunks && kv_idx < end) ? page_of<S>(p, batch, kv_idx) : 0;
+    }
+  }
+};
+
 // Sequence metadata the kernels can check without a host sync. A sequence that fails writes NaN.
 template <class S>
 __device__ __forceinline__ bool sequence_ok(const Params& p, int qo_len, int kv_len) {
   return qo_len <= kv_len && kv_len <= p.block_table_stride * S::kPageSize;
+}
+
+// load_kv_rows' paged path with the page ids already fetched (KvPages over the same rows).
+template <class S, int kRows, int kRowStride, int kThreads>
+__device__ __forceinline__ void load_kv_rows_paged(const Params& p, typename S::DTypeKV* sk, typename S::DTypeKV* sv,
+                                                   int kv_head, int start, int end,
+                                                   const KvPages<S, kRows, kThreads>& pages, bool& bad) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(typename S::DTypeKV));
+  constexpr int kChunks = S::kHeadDimQK / kVec;
+#pragma unroll
+  for (int j = 0; j < KvPages<S, kRows, kThreads>::kIters; ++j) {
+    const int c = threadIdx.x + j * kThreads;
+    if (c < kRows * kChunks) {
+      const int row = c / kChunks, chunk = c % kChunks;
+      const int kv_idx = start + row;
+      const bool in = kv_idx < end;
+      const auto* k = in ? kv_row_in_page<S>(p, pages.page[j], kv_head, kv_idx, 0, bad) + chunk * kVec : p.kv_cache;
+      cp_async_16(sk + row * kRowStride + chunk * kVec, k, in);
+      cp_async_16(sv + row * kRowStride + chunk * kVec, k + p.kv_stride_kv, in);
+    }
+  }
 }
 
 // cp.async of the K and V rows of keys [start, start + kRows) into two shared-memory tiles whose rows
@@ -82,17 +131,9 @@ __device__ __forceinline__ bool sequence_ok(const Params& p, int qo_len, int kv_
 template <class S, int kRows, int kRowStride, int kThreads>
 __device__ __forceinline__ void load_kv_rows(const Params& p, typename S::DTypeKV* sk, typename S::DTypeKV* sv,
                                              int batch, int kv_head, int start, int end, bool& bad) {
-  constexpr int kVec = 16 / sizeof(typename S::DTypeKV);
-  constexpr int kChunks = S::kHeadDimQK / kVec;
-#pragma unroll
-  for (int c = threadIdx.x; c < kRows * kChunks; c += kThreads) {
-    const int row = c / kChunks, chunk = c % kChunks;
-    const int kv_idx = start + row;
-    const bool in = kv_idx < end;
-    const auto* k = in ? kv_row<S>(p, batch, kv_head, kv_idx, 0, bad) + chunk * kVec : p.kv_cache;
-    cp_async_16(sk + row * kRowStride + chunk * kVec, k, in);
-    cp_async_16(sv + row * kRowStride + chunk * kVec, k + p.kv_stride_kv, in);
-  }
+  KvPages<S, kRows, kThreads> pages;
+  pages.fetch(p, batch, start, end);
+  load_kv_rows_paged<S, kRows, kRowStride, kThreads>(p, sk, sv, kv_head, start, end, pages, bad);
 }
 
 // Issue cp.async for keys [start, start + kTileKeys) into one stage; rows at or past `end` are zero-filled.

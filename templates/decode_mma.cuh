@@ -93,24 +93,29 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
   const int chunk_len = round_up(ceil_div(max(kv_end - kv_begin, 0), p.num_splits), T::kTileKeys);
   const int lo = kv_begin + split * chunk_len;
   const int hi = min(kv_end, lo + chunk_len);
-  auto load_stage = [&](int s, int start, int end, bool& bad_ref) {
+  // Page ids travel one tile ahead of the copies (KvPages): `pages` always holds those of the next
+  // tile to issue, fetched right after the previous issue, so their latency hides behind a tile.
+  using Pages = KvPages<S, T::kTileKeys, T::kThreads>;
+  auto load_stage = [&](int s, int start, const Pages& pg, bool& bad_ref) {
     if constexpr (T::kKvFp8) {
-      load_kv_rows<S, T::kTileKeys, T::kHeadDim, T::kThreads>(p, stage_raw(s), stage_raw(s) + T::kTileKeys * T::kHeadDim,
-                                                              batch, kv_head, start, end, bad_ref);
+      load_kv_rows_paged<S, T::kTileKeys, T::kHeadDim, T::kThreads>(
+          p, stage_raw(s), stage_raw(s) + T::kTileKeys * T::kHeadDim, kv_head, start, hi, pg, bad_ref);
     } else {
-      load_kv_rows<S, T::kTileKeys, T::kRowStride, T::kThreads>(p, reinterpret_cast<KV*>(stage_k(s)),
-                                                                reinterpret_cast<KV*>(stage_v(s)), batch, kv_head,
-                                                                start, end, bad_ref);
+      load_kv_rows_paged<S, T::kTileKeys, T::kRowStride, T::kThreads>(
+          p, reinterpret_cast<KV*>(stage_k(s)), reinterpret_cast<KV*>(stage_v(s)), kv_head, start, hi, pg, bad_ref);
     }
   };
 
   // Prologue first: kStages - 1 tiles in flight while the query rows are prepared.
+  Pages pages;
 #pragma unroll
   for (int s = 0; s < T::kStages - 1; ++s) {
     const int start = lo + s * T::kTileKeys;
-    if (start < hi) load_stage(s, start, hi, bad);
+    pages.fetch(p, batch, start, hi);
+    if (start < hi) load_stage(s, start, pages, bad);
     cp_async_commit();
   }
+  pages.fetch(p, batch, lo + (T::kStages - 1) * T::kTileKeys, hi);
   // Q rows (group heads; rows past the group are 0) -> shared memory, query transform applied.
   const typename S::DTypeQ* q_base = p.q + q_row * p.q_stride_token + kv_head * S::kGroupSize * S::kHeadDimQK;
   for (int e = threadIdx.x; e < 16 * T::kHeadDim; e += T::kThreads) {
@@ -151,8 +156,9 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
     {
       const int next = start + (T::kStages - 1) * T::kTileKeys;
       const int st_next = (it + T::kStages - 1) % T::kStages;
-      if (next < hi) load_stage(st_next, next, hi, bad);
+      if (next < hi) load_stage(st_next, next, pages, bad);
       cp_async_commit();
+      pages.fetch(p, batch, next + T::kTileKeys, hi);  // used by the next iteration's issue
     }
     if constexpr (T::kKvFp8) {  // the previous tile's mma finished before the barrier above
       decode_mma_widen<S>(reinterpret_cast<const uint8_t*>(stage_raw(it % T::kStages)), stage_k(0), stage_v(0));
