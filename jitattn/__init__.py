@@ -11,13 +11,13 @@ from jitattn.variant import Param, Variant
 
 __version__ = "0.1.0"
 
-__all__ = ["AttentionSpec", "Param", "Variant", "__version__", "paged_attention", "load_kernel", "merge_state",
-           "merge_state_in_place", "merge_states"]
+__all__ = ["AttentionSpec", "Param", "Variant", "__version__", "paged_attention", "ragged_attention", "load_kernel",
+           "merge_state", "merge_state_in_place", "merge_states"]
 
 
 def __getattr__(name: str):
     # Torch-dependent entry points load lazily so a build box without torch can import jitattn.
-    if name in ("paged_attention", "load_kernel"):
+    if name in ("paged_attention", "ragged_attention", "load_kernel"):
         from jitattn import runtime
 
         return getattr(runtime, name)

@@ -1,4 +1,4 @@
-"""Call-time checks of the tensors of a paged attention call, shared by every backend.
+"""Call-time checks of the tensors of a paged or ragged attention call, shared by every backend.
 
 Every check runs on the host, before any launch, from shapes, dtypes, strides and devices alone
 (no device sync). Each error names the tensor, the dimension, the value and what was expected.
@@ -72,6 +72,9 @@ def check_paged_call(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tenso
     Raises:
         ValueError: the first problem found, naming the tensor, the dimension and the expectation.
     """
+    if spec.ragged:
+        _fail("spec.kv_storage='ragged': a ragged spec takes k, v and kv_start_loc (ragged_attention), "
+              "not a paged cache; build the spec with kv_storage='paged' for paged_attention")
     dev = q.device if isinstance(q, torch.Tensor) else None
     _check_tensor("q", q, dtype=_TORCH_DTYPES[spec.q_dtype], ndim=3, device=None)
     _check_dim("q", q, 1, spec.num_qo_heads, "num_qo_heads")
@@ -104,6 +107,103 @@ def check_paged_call(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tenso
         _check_kernel_layout(spec, q, kv_cache, block_table, seq_lens, query_start_loc)
     return PagedCall(batch=batch, total_q=q.shape[0], num_pages=kv_cache.shape[0],
                      max_pages_per_seq=block_table.shape[1])
+
+
+@dataclass(frozen=True)
+class RaggedCall:
+    """Sizes derived from a checked ragged call."""
+
+    batch: int
+    total_q: int
+    total_kv: int
+
+
+def check_ragged_call(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      query_start_loc: torch.Tensor, kv_start_loc: torch.Tensor, *, sinks: torch.Tensor | None = None,
+                      alibi_slopes: torch.Tensor | None = None, params: Mapping[str, Any] | None = None,
+                      out: torch.Tensor | None = None, for_kernel: bool = False) -> RaggedCall:
+    """Check a ragged call's tensors against the spec (shapes: :func:`jitattn.reference.ragged_attention`).
+
+    Args:
+        for_kernel: also require what the CUDA kernels need: a CUDA device, a contiguous last dim and
+            16-byte aligned rows (token and head strides multiples of 16 bytes) for q, k and v.
+
+    Raises:
+        ValueError: the spec is not ragged, or the first problem found, naming the tensor, the
+            dimension and the expectation.
+    """
+    if not spec.ragged:
+        _fail(f"spec.kv_storage={spec.kv_storage!r}: ragged K/V need a spec with kv_storage='ragged' "
+              f"(a paged spec takes kv_cache / block_table / seq_lens: paged_attention)")
+    dev = q.device if isinstance(q, torch.Tensor) else None
+    _check_tensor("q", q, dtype=_TORCH_DTYPES[spec.q_dtype], ndim=3, device=None)
+    _check_dim("q", q, 1, spec.num_qo_heads, "num_qo_heads")
+    _check_dim("q", q, 2, spec.head_dim_qk, "head_dim_qk")
+    for name, t, dim, what in (("k", k, spec.head_dim_qk, "head_dim_qk"), ("v", v, spec.head_dim_vo, "head_dim_vo")):
+        _check_tensor(name, t, dtype=_TORCH_DTYPES[spec.kv_dtype], ndim=3, device=dev)
+        _check_dim(name, t, 1, spec.num_kv_heads, "num_kv_heads")
+        _check_dim(name, t, 2, dim, what)
+    if v.shape[0] != k.shape[0]:
+        _fail(f"v: dim 0 (total_kv) must equal k's, {k.shape[0]}, got shape {tuple(v.shape)}")
+    _check_tensor("query_start_loc", query_start_loc, dtype=torch.int32, ndim=1, device=dev)
+    batch = query_start_loc.shape[0] - 1
+    if batch < 1:
+        _fail(f"query_start_loc: expected shape (batch + 1,) with batch >= 1, got {tuple(query_start_loc.shape)}")
+    _check_tensor("kv_start_loc", kv_start_loc, dtype=torch.int32, ndim=1, device=dev)
+    _check_dim("kv_start_loc", kv_start_loc, 0, batch + 1, "batch + 1, from query_start_loc")
+    _check_vector("sinks", sinks, spec.sinks, spec.num_qo_heads, dev, "spec.sinks")
+    _check_vector("alibi_slopes", alibi_slopes, spec.alibi, spec.num_qo_heads, dev, "spec.alibi", optional=True)
+    check_params(spec, params or {}, batch=batch, total_q=q.shape[0], device=dev)
+    if out is not None:
+        _check_tensor("out", out, dtype=_TORCH_DTYPES[spec.o_dtype], ndim=3, device=dev)
+        if tuple(out.shape) != (q.shape[0], spec.num_qo_heads, spec.head_dim_vo) or not out.is_contiguous():
+            _fail(f"out: expected a contiguous ({q.shape[0]}, {spec.num_qo_heads}, {spec.head_dim_vo}) tensor, "
+                  f"got shape {tuple(out.shape)} strides {out.stride()}")
+    if for_kernel:
+        if q.device.type != "cuda":
+            _fail(f"q: the jit backend runs on CUDA devices, got {q.device}; use the reference backend on CPU")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            _check_rows_16b(name, t)
+        for name, t in (("query_start_loc", query_start_loc), ("kv_start_loc", kv_start_loc)):
+            if not t.is_contiguous():
+                _fail(f"{name}: must be contiguous")
+        if max(k.shape[0], q.shape[0]) >= 2 ** 31:
+            _fail(f"k / q: at most 2**31 - 1 tokens (int32 start locations), got {k.shape[0]} / {q.shape[0]}")
+    return RaggedCall(batch=batch, total_q=q.shape[0], total_kv=k.shape[0])
+
+
+def _check_rows_16b(name: str, t: torch.Tensor) -> None:
+    """A (tokens, heads, dim) tensor the kernels read by 16-byte copies: dim contiguous, rows 16-byte aligned."""
+    per16 = 16 // t.element_size()
+    if t.stride(2) != 1 and t.shape[2] > 1:
+        _fail(f"{name}: the last dim (head_dim) must be contiguous (stride 1), got strides {t.stride()}")
+    bad = [(d, t.stride(d)) for d in (0, 1) if t.shape[d] > 1 and (t.stride(d) % per16 or t.stride(d) < 0)]
+    if bad or t.data_ptr() % 16:
+        _fail(f"{name}: token and head strides must be non-negative multiples of {per16} elements (16 bytes) and "
+              f"the data 16-byte aligned, got strides {t.stride()}, data_ptr % 16 = {t.data_ptr() % 16}; "
+              f"pass {name}.contiguous()")
+
+
+def check_ragged_metadata_values(seq_q: torch.Tensor, seq_kv: torch.Tensor, total_q: int, total_kv: int) -> None:
+    """Check ``query_start_loc`` / ``kv_start_loc`` values (a device sync; not during graph capture).
+
+    Raises:
+        ValueError: either does not start at 0 and end at its tensor's rows, decreases, or a sequence
+            brings more queries than it has keys.
+    """
+    qsl, ksl = seq_q.tolist(), seq_kv.tolist()
+    for name, loc, total in (("query_start_loc", qsl, total_q), ("kv_start_loc", ksl, total_kv)):
+        if loc[0] != 0 or loc[-1] != total:
+            _fail(f"{name}: must start at 0 and end at {total} (rows of {'q' if name[0] == 'q' else 'k and v'}), "
+                  f"got {loc[0]} ... {loc[-1]}")
+        for b in range(len(loc) - 1):
+            if loc[b + 1] < loc[b]:
+                _fail(f"{name}: decreases at sequence {b} ({loc[b]} -> {loc[b + 1]})")
+    for b in range(len(qsl) - 1):
+        qo_len, kv_len = qsl[b + 1] - qsl[b], ksl[b + 1] - ksl[b]
+        if qo_len > kv_len:
+            _fail(f"sequence {b}: {qo_len} queries but {kv_len} keys (kv_start_loc[{b + 1}] - kv_start_loc[{b}]); "
+                  f"the queries are the last tokens of the keys, so q_len <= kv_len")
 
 
 def _check_vector(name: str, t: torch.Tensor | None, wanted: bool, n: int, dev: torch.device | None, flag: str,

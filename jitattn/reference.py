@@ -1,4 +1,4 @@
-"""The reference: every spec feature in plain torch, over the same paged inputs as the kernels.
+"""The reference: every spec feature in plain torch, over the same paged or ragged inputs as the kernels.
 
 It is the oracle of every kernel test and the fallback backend on any device. It favours clarity
 over speed: one sequence at a time, fp32 (or fp64) arithmetic, query rows in chunks so that the
@@ -138,7 +138,7 @@ def paged_attention(
     """Attention of a batch of sequences over a paged KV cache, in plain torch.
 
     Args:
-        spec: the variant.
+        spec: the variant (``kv_storage="paged"``).
         q: ``(total_q, num_qo_heads, head_dim_qk)``, queries of all sequences back to back.
         kv_cache: NHD ``(num_pages, 2, page_size, num_kv_heads, head_dim)`` or HND
             ``(num_pages, 2, num_kv_heads, page_size, head_dim)``; index 0 of dim 1 is K, 1 is V.
@@ -159,9 +159,76 @@ def paged_attention(
         ``out`` ``(total_q, num_qo_heads, head_dim_vo)`` in ``spec.o_dtype``, and ``lse`` if asked.
 
     Raises:
-        ValueError: missing sinks, or a sequence with more queries than keys.
+        ValueError: a ragged spec, missing sinks, or a sequence with more queries than keys.
         NotImplementedError: a variant functor without its torch reference.
     """
+    if spec.ragged:
+        raise ValueError("spec.kv_storage='ragged': use reference.ragged_attention(spec, q, k, v, query_start_loc, "
+                         "kv_start_loc) for a ragged spec")
+    return _attention(spec, q, query_start_loc, seq_lens.tolist(),
+                      lambda b, kv_len: gather_kv(spec, kv_cache, block_table, b, kv_len), "seq_lens[{b}]={n}",
+                      sinks=sinks, alibi_slopes=alibi_slopes, params=params, return_lse=return_lse, k_scale=k_scale,
+                      v_scale=v_scale, compute_dtype=compute_dtype, max_score_bytes=max_score_bytes)
+
+
+def ragged_attention(
+    spec: AttentionSpec,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    kv_start_loc: torch.Tensor,
+    *,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    params: Mapping[str, torch.Tensor] | None = None,
+    return_lse: bool = False,
+    compute_dtype: torch.dtype = torch.float32,
+    max_score_bytes: int = 1 << 30,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a batch of sequences over contiguous varlen ("ragged") K/V, in plain torch.
+
+    The layout of FlashInfer's BatchPrefillWithRaggedKVCache and flash_attn_varlen_func: every
+    sequence's keys and values back to back, with cumulative offsets. Semantics are those of
+    :func:`paged_attention`: sequence ``b``'s queries are the last ``q_len`` of its ``kv_len`` keys.
+
+    Args:
+        spec: the variant (``kv_storage="ragged"``; ``head_dim_vo`` may differ from ``head_dim_qk``).
+        q: ``(total_q, num_qo_heads, head_dim_qk)``, queries of all sequences back to back.
+        k: ``(total_kv, num_kv_heads, head_dim_qk)``, keys of all sequences back to back.
+        v: ``(total_kv, num_kv_heads, head_dim_vo)``, values, rows as ``k``.
+        query_start_loc: int ``(batch + 1,)``: sequence ``b``'s queries are rows
+            ``query_start_loc[b] : query_start_loc[b + 1]`` of ``q``.
+        kv_start_loc: int ``(batch + 1,)``: its keys and values are rows
+            ``kv_start_loc[b] : kv_start_loc[b + 1]`` of ``k`` / ``v``, at positions ``0 ... kv_len - 1``;
+            its queries sit at positions ``kv_len - q_len ... kv_len - 1`` (``q_len <= kv_len``).
+        sinks, alibi_slopes, params, return_lse, compute_dtype, max_score_bytes: as :func:`paged_attention`.
+
+    Returns:
+        ``out`` ``(total_q, num_qo_heads, head_dim_vo)`` in ``spec.o_dtype``, and the natural-log
+        ``lse`` float32 ``(total_q, num_qo_heads)`` if asked. Rows that see no key: 0 and ``-inf``.
+
+    Raises:
+        ValueError: a paged spec, missing sinks, or a sequence with more queries than keys.
+        NotImplementedError: a variant functor without its torch reference.
+    """
+    if not spec.ragged:
+        raise ValueError(f"spec.kv_storage={spec.kv_storage!r}: ragged_attention needs a spec with "
+                         f"kv_storage='ragged' (use paged_attention for the paged cache)")
+    ksl = kv_start_loc.tolist()
+    lens = [ksl[b + 1] - ksl[b] for b in range(len(ksl) - 1)]
+    return _attention(spec, q, query_start_loc, lens,
+                      lambda b, kv_len: (k[ksl[b]:ksl[b] + kv_len], v[ksl[b]:ksl[b] + kv_len]),
+                      "kv_start_loc[{b1}] - kv_start_loc[{b}]={n}", sinks=sinks, alibi_slopes=alibi_slopes,
+                      params=params, return_lse=return_lse, compute_dtype=compute_dtype,
+                      max_score_bytes=max_score_bytes)
+
+
+def _attention(spec: AttentionSpec, q: torch.Tensor, query_start_loc: torch.Tensor, lens: list[int], fetch_kv,
+               len_name: str, *, sinks, alibi_slopes, params, return_lse: bool, k_scale: float = 1.0,
+               v_scale: float = 1.0, compute_dtype: torch.dtype, max_score_bytes: int):
+    """The reference core: ``fetch_kv(b, kv_len)`` gives sequence ``b``'s K ``(kv_len, H_kv, head_dim_qk)``
+    and V ``(kv_len, H_kv, head_dim_vo)``; everything else as :func:`paged_attention`."""
     if spec.sinks and sinks is None:
         raise ValueError("sinks: the spec has sinks=True, so a float32 (num_qo_heads,) tensor is required")
     softmax = spec.variant is None or spec.variant.softmax
@@ -177,15 +244,16 @@ def paged_attention(
     total_q = q.shape[0]
     out = torch.zeros(total_q, spec.num_qo_heads, spec.head_dim_vo, dtype=torch_dtype(spec.o_dtype), device=q.device)
     lse = torch.full((total_q, spec.num_qo_heads), float("-inf"), dtype=torch.float32, device=q.device)
-    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    qsl = query_start_loc.tolist()
     sink_c = sinks.to(compute_dtype) if spec.sinks else None
     for b, kv_len in enumerate(lens):
         q0, q1 = qsl[b], qsl[b + 1]
         if q1 - q0 > kv_len:
-            raise ValueError(f"sequence {b}: {q1 - q0} queries but seq_lens[{b}]={kv_len}; seq_lens counts new tokens too")
+            raise ValueError(f"sequence {b}: {q1 - q0} queries but {len_name.format(b=b, b1=b + 1, n=kv_len)}; "
+                             f"the queries are the last tokens of the keys (the KV length counts new tokens too)")
         if q1 == q0:
             continue
-        k, v = gather_kv(spec, kv_cache, block_table, b, kv_len)
+        k, v = fetch_kv(b, kv_len)
         kv_pos = torch.arange(kv_len, device=q.device)
         k = k.to(compute_dtype) * k_scale
         if k_hook is not None:

@@ -8,7 +8,9 @@ tile shapes) is read from the cubin itself, never re-derived in Python.
 
 One call of :meth:`JitKernel.paged_attention` serves a mixed batch: sequences that bring one query
 go to the decode kernel (split-KV when the batch cannot fill the GPU), the rest to the prefill
-kernel, from the same ``query_start_loc`` / ``seq_lens`` metadata.
+kernel, from the same ``query_start_loc`` / ``seq_lens`` metadata. A ragged spec
+(``kv_storage="ragged"``) has only the prefill kernel: :meth:`JitKernel.ragged_attention` launches
+it once for every row of the batch, one-query rows included.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from jitattn.build import archs_for_capability
 from jitattn.cache import CacheEntry, KernelCache
-from jitattn.checks import check_metadata_values, check_paged_call
+from jitattn.checks import check_metadata_values, check_paged_call, check_ragged_call, check_ragged_metadata_values
 from jitattn.reference import default_alibi_slopes, torch_dtype
 from jitattn.render import KERNEL_NAMES, params_fields, params_layout
 from jitattn.spec import AttentionSpec
@@ -175,7 +177,9 @@ class JitKernel:
         self.spec = spec
         self.device = _cuda_device(device)
         self.entry = select_entry(spec, torch.cuda.get_device_capability(self.device))
-        kernels = {k: v for k, v in KERNEL_NAMES.items() if k != "geometry"}
+        # A ragged spec's module holds only the prefill kernel (attention.cu.j2 builds no decode for it).
+        wanted = ("prefill",) if spec.ragged else ("decode", "merge", "prefill")
+        kernels = {k: v for k, v in KERNEL_NAMES.items() if k in wanted}
         self._module = CubinModule(str(self.entry.cubin), self.device.index, kernels)
         raw = self._module.read_global_int32(KERNEL_NAMES["geometry"], len(_GEOMETRY))
         self.geometry = dict(zip(_GEOMETRY, raw))
@@ -186,10 +190,10 @@ class JitKernel:
                                f"(or `jitattn cache prune`) and warm up again")
         for name in ("decode", "prefill"):
             smem = self.geometry[f"{name}_smem"]
-            if smem > _DEFAULT_SMEM_LIMIT:
+            if name in kernels and smem > _DEFAULT_SMEM_LIMIT:
                 self._module.set_max_dynamic_smem(name, smem)
         self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self._decode_blocks_per_sm = self._module.blocks_per_sm(
+        self._decode_blocks_per_sm = 0 if spec.ragged else self._module.blocks_per_sm(
             "decode", self.geometry["decode_threads"], self.geometry["decode_smem"])
         self._default_slopes = default_alibi_slopes(spec, self.device) if spec.alibi else None
 
@@ -244,6 +248,9 @@ class JitKernel:
             ValueError: a tensor does not match the spec (before any launch).
         """
         spec = self.spec
+        if spec.ragged:
+            raise ValueError("spec.kv_storage='ragged': this kernel reads ragged K/V; call "
+                             "ragged_attention(q, k, v, query_start_loc, kv_start_loc, ...)")
         params = dict(params or {})
         call = check_paged_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc, sinks=sinks,
                                 alibi_slopes=alibi_slopes, params=params, out=out, for_kernel=True)
@@ -270,22 +277,15 @@ class JitKernel:
             partial_lse = torch.empty(splits, batch, spec.num_qo_heads, dtype=torch.float32, device=q.device)
         decode_only = max_query_len == 1
         ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-        fields = {
+        args = self._pack(params, {
             "q": ptr(q), "kv_cache": ptr(kv_cache), "o": ptr(out), "lse": ptr(lse), "block_table": ptr(block_table),
             "seq_lens": ptr(seq_lens), "query_start_loc": ptr(query_start_loc), "sinks": ptr(sinks),
             "alibi_slopes": ptr(alibi_slopes), "partial_o": ptr(partial_o), "partial_lse": ptr(partial_lse),
-            "q_stride_token": q.stride(0), "kv_stride_page": kv_cache.stride(0), "kv_stride_kv": kv_cache.stride(1),
-            "block_table_stride": block_table.stride(0), "batch_size": batch, "total_q": total_q,
-            "num_pages": call.num_pages, "num_splits": splits, "prefill_skip_decode_rows": 1,
+            "q_stride_token": q.stride(0), "q_stride_head": q.stride(1), "kv_stride_page": kv_cache.stride(0),
+            "kv_stride_kv": kv_cache.stride(1), "block_table_stride": block_table.stride(0), "batch_size": batch,
+            "total_q": total_q, "num_pages": call.num_pages, "num_splits": splits, "prefill_skip_decode_rows": 1,
             "k_scale": _scale("k_scale", k_scale), "v_scale": _scale("v_scale", v_scale),
-        }
-        for p in spec.params:
-            if p.is_scalar:
-                fields[p.name] = params[p.name]
-            else:
-                fields[p.name] = params[p.name].data_ptr()
-                fields[f"{p.name}__numel"] = params[p.name].numel()
-        args = self._packer.pack(*(fields[name] for name in self._field_order))
+        })
         g = self.geometry
         self._launch("decode", (splits, spec.num_kv_heads, batch), g["decode_threads"], g["decode_smem"], args)
         if splits > 1:
@@ -293,6 +293,81 @@ class JitKernel:
         if not decode_only:
             tiles = math.ceil(total_q * spec.group_size / g["prefill_block_m"]) + batch
             self._launch("prefill", (tiles, spec.num_kv_heads, 1), g["prefill_threads"], g["prefill_smem"], args)
+        return (out, lse) if return_lse else out
+
+    def _pack(self, params: Mapping[str, Any], fields: dict[str, Any]) -> bytes:
+        """The packed Params bytes: ``fields`` plus the variant's parameters; fields not given are 0."""
+        fields = dict(fields)
+        for p in self.spec.params:
+            if p.is_scalar:
+                fields[p.name] = params[p.name]
+            else:
+                fields[p.name] = params[p.name].data_ptr()
+                fields[f"{p.name}__numel"] = params[p.name].numel()
+        return self._packer.pack(*(fields.get(name, 0) for name in self._field_order))
+
+    def ragged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: torch.Tensor,
+                         kv_start_loc: torch.Tensor, *, sinks: torch.Tensor | None = None,
+                         alibi_slopes: torch.Tensor | None = None, params: Mapping[str, Any] | None = None,
+                         return_lse: bool = False, out: torch.Tensor | None = None,
+                         max_query_len: int | None = None, validate: bool = False
+                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attention over contiguous varlen K/V; same contract as :func:`jitattn.reference.ragged_attention`.
+
+        One launch of the tensor-core prefill kernel serves every row (one-query sequences too).
+        q, k and v may be strided views (a fused QKV or KV projection): the last dim must be
+        contiguous and the token / head strides multiples of 16 bytes; they travel in Params.
+
+        Args:
+            q: ``(total_q, num_qo_heads, head_dim_qk)``; k: ``(total_kv, num_kv_heads, head_dim_qk)``;
+                v: ``(total_kv, num_kv_heads, head_dim_vo)``, all of the spec's dtypes, on this device.
+            query_start_loc, kv_start_loc: int32 ``(batch + 1,)`` cumulative query / key counts.
+            max_query_len: accepted for a uniform signature and ignored (no decode kernel to pick).
+            validate: also check the start locations' values (a device sync; not under graph capture).
+            out: optional preallocated contiguous output ``(total_q, num_qo_heads, head_dim_vo)``.
+
+        Returns:
+            ``out`` and, when ``return_lse``, lse float32 ``(total_q, num_qo_heads)`` (natural log).
+            Rows of a sequence with invalid start locations (outside ``[0, total_kv]``, decreasing, or
+            fewer keys than queries) are NaN.
+
+        Raises:
+            ValueError: a paged spec, or a tensor that does not match the spec (before any launch).
+        """
+        spec = self.spec
+        if not spec.ragged:
+            raise ValueError(f"spec.kv_storage={spec.kv_storage!r}: this kernel reads the paged cache; call "
+                             f"paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, ...)")
+        params = dict(params or {})
+        call = check_ragged_call(spec, q, k, v, query_start_loc, kv_start_loc, sinks=sinks, alibi_slopes=alibi_slopes,
+                                 params=params, out=out, for_kernel=True)
+        if q.device != self.device:
+            raise ValueError(f"q: on {q.device}, but this kernel was loaded on {self.device}")
+        if validate:
+            check_ragged_metadata_values(query_start_loc, kv_start_loc, call.total_q, call.total_kv)
+        if spec.alibi and alibi_slopes is None:
+            alibi_slopes = self._default_slopes
+        if return_lse and spec.variant is not None and not spec.variant.softmax:
+            raise ValueError(f"return_lse=True: variant {spec.variant.name!r} has no softmax, so there is no lse")
+        total_q, batch = call.total_q, call.batch
+        if out is None:
+            out = torch.empty(total_q, spec.num_qo_heads, spec.head_dim_vo, dtype=torch_dtype(spec.o_dtype),
+                              device=q.device)
+        lse = torch.empty(total_q, spec.num_qo_heads, dtype=torch.float32, device=q.device) if return_lse else None
+        if total_q == 0:
+            return (out, lse) if return_lse else out
+        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+        args = self._pack(params, {
+            "q": ptr(q), "k": ptr(k), "v": ptr(v), "o": ptr(out), "lse": ptr(lse), "kv_start_loc": ptr(kv_start_loc),
+            "query_start_loc": ptr(query_start_loc), "sinks": ptr(sinks), "alibi_slopes": ptr(alibi_slopes),
+            "q_stride_token": q.stride(0), "q_stride_head": q.stride(1), "k_stride_token": k.stride(0),
+            "k_stride_head": k.stride(1), "v_stride_token": v.stride(0), "v_stride_head": v.stride(1),
+            "batch_size": batch, "total_q": total_q, "total_kv": call.total_kv, "num_splits": 1,
+            "prefill_skip_decode_rows": 0, "k_scale": 1.0, "v_scale": 1.0,
+        })
+        g = self.geometry
+        tiles = math.ceil(total_q * spec.group_size / g["prefill_block_m"]) + batch
+        self._launch("prefill", (tiles, spec.num_kv_heads, 1), g["prefill_threads"], g["prefill_smem"], args)
         return (out, lse) if return_lse else out
 
 
@@ -341,3 +416,21 @@ def paged_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor
     keyword arguments: :meth:`JitKernel.paged_attention`.
     """
     return load_kernel(spec, q.device).paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, **kwargs)
+
+
+def ragged_attention(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     query_start_loc: torch.Tensor, kv_start_loc: torch.Tensor, **kwargs: Any
+                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Run a ragged spec's compiled prefill kernel on contiguous varlen K/V (compiling it on first use).
+
+    Same argument order, shapes, dtypes and semantics as :func:`jitattn.reference.ragged_attention`:
+    q ``(total_q, num_qo_heads, head_dim_qk)``, k ``(total_kv, num_kv_heads, head_dim_qk)``, v
+    ``(total_kv, num_kv_heads, head_dim_vo)``, int32 ``query_start_loc`` / ``kv_start_loc`` ``(batch + 1,)``;
+    returns out ``(total_q, num_qo_heads, head_dim_vo)`` (and the natural-log lse with ``return_lse``).
+    Keyword arguments (``sinks``, ``alibi_slopes``, ``params``, ``return_lse``, ``out``, ``validate``):
+    :meth:`JitKernel.ragged_attention`.
+
+    Raises:
+        ValueError: a paged spec or a bad input, before any launch.
+    """
+    return load_kernel(spec, q.device).ragged_attention(q, k, v, query_start_loc, kv_start_loc, **kwargs)

@@ -6,7 +6,8 @@ and the selector's decisions are all derived from it, never hand-built.
 Conventions (also in README.md):
 
 - Positions: sequence ``b`` brings ``qo_len`` queries and reads ``kv_len = seq_lens[b]`` keys (new
-  tokens included); its queries sit at positions ``kv_len - qo_len ... kv_len - 1``.
+  tokens included; ragged inputs: ``kv_len = kv_start_loc[b + 1] - kv_start_loc[b]``); its queries
+  sit at positions ``kv_len - qo_len ... kv_len - 1``.
 - Visibility of key ``j`` to a query at position ``p``: ``j <= p`` if ``causal``;
   ``p - j <= window_left`` if ``window_left >= 0``; ``j - p <= window_right`` if
   ``window_right >= 0`` (non-causal only). A Hugging Face ``sliding_window = W`` (``p - j < W``)
@@ -33,6 +34,8 @@ QO_DTYPES = ("float16", "bfloat16")
 #: KV-cache dtypes the kernels take.
 KV_DTYPES = ("float16", "bfloat16", "float8_e4m3fn")
 KV_LAYOUTS = ("NHD", "HND")
+#: Where K/V come from: the paged KV cache, or contiguous varlen ("ragged") K and V tensors.
+KV_STORAGES = ("paged", "ragged")
 # Every live spec by its canonical text: the torch custom op (jitattn/ops.py) passes the text and
 # finds the object, with its variant's torch functors, here.
 _LIVE_SPECS: "weakref.WeakValueDictionary[str, AttentionSpec]" = weakref.WeakValueDictionary()
@@ -83,15 +86,18 @@ class AttentionSpec:
         num_kv_heads: key/value heads (``H_kv``); must divide ``num_qo_heads`` (GQA group size
             ``H_qo / H_kv``, any value).
         head_dim_qk: query/key head dim, a multiple of 16 in [32, 256].
-        head_dim_vo: value/output head dim; defaults to ``head_dim_qk``. The paged cache stores K
-            and V in one tensor, so it must equal ``head_dim_qk``.
+        head_dim_vo: value/output head dim, a multiple of 16 in [32, 256]; defaults to ``head_dim_qk``.
+            The paged cache stores K and V in one tensor, so a paged spec needs it equal to
+            ``head_dim_qk``; a ragged spec may differ (e.g. 192/128, DeepSeek-style MLA prefill).
         q_dtype: ``"float16"`` or ``"bfloat16"`` (torch dtypes accepted).
         kv_dtype: KV-cache dtype; defaults to ``q_dtype``; either ``q_dtype`` or ``"float8_e4m3fn"``
             (FP8 cache: per-tensor ``k_scale`` / ``v_scale`` at call time, dequantised in registers).
         o_dtype: output dtype; defaults to ``q_dtype``.
         kv_layout: ``"NHD"`` (cache ``(num_pages, 2, page_size, H_kv, D)``) or ``"HND"``
-            (``(num_pages, 2, H_kv, page_size, D)``).
-        page_size: tokens per KV page, in [1, 1024].
+            (``(num_pages, 2, H_kv, page_size, D)``). Ragged K/V are token-major
+            ``(total_kv, H_kv, D)``: a ragged spec takes ``"NHD"`` only.
+        page_size: tokens per KV page, in [1, 1024]; None (the default) means 16 for a paged spec.
+            Ragged K/V have no pages: a ragged spec keeps ``page_size=None`` (an int is an error).
         causal: key ``j`` visible to the query at position ``p`` only if ``j <= p``.
         window_left: ``-1`` (none) or ``>= 0``: visible only if ``p - j <= window_left``.
         window_right: ``-1`` (none) or ``>= 0``: visible only if ``j - p <= window_right``;
@@ -105,6 +111,11 @@ class AttentionSpec:
             denominator only (gpt-oss; Xiao et al. 2024, "Efficient Streaming Language Models
             with Attention Sinks").
         variant: user functors and their parameters (:class:`~jitattn.variant.Variant`), or None.
+        kv_storage: ``"paged"`` (default: the paged KV cache, :func:`jitattn.paged_attention`) or
+            ``"ragged"`` (contiguous varlen K ``(total_kv, H_kv, head_dim_qk)`` and V ``(total_kv,
+            H_kv, head_dim_vo)`` with ``kv_start_loc``, :func:`jitattn.ragged_attention`; FlashInfer's
+            BatchPrefillWithRaggedKVCache, flash_attn_varlen). Ragged specs run the tensor-core
+            prefill kernel for every row (no decode kernel is built) and take 16-bit K/V only.
 
     Raises:
         ValueError: at construction, naming the field, the value and what is allowed.
@@ -118,7 +129,7 @@ class AttentionSpec:
     kv_dtype: str | None = None
     o_dtype: str | None = None
     kv_layout: str = "NHD"
-    page_size: int = 16
+    page_size: int | None = None
     causal: bool = True
     window_left: int = -1
     window_right: int = -1
@@ -127,6 +138,7 @@ class AttentionSpec:
     alibi: bool = False
     sinks: bool = False
     variant: Variant | None = None
+    kv_storage: str = "paged"
 
     def __post_init__(self) -> None:
         _set = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -142,10 +154,13 @@ class AttentionSpec:
             if value % 16:
                 raise ValueError(f"{name}={value}: expected a multiple of 16 in [{HEAD_DIM_MIN}, {HEAD_DIM_MAX}]")
             _set(name, value)
-        if self.head_dim_vo != self.head_dim_qk:
+        if self.kv_storage not in KV_STORAGES:
+            raise ValueError(f"kv_storage={self.kv_storage!r}: expected one of {KV_STORAGES}")
+        ragged = self.kv_storage == "ragged"
+        if self.head_dim_vo != self.head_dim_qk and not ragged:
             raise ValueError(
                 f"head_dim_vo={self.head_dim_vo}, head_dim_qk={self.head_dim_qk}: the paged KV cache holds K and V "
-                f"in one tensor, so they must be equal")
+                f"in one tensor, so they must be equal (kv_storage='ragged' takes separate K and V)")
         _set("q_dtype", normalize_dtype(self.q_dtype, field="q_dtype", allowed=QO_DTYPES))
         _set("kv_dtype", normalize_dtype(self.kv_dtype or self.q_dtype, field="kv_dtype", allowed=KV_DTYPES))
         _set("o_dtype", normalize_dtype(self.o_dtype or self.q_dtype, field="o_dtype", allowed=QO_DTYPES))
@@ -153,7 +168,19 @@ class AttentionSpec:
             raise ValueError(f"kv_dtype={self.kv_dtype!r}: must equal q_dtype={self.q_dtype!r} or be 'float8_e4m3fn'")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout={self.kv_layout!r}: expected one of {KV_LAYOUTS}")
-        _check_int("page_size", self.page_size, 1, PAGE_SIZE_MAX)
+        if ragged:
+            if self.kv_layout != "NHD":
+                raise ValueError(f"kv_layout={self.kv_layout!r} with kv_storage='ragged': ragged K/V are token-major "
+                                 f"(total_kv, num_kv_heads, head_dim), so the layout must be 'NHD'")
+            if self.page_size is not None:
+                raise ValueError(f"page_size={self.page_size!r} with kv_storage='ragged': ragged K/V have no pages; "
+                                 f"leave page_size unset (None)")
+            if self.kv_dtype == "float8_e4m3fn":
+                raise ValueError("kv_dtype='float8_e4m3fn' with kv_storage='ragged': FP8 K/V are supported for the "
+                                 "paged cache only; ragged K/V take kv_dtype == q_dtype")
+        else:
+            _set("page_size", 16 if self.page_size is None else self.page_size)
+            _check_int("page_size", self.page_size, 1, PAGE_SIZE_MAX)
         for name in ("causal", "alibi", "sinks"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected True or False")
@@ -181,6 +208,11 @@ class AttentionSpec:
     def group_size(self) -> int:
         """Query heads per KV head (GQA group size)."""
         return self.num_qo_heads // self.num_kv_heads
+
+    @property
+    def ragged(self) -> bool:
+        """True for contiguous varlen K/V (``kv_storage == "ragged"``), False for the paged cache."""
+        return self.kv_storage == "ragged"
 
     @property
     def params(self) -> tuple:
@@ -223,8 +255,10 @@ class AttentionSpec:
     @property
     def name(self) -> str:
         """Readable, filesystem-safe name; unique together with :attr:`key`."""
-        parts = [f"h{self.num_qo_heads}x{self.num_kv_heads}", f"d{self.head_dim_qk}",
-                 {"float16": "f16", "bfloat16": "bf16"}[self.q_dtype], self.kv_layout.lower(), f"p{self.page_size}"]
+        dims = f"d{self.head_dim_qk}" + (f"v{self.head_dim_vo}" if self.head_dim_vo != self.head_dim_qk else "")
+        storage = ["ragged"] if self.ragged else [self.kv_layout.lower(), f"p{self.page_size}"]
+        parts = [f"h{self.num_qo_heads}x{self.num_kv_heads}", dims,
+                 {"float16": "f16", "bfloat16": "bf16"}[self.q_dtype], *storage]
         if self.kv_dtype == "float8_e4m3fn":
             parts.insert(3, "kvf8")
         if self.causal:
@@ -246,13 +280,15 @@ class AttentionSpec:
 
         Fields that hold their derived default keep following what they derive from unless named:
         ``replace(head_dim_qk=64)`` also moves ``head_dim_vo`` and a default ``sm_scale`` to 64, and
-        ``replace(q_dtype="float16")`` moves a default ``kv_dtype`` / ``o_dtype`` with it.
+        ``replace(q_dtype="float16")`` moves a default ``kv_dtype`` / ``o_dtype`` with it; a page size
+        of 16 (the paged default) follows ``kv_storage`` (``replace(kv_storage="ragged")`` drops it).
         """
         derived = {
             "head_dim_vo": self.head_dim_vo == self.head_dim_qk,
             "sm_scale": self.sm_scale == self.head_dim_qk ** -0.5,
             "kv_dtype": self.kv_dtype == self.q_dtype,
             "o_dtype": self.o_dtype == self.q_dtype,
+            "page_size": self.page_size in (None, 16),  # paged default; ragged has none
         }
         follow = {name: None for name, is_default in derived.items() if is_default and name not in changes}
         return dataclasses.replace(self, **{**follow, **changes})
@@ -274,8 +310,11 @@ class AttentionSpec:
             feats.append("sinks")
         if self.variant:
             feats.append(f"variant={self.variant.name}")
-        return (f"{self.num_qo_heads}/{self.num_kv_heads} heads, hd {self.head_dim_qk}, {self.q_dtype}, "
-                f"{self.kv_layout} p{self.page_size}, scale {self.sm_scale:.4g}" + (", " + ", ".join(feats) if feats else ""))
+        dims = f"{self.head_dim_qk}" + (f"/{self.head_dim_vo}" if self.head_dim_vo != self.head_dim_qk else "")
+        storage = "ragged K/V" if self.ragged else f"{self.kv_layout} p{self.page_size}"
+        dtypes = self.q_dtype + (f" (KV {self.kv_dtype})" if self.kv_dtype != self.q_dtype else "")
+        return (f"{self.num_qo_heads}/{self.num_kv_heads} heads, hd {dims}, {dtypes}, "
+                f"{storage}, scale {self.sm_scale:.4g}" + (", " + ", ".join(feats) if feats else ""))
 
 
 def live_spec(text: str) -> AttentionSpec | None:

@@ -1,4 +1,4 @@
-"""Random paged batches and error metrics, shared by the tests, the benchmark and the examples.
+"""Random paged and ragged batches and error metrics, shared by the tests, the benchmark and the examples.
 
 Inputs are always fresh random values (never zeros: zeros hide unwritten outputs and wrong
 indexing), pages are placed in random order as a real allocator would place them, and unused
@@ -153,6 +153,87 @@ def random_paged_batch(spec: AttentionSpec, q_lens: Sequence[int], kv_lens: Sequ
     sinks = (torch.randn(spec.num_qo_heads, generator=cpu_gen) + 1.0).to(device) if spec.sinks else None
     return PagedBatch(spec, q, kv_cache, block_table, torch.tensor(list(kv_lens), dtype=torch.int32, device=device),
                       qsl, list(q_lens), list(kv_lens), sinks=sinks, params=dict(params or {}), scales=scales)
+
+
+@dataclass
+class RaggedBatch:
+    """One ragged batch in the kernels' input format (shapes in :func:`jitattn.reference.ragged_attention`)."""
+
+    spec: AttentionSpec
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    query_start_loc: torch.Tensor
+    kv_start_loc: torch.Tensor
+    q_lens: list[int]
+    kv_lens: list[int]
+    sinks: torch.Tensor | None = None
+    alibi_slopes: torch.Tensor | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        return (self.q, self.k, self.v, self.query_start_loc, self.kv_start_loc)
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"sinks": self.sinks, "alibi_slopes": self.alibi_slopes, "params": self.params}
+
+    def to_paged(self, page_size: int = 16, kv_layout: str = "NHD", seed: int = 0) -> PagedBatch:
+        """The same batch through the paged cache (a paged spec with the same features; needs
+        head_dim_qk == head_dim_vo). Pages in random order, unused slots NaN."""
+        spec = self.spec.replace(kv_storage="paged", page_size=page_size, kv_layout=kv_layout)
+        kv_cache, block_table = make_paged_kv(self.k, self.v, self.kv_lens, spec,
+                                              generator=torch.Generator().manual_seed(seed))
+        seq_lens = torch.tensor(self.kv_lens, dtype=torch.int32, device=self.q.device)
+        return PagedBatch(spec, self.q, kv_cache, block_table, seq_lens, self.query_start_loc, list(self.q_lens),
+                          list(self.kv_lens), sinks=self.sinks, alibi_slopes=self.alibi_slopes,
+                          params=dict(self.params))
+
+
+def random_ragged_batch(spec: AttentionSpec, q_lens: Sequence[int], kv_lens: Sequence[int], *,
+                        device: torch.device | str = "cpu", seed: int = 0, params: dict[str, Any] | None = None,
+                        scale: float = 1.0, strided: bool = False) -> RaggedBatch:
+    """A random ragged batch: sequence ``b`` brings ``q_lens[b]`` queries and ``kv_lens[b]`` keys.
+
+    Values are standard normal times ``scale``; sinks ~ N(0, 1) + 1. With ``strided=True`` q, k and v
+    are views with padded token/head strides (k and v slices of one fused buffer, as an MLA or fused
+    KV projection gives them; q with padded heads), and the padding holds NaN, so a kernel that ignores
+    the strides or reads past a row shows it.
+
+    Raises:
+        ValueError: a paged spec, lengths of different counts, or a sequence with more queries than keys.
+    """
+    if not spec.ragged:
+        raise ValueError(f"spec.kv_storage={spec.kv_storage!r}: random_ragged_batch needs a ragged spec")
+    if len(q_lens) != len(kv_lens):
+        raise ValueError(f"q_lens has {len(q_lens)} entries, kv_lens {len(kv_lens)}")
+    for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
+        if ql > kl or ql < 0:
+            raise ValueError(f"sequence {b}: q_len={ql} must be in [0, kv_len={kl}]")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    cpu_gen = torch.Generator(device="cpu").manual_seed(seed)
+    dt = torch_dtype(spec.q_dtype)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dt)
+
+    nq, nkv = sum(q_lens), sum(kv_lens)
+    dqk, dvo = spec.head_dim_qk, spec.head_dim_vo
+    if strided:
+        qbuf = torch.full((nq, spec.num_qo_heads, dqk + 16), float("nan"), dtype=dt, device=device)
+        q = qbuf[:, :, 8:8 + dqk]
+        q.copy_(randn(nq, spec.num_qo_heads, dqk))
+        kvbuf = torch.full((nkv, spec.num_kv_heads, dqk + dvo + 8), float("nan"), dtype=dt, device=device)
+        k, v = kvbuf[:, :, :dqk], kvbuf[:, :, dqk + 8:]
+        k.copy_(randn(nkv, spec.num_kv_heads, dqk))
+        v.copy_(randn(nkv, spec.num_kv_heads, dvo))
+    else:
+        q = randn(nq, spec.num_qo_heads, dqk)
+        k = randn(nkv, spec.num_kv_heads, dqk)
+        v = randn(nkv, spec.num_kv_heads, dvo)
+    qsl = torch.tensor([0, *accumulate(q_lens)], dtype=torch.int32, device=device)
+    ksl = torch.tensor([0, *accumulate(kv_lens)], dtype=torch.int32, device=device)
+    sinks = (torch.randn(spec.num_qo_heads, generator=cpu_gen) + 1.0).to(device) if spec.sinks else None
+    return RaggedBatch(spec, q, k, v, qsl, ksl, list(q_lens), list(kv_lens), sinks=sinks, params=dict(params or {}))
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

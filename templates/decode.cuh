@@ -103,6 +103,29 @@ __device__ __forceinline__ bool sequence_ok(const Params& p, int qo_len, int kv_
   return qo_len <= kv_len && kv_len <= p.block_table_stride * S::kPageSize;
 }
 
+// Sequence `batch`'s metadata checks for a ragged spec, which reads its keys from kv_start_loc:
+// [kv_start_loc[b], kv_start_loc[b + 1]) must lie inside [0, total_kv] and hold at least the
+// sequence's queries. Paged specs check as sequence_ok above. A sequence that fails writes NaN.
+template <class S>
+__device__ __forceinline__ bool sequence_ok(const Params& p, int batch, int qo_len, int kv_len) {
+  if constexpr (S::kRagged) {
+    const int k0 = p.kv_start_loc[batch], k1 = p.kv_start_loc[batch + 1];
+    return 0 <= k0 && k0 <= k1 && k1 <= p.total_kv && qo_len <= kv_len;
+  } else {
+    return sequence_ok<S>(p, qo_len, kv_len);
+  }
+}
+
+// KV length of sequence `batch`: seq_lens (paged) or the kv_start_loc difference (ragged).
+template <class S>
+__device__ __forceinline__ int kv_length(const Params& p, int batch) {
+  if constexpr (S::kRagged) {
+    return p.kv_start_loc[batch + 1] - p.kv_start_loc[batch];
+  } else {
+    return p.seq_lens[batch];
+  }
+}
+
 // load_kv_rows' paged path with the page ids already fetched (KvPages over the same rows).
 template <class S, int kRows, int kRowStride, int kThreads>
 __device__ __forceinline__ void load_kv_rows_paged(const Params& p, typename S::DTypeKV* sk, typename S::DTypeKV* sv,
@@ -125,15 +148,45 @@ __device__ __forceinline__ void load_kv_rows_paged(const Params& p, typename S::
 }
 
 // cp.async of the K and V rows of keys [start, start + kRows) into two shared-memory tiles whose rows
-// are kRowStride elements apart, 16 bytes per copy; rows at or past `end` are zero-filled (never
-// read). One page lookup per row: V sits kv_stride_kv elements after K in the same page. Every
-// decode and prefill kernel loads its K/V through this.
-template <class S, int kRows, int kRowStride, int kThreads>
+// are kRowStride (K) and kRowStrideV (V) elements apart, 16 bytes per copy; rows at or past `end` are
+// zero-filled (never read). Every decode and prefill kernel loads its K/V through this. Row addressing:
+// - paged: one page lookup per row; V sits kv_stride_kv elements after K in the same page;
+// - ragged (S::kRagged): row kv_start_loc[batch] + kv_idx of k / v, token and head strides from Params
+//   (the sequence's bounds were checked by sequence_ok); K rows are head_dim_qk wide, V rows head_dim_vo.
+template <class S, int kRows, int kRowStride, int kThreads, int kRowStrideV = kRowStride>
 __device__ __forceinline__ void load_kv_rows(const Params& p, typename S::DTypeKV* sk, typename S::DTypeKV* sv,
                                              int batch, int kv_head, int start, int end, bool& bad) {
-  KvPages<S, kRows, kThreads> pages;
-  pages.fetch(p, batch, start, end);
-  load_kv_rows_paged<S, kRows, kRowStride, kThreads>(p, sk, sv, kv_head, start, end, pages, bad);
+  using KV = typename S::DTypeKV;
+  constexpr int kVec = 16 / sizeof(KV);
+  constexpr int kChunks = S::kHeadDimQK / kVec;
+  if constexpr (S::kRagged) {
+    constexpr int kChunksV = S::kHeadDimVO / kVec;
+    const int first = p.kv_start_loc[batch] + start;  // row of k / v holding key `start`
+    // Partly unrolled: fully unrolled, the hoisted 64-bit addresses of both loops spilled a few bytes
+    // in the mask / ALiBi variants on sm_80 (ptxas -v).
+#pragma unroll 2
+    for (int c = threadIdx.x; c < kRows * kChunks; c += kThreads) {
+      const int row = c / kChunks, chunk = c % kChunks;
+      const bool in = start + row < end;
+      const KV* src = p.k + (static_cast<long long>(first + row) * p.k_stride_token + kv_head * p.k_stride_head +
+                             chunk * kVec);
+      cp_async_16(sk + row * kRowStride + chunk * kVec, in ? src : p.k, in);
+    }
+#pragma unroll 2
+    for (int c = threadIdx.x; c < kRows * kChunksV; c += kThreads) {
+      const int row = c / kChunksV, chunk = c % kChunksV;
+      const bool in = start + row < end;
+      const KV* src = p.v + (static_cast<long long>(first + row) * p.v_stride_token + kv_head * p.v_stride_head +
+                             chunk * kVec);
+      cp_async_16(sv + row * kRowStrideV + chunk * kVec, in ? src : p.v, in);
+    }
+  } else {
+    static_assert(S::kHeadDimQK == S::kHeadDimVO && kRowStride == kRowStrideV,
+                  "the paged cache holds K and V rows of one width");
+    KvPages<S, kRows, kThreads> pages;
+    pages.fetch(p, batch, start, end);
+    load_kv_rows_paged<S, kRows, kRowStride, kThreads>(p, sk, sv, kv_head, start, end, pages, bad);
+  }
 }
 
 // Issue cp.async for keys [start, start + kTileKeys) into one stage; rows at or past `end` are zero-filled.

@@ -1,4 +1,4 @@
-// jitattn: prefill / append over the paged KV cache on tensor cores. Compute-bound.
+// jitattn: prefill / append over the paged KV cache or ragged K/V on tensor cores. Compute-bound.
 //
 // FlashAttention-2 structure (Dao 2023, "FlashAttention-2", sections 3.1-3.2): a thread block owns
 // kBlockM packed query rows of one KV head (the query heads of a GQA group are packed into the rows:
@@ -7,7 +7,8 @@
 // mma.sync m16n8k16 (fp32 accumulate); Q, K, V come from shared memory through ldmatrix; K/V tiles
 // arrive through cp.async kStages deep; P goes from the S accumulators to A fragments without
 // touching shared memory. Tiles outside the causal/window bounds are never loaded; element masks are
-// applied on boundary tiles only (and everywhere when the variant has its own mask).
+// applied on boundary tiles only (and everywhere when the variant has its own mask). Q and K rows are
+// head_dim_qk wide, V and O rows head_dim_vo (they differ only for ragged specs, e.g. 192/128).
 #pragma once
 
 #include "common.cuh"
@@ -20,39 +21,46 @@ template <class S>
 struct PrefillTraits {
   using DT = typename S::DTypeQ;
   static_assert(sizeof(DT) == 2, "tensor-core path takes 16-bit q/k/v");
-  static constexpr int kHeadDim = S::kHeadDimQK;
+  static constexpr int kHeadDim = S::kHeadDimQK;     // Q and K rows
+  static constexpr int kHeadDimVO = S::kHeadDimVO;   // V and O rows
+  static constexpr int kHeadDimMax = cmax(kHeadDim, kHeadDimVO);
   static constexpr int kNumWarps = 4;
   static constexpr int kThreads = 32 * kNumWarps;
   // m16 tiles per warp: two let each K/V fragment read from shared memory feed two mma (FA2's
   // 32 rows per warp; shared-memory bandwidth, not the tensor cores, bounds one tile per warp).
   // Past head_dim 128 the O accumulators of two tiles no longer fit in registers.
   // User functors add live registers per element: they keep one tile per warp (no spills).
-  static constexpr int kMTiles = (kHeadDim <= 128 && !S::kHasMask && !S::kHasTransform) ? 2 : 1;
+  static constexpr int kMTiles = (kHeadDimMax <= 128 && !S::kHasMask && !S::kHasTransform) ? 2 : 1;
   static constexpr int kWarpRows = 16 * kMTiles;
   static constexpr int kBlockM = kWarpRows * kNumWarps;      // packed query rows per block
-  // Keys per tile: the S accumulators (kMTiles x kBlockN / 8 x 4 registers) must fit beside O.
-  static constexpr int kBlockN = (kHeadDim <= 64 || (kMTiles == 1 && kHeadDim <= 128)) ? 64 : 32;
+  // Keys per tile: the S accumulators (kMTiles x kBlockN / 8 x 4 registers) must fit beside O
+  // (kMTiles x head_dim_vo / 8 x 4).
+  static constexpr int kBlockN = (kHeadDimVO <= 64 || (kMTiles == 1 && kHeadDimVO <= 128)) ? 64 : 32;
   // K/V tiles in flight: a 32-key tile computes in less time than an L2 round trip, so it needs a
   // third stage to keep the tensor cores fed; 256-wide rows would cost the second block per SM.
-  static constexpr int kStages = kHeadDim <= 128 ? 3 : 2;
+  static constexpr int kStages = kHeadDimMax <= 128 ? 3 : 2;
   // Rows padded by 16 bytes: 8 consecutive rows then fall in 8 distinct 16-byte bank groups,
   // so ldmatrix is conflict-free for every head_dim that is a multiple of 16.
-  static constexpr int kRowStride = kHeadDim + 8;  // elements
-  static constexpr int kChunks = kHeadDim / 8;     // 16-byte chunks per row
+  static constexpr int kRowStride = kHeadDim + 8;     // elements, Q and K rows
+  static constexpr int kRowStrideV = kHeadDimVO + 8;  // elements, V rows
+  static constexpr int kChunks = kHeadDim / 8;        // 16-byte chunks per Q row
   static constexpr int kQBytes = kBlockM * kRowStride * 2;
-  static constexpr int kTileBytes = kBlockN * kRowStride * 2;  // one of K or V
+  static constexpr int kTileBytes = kBlockN * kRowStride * 2;    // one K tile
+  static constexpr int kTileBytesV = kBlockN * kRowStrideV * 2;  // one V tile
   // An FP8 cache lands raw in a staging area (cp.async cannot convert) and is widened to DT per tile.
   static constexpr bool kKvFp8 = sizeof(typename S::DTypeKV) == 1;
   static constexpr int kRawChunks = kHeadDim / 16;  // 16-byte chunks of an FP8 row
   static constexpr int kRawTileBytes = kKvFp8 ? 2 * kBlockN * kHeadDim : 0;  // K and V of one stage
-  static constexpr int kSmemBytes = kQBytes + kStages * (2 * kTileBytes + kRawTileBytes);
-  static constexpr int kNTiles = kBlockN / 8;    // n-tiles of S per m-tile
-  static constexpr int kDTiles = kHeadDim / 8;   // n-tiles of O per m-tile
+  static constexpr int kSmemBytes = kQBytes + kStages * (kTileBytes + kTileBytesV + kRawTileBytes);
+  static constexpr int kNTiles = kBlockN / 8;     // n-tiles of S per m-tile
+  static constexpr int kDTiles = kHeadDimVO / 8;  // n-tiles of O per m-tile
   // Rescale O only when a row's max grows by more than this (log2 units): most tiles skip the
   // kDTiles x 4 multiplies (deferred rescaling; FlashAttention-4 does the same).
   static constexpr float kRescaleThreshold = 8.0f;
   static_assert(kHeadDim % 16 == 0, "head_dim must be a multiple of 16 (mma k-step)");
   static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16 (P is the A operand of P V)");
+  static_assert(kHeadDimVO % 16 == 0, "head_dim_vo must be a multiple of 16 (two O n-tiles per ldmatrix)");
+  static_assert(!kKvFp8 || kHeadDim == kHeadDimVO, "FP8 staging is for the paged cache (one K/V row width)");
 };
 
 // Finds the (sequence, m-tile) this block serves. Sequences with one query are skipped when the
@@ -111,8 +119,8 @@ __device__ __forceinline__ void prefill_load_kv(const Params& p, typename S::DTy
     load_kv_rows<S, T::kBlockN, T::kHeadDim, T::kThreads>(p, rk, rk + T::kBlockN * T::kHeadDim, batch, kv_head, n0,
                                                           kv_end, bad);
   } else {
-    load_kv_rows<S, T::kBlockN, T::kRowStride, T::kThreads>(p, reinterpret_cast<KV*>(sk), reinterpret_cast<KV*>(sv),
-                                                            batch, kv_head, n0, kv_end, bad);
+    load_kv_rows<S, T::kBlockN, T::kRowStride, T::kThreads, T::kRowStrideV>(
+        p, reinterpret_cast<KV*>(sk), reinterpret_cast<KV*>(sv), batch, kv_head, n0, kv_end, bad);
   }
 }
 
@@ -205,7 +213,7 @@ __device__ __forceinline__ void prefill_pv(float (&o)[PrefillTraits<S>::kMTiles]
 #pragma unroll
     for (int d2 = 0; d2 < T::kDTiles / 2; ++d2) {
       uint32_t b[4];  // keys kk*16 .. +15, dims d2*16 .. +15, transposed: B fragments of two n-tiles
-      ldmatrix_x4_trans(b, sv + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * T::kRowStride + d2 * 16 + (lane / 16) * 8);
+      ldmatrix_x4_trans(b, sv + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * T::kRowStrideV + d2 * 16 + (lane / 16) * 8);
 #pragma unroll
       for (int mt = 0; mt < T::kMTiles; ++mt) {
         mma_16816<DT>(o[mt][2 * d2], a[mt], b[0], b[1]);
@@ -250,10 +258,13 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
   constexpr int MT = T::kMTiles;
   extern __shared__ __align__(16) uint8_t smem[];
   DT* sq = reinterpret_cast<DT*>(smem);
-  DT* skv = reinterpret_cast<DT*>(smem + T::kQBytes);  // [stage][K|V][kBlockN][kRowStride]
-  auto stage_k = [&](int s) { return skv + (2 * s) * T::kBlockN * T::kRowStride; };
-  auto stage_v = [&](int s) { return skv + (2 * s + 1) * T::kBlockN * T::kRowStride; };
-  auto stage_raw = [&](int s) { return smem + T::kQBytes + T::kStages * 2 * T::kTileBytes + s * T::kRawTileBytes; };
+  DT* skv = reinterpret_cast<DT*>(smem + T::kQBytes);  // [stage]: K [kBlockN][kRowStride], V [kBlockN][kRowStrideV]
+  constexpr int kStageElems = T::kBlockN * (T::kRowStride + T::kRowStrideV);
+  auto stage_k = [&](int s) { return skv + s * kStageElems; };
+  auto stage_v = [&](int s) { return skv + s * kStageElems + T::kBlockN * T::kRowStride; };
+  auto stage_raw = [&](int s) {
+    return smem + T::kQBytes + T::kStages * (T::kTileBytes + T::kTileBytesV) + s * T::kRawTileBytes;
+  };
 
   // Heavy (late, causal) tiles first: walk the grid backwards.
   int batch, tile;
@@ -261,13 +272,13 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
   const int kv_head = blockIdx.y;
   const int q_start = p.query_start_loc[batch];
   const int qo_len = p.query_start_loc[batch + 1] - q_start;
-  const int kv_len = p.seq_lens[batch];
+  const int kv_len = kv_length<S>(p, batch);
   const int packed0 = tile * T::kBlockM;
   const int packed_end = min(qo_len * S::kGroupSize, packed0 + T::kBlockM);
   const int qo_base = kv_len - qo_len;  // position of this sequence's first query
   const int pos_lo = qo_base + packed0 / S::kGroupSize;
   const int pos_hi = qo_base + (packed_end - 1) / S::kGroupSize;
-  bool bad = !sequence_ok<S>(p, qo_len, kv_len);
+  bool bad = !sequence_ok<S>(p, batch, qo_len, kv_len);
   int kv_begin, kv_end;
   visible_kv_range<S>(pos_lo, pos_hi, kv_len, kv_begin, kv_end);
   if (bad) kv_end = kv_begin;
@@ -284,7 +295,7 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
     const bool in = packed < packed_end;
     const int token = packed / S::kGroupSize, qo_head = kv_head * S::kGroupSize + packed % S::kGroupSize;
     const DT* src = in ? p.q + static_cast<long long>(q_start + token) * p.q_stride_token +
-                             qo_head * S::kHeadDimQK + chunk * 8
+                             qo_head * p.q_stride_head + chunk * 8
                        : p.q;
     cp_async_16(sq + row * T::kRowStride + chunk * 8, src, in);
   }

@@ -171,7 +171,8 @@ OUTPUT_GATE = Variant("output_gate", output_transform=_output_gate,
 
 
 def fp8_cases() -> list[Case]:
-    """FP8 (e4m3) KV cache with per-tensor scales: decode dequantises in registers, prefill widens tiles."""
+    """FP8 (e4m3) KV cache with per-tensor scales: prefill and the tensor-core decode (groups 4..16)
+    widen tiles in shared memory, the CUDA-core decode dequantises in registers."""
     q, kv = [1, 50, 1, 20, 3, 1], [100, 50, 2049, 300, 3, 9000]
     return [
         Case("fp8-kv-hd128", AttentionSpec(32, 8, 128, kv_dtype="float8_e4m3fn"), q, kv),
@@ -187,3 +188,42 @@ def fp8_cases() -> list[Case]:
 
 def all_cases() -> list[Case]:
     return model_cases() + head_dim_cases() + feature_cases() + decode_cases() + variant_cases() + fp8_cases()
+
+
+# ---- ragged (contiguous varlen) K/V: tests/test_gpu_ragged.py -------------------------------------
+@dataclass
+class RaggedCase(Case):
+    """A ragged spec and batch; ``strided``: q, k, v as padded views (random_ragged_batch)."""
+
+    strided: bool = False
+
+
+def ragged_cases() -> list[RaggedCase]:
+    """Ragged specs (kv_storage="ragged") on batches that mix one-query rows, short chunks after long
+    prefixes and full prefills; lengths 1, 17, 127, 1000, 8191; head_dim_qk != head_dim_vo; GQA 1/4/8."""
+    R = "ragged"
+    mk = lambda *a, **kw: AttentionSpec(*a, kv_storage=R, **kw)  # noqa: E731
+    lens = [1, 17, 127, 1000, 8191]
+    q, kv = [1, 40, 17, 1, 127, 5], [1, 1000, 17, 8191, 300, 5]  # mixed: decode rows, chunks, full prefills
+    return [
+        RaggedCase("ragged-hd128-gqa4-full-prefill", mk(8, 2, 128), lens, lens),
+        RaggedCase("ragged-hd128-gqa4-chunk-after-prefix", mk(8, 2, 128), [1, 17, 127, 300, 1], [1000, 8191, 127, 4000, 17]),
+        RaggedCase("ragged-mla-192x128-gqa1", mk(16, 16, 192, 128), [1, 17, 127, 1000], [1, 17, 1000, 1000], strided=True),
+        RaggedCase("ragged-192x128-gqa8-chunks", mk(16, 2, 192, 128, logits_soft_cap=30.0), q, kv),
+        RaggedCase("ragged-hd64-softcap-window-gqa1", mk(8, 8, 64, logits_soft_cap=30.0, window_left=63), q, kv),
+        RaggedCase("ragged-hd96-noncausal-window-both-alibi", mk(12, 3, 96, causal=False, window_left=31, window_right=17,
+                                                                  alibi=True), q, kv),
+        RaggedCase("ragged-sinks-window-gqa8-strided", mk(64, 8, 64, sinks=True, window_left=127), q, kv, strided=True),
+        RaggedCase("ragged-fp16-256x64-group2", mk(8, 4, 256, 64, q_dtype="float16"), q, kv),
+        RaggedCase("ragged-32x256-noncausal", mk(4, 4, 32, 256, causal=False), q, kv),
+        RaggedCase("ragged-custom-transform", mk(8, 2, 128, variant=REL_BIAS), q, kv,
+                   lambda d: {"bias": torch.linspace(-0.2, 0.3, 8, device=d), "max_dist": 64.0}),
+        RaggedCase("ragged-custom-mask-doc", mk(8, 2, 128, variant=DOC_MASK, causal=False), q, kv, lambda d: _doc_params(d)),
+        RaggedCase("ragged-rotary-qk-192x128", mk(8, 2, 192, 128, variant=rotary_embedding(192)), q, kv),
+        RaggedCase("ragged-output-gate-sinks-192x128", mk(8, 2, 192, 128, variant=OUTPUT_GATE, sinks=True), q, kv,
+                   lambda d: {"gate": torch.linspace(0.5, 2.0, 8, device=d)}),
+        RaggedCase("ragged-sigmoid-no-softmax", mk(8, 2, 128, variant=sigmoid_attention()), q, kv,
+                   lambda d: {"bias": -6.0}),
+        RaggedCase("ragged-hidden-head-empty-rows", mk(8, 2, 128, variant=HIDE_HEAD), q, kv, lambda d: {"hidden": 3}),
+        RaggedCase("ragged-zero-query-seqs", mk(8, 2, 128), [0, 5, 0, 1], [10, 5, 3, 40]),
+    ]

@@ -54,6 +54,12 @@ BAD = [
     (dict(sm_scale=-0.1), r"sm_scale=-0.1: expected a number > 0"),
     (dict(sm_scale=float("nan")), r"sm_scale=nan: expected a finite number"),
     (dict(variant="soft"), r"variant='soft': expected a jitattn.Variant or None"),
+    (dict(kv_storage="varlen"), r"kv_storage='varlen': expected one of \('paged', 'ragged'\)"),
+    (dict(kv_storage="ragged", page_size=16), r"page_size=16 with kv_storage='ragged': ragged K/V have no pages"),
+    (dict(kv_storage="ragged", kv_layout="HND"), r"kv_layout='HND' with kv_storage='ragged': .*must be 'NHD'"),
+    (dict(kv_storage="ragged", kv_dtype="fp8"), r"kv_dtype='float8_e4m3fn' with kv_storage='ragged': FP8 K/V .*paged"),
+    (dict(kv_storage="ragged", head_dim_vo=200), r"head_dim_vo=200: expected a multiple of 16 in \[32, 256\]"),
+    (dict(kv_storage="ragged", head_dim_vo=16), r"head_dim_vo=16: expected an int in \[32, 256\]"),
 ]
 
 
@@ -68,6 +74,35 @@ def test_every_field_has_a_validation_case():
 
     covered = {next(iter(kw)) for kw, _ in BAD}
     assert {f.name for f in fields(AttentionSpec)} <= covered
+
+
+def test_ragged_spec_fields_json_and_key():
+    ragged = mk(head_dim_qk=192, head_dim_vo=128, kv_storage="ragged")
+    assert ragged.ragged and not mk().ragged
+    assert (ragged.page_size, ragged.kv_layout, ragged.head_dim_vo) == (None, "NHD", 128)
+    assert ragged.sm_scale == 192 ** -0.5  # the scale follows head_dim_qk
+    data = json.loads(ragged.canonical_json())
+    assert (data["kv_storage"], data["page_size"], data["head_dim_vo"]) == ("ragged", None, 128)
+    assert AttentionSpec.from_json(ragged.canonical_json()) == ragged
+    assert "ragged" in ragged.name and "d192v128" in ragged.name
+    assert "hd 192/128" in ragged.describe() and "ragged K/V" in ragged.describe()
+    # Paged specs keep their JSON (page_size 16 filled in) and get kv_storage "paged".
+    assert json.loads(mk().canonical_json())["page_size"] == 16
+    assert mk().kv_storage == "paged" and mk(page_size=None) == mk()
+    assert ragged.key != mk(kv_storage="ragged", head_dim_qk=192).key != mk(head_dim_qk=192).key
+
+
+def test_replace_moves_between_paged_and_ragged():
+    paged = mk()
+    ragged = paged.replace(kv_storage="ragged")
+    assert ragged.page_size is None and ragged == mk(kv_storage="ragged")
+    assert ragged.replace(kv_storage="paged") == paged  # page_size back to its default 16
+    with pytest.raises(ValueError, match="page_size=64 with kv_storage='ragged'"):
+        mk(page_size=64).replace(kv_storage="ragged")
+    with pytest.raises(ValueError, match=r"head_dim_vo=128, head_dim_qk=192: the paged KV cache"):
+        mk(head_dim_qk=192, head_dim_vo=128, kv_storage="ragged").replace(kv_storage="paged")
+    for vo in range(32, 257, 16):  # every multiple of 16 for each of qk and vo
+        assert mk(head_dim_qk=48, head_dim_vo=vo, kv_storage="ragged").head_dim_vo == vo
 
 
 def test_missing_required_field_is_a_type_error():

@@ -19,6 +19,14 @@ two questions:
   ``max_query_len`` is a host-side hint (``1``: a pure decode batch) that a backend may ignore;
   ``k_scale`` / ``v_scale`` are an FP8 cache's per-tensor scales (1.0 and unused for 16-bit KV).
 
+  For a ragged spec (``spec.kv_storage == "ragged"``) the callable takes contiguous varlen K/V
+  instead, as :func:`jitattn.reference.ragged_attention`::
+
+      fn(q, k, v, query_start_loc, kv_start_loc, *, sinks=None, alibi_slopes=None, params=None,
+         return_lse=False, out=None, max_query_len=None) -> out | (out, lse)
+
+  A backend that cannot take ragged K/V says so in its reasons.
+
 Phases (``phase`` argument): ``"prefill"`` (sequences bring many queries), ``"decode"`` (one
 query per sequence) and ``"mixed"`` (both in one call; the default). Every built-in backend
 serves every phase through the same call; a backend that could not would say so in its reasons.

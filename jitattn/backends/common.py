@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from jitattn.checks import check_paged_call
+from jitattn.checks import check_paged_call, check_ragged_call
 from jitattn.reference import torch_dtype
 from jitattn.spec import AttentionSpec
 
@@ -33,6 +33,13 @@ def check_call(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor, blo
     """The shared call-time checks (:func:`jitattn.checks.check_paged_call`), host-only, no sync."""
     check_paged_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc, sinks=kwargs.get("sinks"),
                      alibi_slopes=kwargs.get("alibi_slopes"), params=kwargs.get("params"), out=kwargs.get("out"))
+
+
+def check_ragged(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 query_start_loc: torch.Tensor, kv_start_loc: torch.Tensor, kwargs: dict[str, Any]) -> None:
+    """The shared checks of a ragged call (:func:`jitattn.checks.check_ragged_call`), host-only, no sync."""
+    check_ragged_call(spec, q, k, v, query_start_loc, kv_start_loc, sinks=kwargs.get("sinks"),
+                      alibi_slopes=kwargs.get("alibi_slopes"), params=kwargs.get("params"), out=kwargs.get("out"))
 
 
 def query_positions(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, total_q: int

@@ -62,6 +62,9 @@ class FlashInferBackend(Backend):
         if err:
             return [f"{n}: not installed (import flashinfer failed: {err})"]
         out = cuda_reasons(n, device, min_capability=(8, 0))
+        if spec.ragged:
+            out.append(f"{n}: ragged K/V (kv_storage='ragged') not served by this adapter (it wraps "
+                       f"BatchPrefillWithPagedKVCacheWrapper; the ragged wrapper is not wired in)")
         if spec.head_dim_qk not in HEAD_DIMS:
             out.append(f"{n}: head_dim={spec.head_dim_qk} not supported (FlashInfer's kernels take "
                        f"{', '.join(map(str, HEAD_DIMS))})")

@@ -58,6 +58,9 @@ class FlexBackend(Backend):
         out += cuda_reasons(n, device, min_capability=(8, 0))  # what its Triton kernels are tuned and tested for
         if spec.sinks:
             out.append(f"{n}: sinks not supported (FlexAttention's softmax has no sink term in the denominator)")
+        if spec.ragged:
+            out.append(f"{n}: ragged K/V (kv_storage='ragged') not served by this adapter (it feeds FlexAttention "
+                       f"from the paged cache)")
         out += _variant_reasons(n, spec)
         return out + dtype_reasons(n, spec)
 

@@ -1,7 +1,8 @@
 """``jit``: jitattn's own kernels, rendered for the spec, compiled by nvcc, cached, launched with CuPy.
 
 Serves every spec feature (soft-cap, windows, sinks, ALiBi, every variant hook, GQA of any group
-size, head dims 32..256 in steps of 16, NHD/HND, any page size, every KV dtype the spec takes) on CUDA devices whose compute
+size, head dims 32..256 in steps of 16, NHD/HND, any page size, every KV dtype the spec takes, ragged
+K/V with head_dim_qk != head_dim_vo) on CUDA devices whose compute
 capability runs one of the archs jitattn builds (:func:`jitattn.build.archs_for_capability`:
 today 8.0 and newer). Launches are CUDA-graph capturable and return the lse.
 
@@ -38,6 +39,11 @@ class JitBackend(Backend):
         from jitattn.runtime import load_kernel
 
         kernel = load_kernel(spec, device.torch_device())
+        if spec.ragged:
+            def jit_ragged_attention(q, k, v, query_start_loc, kv_start_loc, **kwargs: Any):
+                return kernel.ragged_attention(q, k, v, query_start_loc, kv_start_loc, **kwargs)
+
+            return jit_ragged_attention
 
         def jit_paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, **kwargs: Any):
             return kernel.paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, **kwargs)

@@ -1,4 +1,4 @@
-"""``reference``: :func:`jitattn.reference.paged_attention`, plain torch on any device.
+"""``reference``: :func:`jitattn.reference.paged_attention` (ragged specs: ``ragged_attention``), plain torch on any device.
 
 Always serves: every feature (every variant hook, softmax-free variants), every device torch runs
 on. It is slow (one sequence at a time, fp32 score matrices, host reads of the metadata), so the
@@ -13,7 +13,7 @@ from typing import Any
 
 from jitattn import reference
 from jitattn.backends.base import Backend, DeviceInfo, PagedAttentionFn
-from jitattn.backends.common import check_call, finish
+from jitattn.backends.common import check_call, check_ragged, finish
 from jitattn.spec import AttentionSpec
 
 
@@ -44,6 +44,17 @@ class ReferenceBackend(Backend):
         return []  # every dtype the spec takes: the reference defines the semantics
 
     def build(self, spec: AttentionSpec, device: DeviceInfo) -> PagedAttentionFn:
+        if spec.ragged:
+            def reference_ragged_attention(q, k, v, query_start_loc, kv_start_loc, *, out=None,
+                                           return_lse: bool = False, max_query_len: int | None = None,
+                                           **kwargs: Any):
+                check_ragged(spec, q, k, v, query_start_loc, kv_start_loc, {**kwargs, "out": out})
+                res = reference.ragged_attention(spec, q, k, v, query_start_loc, kv_start_loc, return_lse=True,
+                                                 **kwargs)
+                return finish(res[0], res[1], out, return_lse)
+
+            return reference_ragged_attention
+
         def reference_paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, *, out=None,
                                       return_lse: bool = False, max_query_len: int | None = None,
                                       **kwargs: Any):

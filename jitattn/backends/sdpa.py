@@ -10,7 +10,9 @@ sequence, reading ``seq_lens`` / ``query_start_loc`` on the host (a device sync;
 a CUDA graph). Causal masks are bottom-right aligned as jitattn's convention needs: a sequence
 whose queries are all its keys uses ``is_causal=True``; a single query sees every key (no mask);
 a chunk of queries after cached keys passes an explicit boolean mask.
-SDPA does not return the log-sum-exp, so ``return_lse=True`` is refused.
+SDPA does not return the log-sum-exp, so ``return_lse=True`` is refused. Ragged specs are served
+the same way, one SDPA call per sequence on slices of k / v (no gather); SDPA takes a value head dim
+that differs from the query/key one (head_dim_vo != head_dim_qk) on its math and memory-efficient paths.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from jitattn.backends.base import Backend, DeviceInfo, PagedAttentionFn, dtype_reasons, variant_reasons
-from jitattn.backends.common import check_call, finish, new_out
+from jitattn.backends.common import check_call, check_ragged, finish, new_out
 from jitattn.reference import gather_kv
 from jitattn.spec import AttentionSpec
 
@@ -50,6 +52,9 @@ class SdpaBackend(Backend):
         return out + dtype_reasons(n, spec)
 
     def build(self, spec: AttentionSpec, device: DeviceInfo) -> PagedAttentionFn:
+        if spec.ragged:
+            return _ragged_fn(spec)
+
         def sdpa_paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, *, out=None,
                                  return_lse: bool = False, max_query_len: int | None = None, **kwargs: Any):
             if return_lse:
@@ -70,8 +75,28 @@ class SdpaBackend(Backend):
         return sdpa_paged_attention
 
 
+def _ragged_fn(spec: AttentionSpec) -> PagedAttentionFn:
+    def sdpa_ragged_attention(q, k, v, query_start_loc, kv_start_loc, *, out=None, return_lse: bool = False,
+                              max_query_len: int | None = None, **kwargs: Any):
+        if return_lse:
+            raise NotImplementedError("sdpa: cannot return the lse (torch SDPA does not expose it); "
+                                      "select a backend with need_lse=True")
+        check_ragged(spec, q, k, v, query_start_loc, kv_start_loc, {**kwargs, "out": out})
+        result = new_out(spec, q, None)
+        qsl, ksl = query_start_loc.tolist(), kv_start_loc.tolist()
+        for b in range(len(qsl) - 1):
+            q0, q1, k0, k1 = qsl[b], qsl[b + 1], ksl[b], ksl[b + 1]
+            if q1 - q0 > k1 - k0:
+                raise ValueError(f"sequence {b}: {q1 - q0} queries but {k1 - k0} keys; q_len <= kv_len")
+            if q1 > q0:
+                result[q0:q1] = _one_sequence(spec, q[q0:q1], k[k0:k1], v[k0:k1])
+        return finish(result, None, out, False)
+
+    return sdpa_ragged_attention
+
+
 def _one_sequence(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """SDPA for one sequence: q ``(n, H_qo, D)``, k/v ``(L, H_kv, D)`` -> ``(n, H_qo, D)``."""
+    """SDPA for one sequence: q ``(n, H_qo, D)``, k ``(L, H_kv, D)``, v ``(L, H_kv, Dv)`` -> ``(n, H_qo, Dv)``."""
     n, kv_len = q.shape[0], k.shape[0]
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (H, n, D), (H_kv, L, D)
     if spec.group_size > 1:
