@@ -66,9 +66,9 @@ struct PrefillTraits {
 // Finds the (sequence, m-tile) this block serves. Sequences with one query are skipped when the
 // decode kernel serves them (p.prefill_skip_decode_rows). Warp 0 scans query_start_loc 32 sequences
 // at a time. Returns false when the block has no work (the grid is an upper bound on tile count).
-template <class S>
+// kBlockM: packed rows per block of the calling kernel (prefill_sm90.cuh passes its own).
+template <class S, int kBlockM = PrefillTraits<S>::kBlockM>
 __device__ __forceinline__ bool prefill_find_tile(const Params& p, int block, int& seq, int& tile) {
-  using T = PrefillTraits<S>;
   __shared__ int found[2];
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
@@ -80,7 +80,7 @@ __device__ __forceinline__ bool prefill_find_tile(const Params& p, int block, in
         const int q0 = p.query_start_loc[b], q1 = p.query_start_loc[b + 1];
         const bool rows_exist = 0 <= q0 && q0 <= q1 && q1 <= p.total_q;  // else there is nothing to write
         if (rows_exist && !(p.prefill_skip_decode_rows && q1 - q0 == 1))
-          tiles = ceil_div((q1 - q0) * S::kGroupSize, T::kBlockM);
+          tiles = ceil_div((q1 - q0) * S::kGroupSize, kBlockM);
       }
       int incl = tiles;
 #pragma unroll

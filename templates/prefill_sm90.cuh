@@ -1,0 +1,456 @@
+// jitattn: prefill / append over the paged KV cache on Hopper warpgroup MMA (sm_90a only).
+//
+// Same contract and features as prefill_kernel (prefill.cuh): a block owns kBlockM packed query rows
+// of one KV head (GQA heads packed into rows), walks the visible K/V tiles, skips tiles outside the
+// causal/window bounds and masks elements on boundary tiles only, applies every Spec functor, writes
+// lse, gives rows that see no key 0 / -inf and rows of invalid sequences NaN. What differs is the
+// matrix engine: each consumer warpgroup (4 warps, 64 rows) computes S = Q K^T with
+// wgmma.mma_async m64nNk16 reading Q and K from shared memory through matrix descriptors, and
+// O += P V with P in registers (the A operand) and V from shared memory as an N-major B operand.
+// Q, K and V tiles are kept in the 128-byte swizzled layout wgmma reads (PTX ISA, "Asynchronous
+// Warpgroup Level Matrix Shared Memory Layout"): a tile is stored as column blocks of 64 elements
+// (128 bytes per row); inside a block, row r's 16-byte chunk c sits at chunk position c ^ (r % 8),
+// and every 8-row group is one 1024-byte swizzle atom. K/V arrive through cp.async, issued by all
+// threads, kStages deep.
+//
+// The wgmma m64nN fp32 accumulator of a warpgroup is, per warp, N/8 mma.sync m16n8 C fragments
+// (warp w owns rows 16w .. 16w + 15), and the register A operand of m64k16 is, per warp, an m16k16
+// mma.sync A fragment: the softmax, masking and functor code is prefill_kernel's, indexed [n * 4 + j].
+#pragma once
+
+#include "common.cuh"
+#include "decode.cuh"
+#include "prefill.cuh"
+#include "variant.cuh"
+
+namespace jitattn {
+
+// Dispatch switch read by PrefillLaunch (attention.cu.j2): off until the kernel has passed the GPU
+// test matrix on the device (GPU_TESTS.md).
+constexpr bool kPrefillSm90Enabled = false;
+
+template <class S>
+struct PrefillSm90Traits {
+  using DT = typename S::DTypeQ;
+  static constexpr int kHeadDim = S::kHeadDimQK;
+  // Specs this kernel serves (the rest keep prefill_kernel): 16-bit q and KV of one type, equal
+  // q/k and v head dims of 64, 128 or 256.
+  static constexpr bool kSupported = sizeof(DT) == 2 && sizeof(typename S::DTypeKV) == 2 &&
+                                     sizeof(typename S::DTypeO) == 2 && S::kHeadDimQK == S::kHeadDimVO &&
+                                     (kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256);
+  static constexpr int kWarpGroups = 2;                 // consumer warpgroups, 64 rows each
+  static constexpr int kThreads = 128 * kWarpGroups;
+  static constexpr int kMinBlocksPerSM = 1;
+  static constexpr int kBlockM = 64 * kWarpGroups;      // packed query rows per block
+  // Keys per tile: S (kBlockN / 2 floats per thread) and O (kHeadDim / 2) share the registers.
+  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
+  static constexpr int kStages = 2;
+  static constexpr int kChunks = kHeadDim / 8;          // 16-byte chunks per row
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kTileBytes = kBlockN * kHeadDim * 2;  // one of K or V
+  // +1024: the dynamic shared memory base is aligned up to a swizzle atom by hand.
+  static constexpr int kSmemBytes = kQBytes + kStages * 2 * kTileBytes + 1024;
+  static constexpr int kNTiles = kBlockN / 8;   // n8 column groups of S
+  static constexpr int kDTiles = kHeadDim / 8;  // n8 column groups of O
+  static constexpr float kRescaleThreshold = 8.0f;
+  static_assert(!kSupported || (kHeadDim % 64 == 0 && kBlockN % 64 == 0), "tiles are whole 128-byte swizzle columns");
+};
+
+// ---- wgmma (PTX ISA 9.7.15, sm_90a) ---------------------------------------------------------------
+// Element offset of (row, col) in a swizzled tile of kRows rows: column blocks of 64 elements,
+// 128-byte rows, 16-byte chunk index XOR (row % 8). `col` % 8 keeps its place inside the chunk.
+template <int kRows>
+__device__ __forceinline__ int sw128_offset(int row, int col) {
+  return (col / 64) * kRows * 64 + row * 64 + ((((col % 64) / 8) ^ (row % 8)) * 8) + (col % 8);
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle: start address, leading and stride byte offsets
+// (all >> 4), layout type 1 in bits 62-63. K-major operands ignore the leading offset; for an N-major
+// B it is the distance between 64-element column blocks. The stride offset is between 8-row groups.
+__device__ __forceinline__ uint64_t sw128_desc(const void* smem_ptr, uint32_t lead_bytes, uint32_t stride_bytes) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem_ptr));
+  return static_cast<uint64_t>((a & 0x3FFFF) >> 4) | (static_cast<uint64_t>((lead_bytes >> 4) & 0x3FFF) << 16) |
+         (static_cast<uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Pins accumulator registers in place around asynchronous MMAs: the compiler must not read or move
+// them between an issue and its wait.
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operands(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// Ordinary (generic-proxy) writes to shared memory that wgmma (async proxy) reads next: cp.async
+// results and in-place transforms. Each writing thread fences before the barrier.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// D(64 x N) (+)= A(64 x 16, smem, K-major) * B(16 x N, smem, K-major); scale_d = 0 overwrites D.
+template <int N, class DT>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t da, uint64_t db, int scale_d);
+// D(64 x N) (+)= A(64 x 16, registers) * B(16 x N, smem, N-major).
+template <int N, class DT>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db, int scale_d);
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+template <>
+__device__ __forceinline__ void wgmma_ss<64, __nv_bfloat16>(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+template <>
+__device__ __forceinline__ void wgmma_rs<64, __nv_bfloat16>(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+template <>
+__device__ __forceinline__ void wgmma_ss<64, __half>(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+template <>
+__device__ __forceinline__ void wgmma_rs<64, __half>(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+template <>
+__device__ __forceinline__ void wgmma_ss<128, __nv_bfloat16>(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+template <>
+__device__ __forceinline__ void wgmma_rs<128, __nv_bfloat16>(float (&d)[64], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+template <>
+__device__ __forceinline__ void wgmma_ss<128, __half>(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+template <>
+__device__ __forceinline__ void wgmma_rs<128, __half>(float (&d)[64], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+template <>
+__device__ __forceinline__ void wgmma_ss<256, __nv_bfloat16>(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+template <>
+__device__ __forceinline__ void wgmma_rs<256, __nv_bfloat16>(float (&d)[128], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+template <>
+__device__ __forceinline__ void wgmma_ss<256, __half>(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+template <>
+__device__ __forceinline__ void wgmma_rs<256, __half>(float (&d)[128], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// cp.async of keys [start, start + kBlockN) (K and V) into two swizzled tiles; keys at or past `end`
+// are zero-filled. The paged addressing is decode.cuh's kv_row (page lookup once per row and chunk).
+template <class S>
+__device__ __forceinline__ void prefill_sm90_load_kv(const Params& p, typename S::DTypeQ* sk, typename S::DTypeQ* sv,
+                                                     int batch, int kv_head, int start, int end, bool& bad) {
+  using T = PrefillSm90Traits<S>;
+#pragma unroll
+  for (int c = threadIdx.x; c < T::kBlockN * T::kChunks; c += T::kThreads) {
+    const int row = c / T::kChunks, chunk = c % T::kChunks;
+    const int kv_idx = start + row;
+    const bool in = kv_idx < end;
+    const auto* k = in ? kv_row<S>(p, batch, kv_head, kv_idx, 0, bad) + chunk * 8 : p.kv_cache;
+    const int off = sw128_offset<T::kBlockN>(row, chunk * 8);
+    cp_async_16(sk + off, k, in);
+    cp_async_16(sv + off, k + p.kv_stride_kv, in);
+  }
+}
+
+// Query (kIsQuery) or key transform in place on a swizzled tile of kRows rows, in rotate_half pairs
+// (prefill_transform_rows with swizzled addressing). Row r is packed query row / key first + r.
+template <class S, bool kIsQuery, int kRows>
+__device__ __forceinline__ void prefill_sm90_transform_rows(const Params& p, typename S::DTypeQ* tile, int first,
+                                                            int end, int qo_base, int kv_head, int batch, bool& oob) {
+  using T = PrefillSm90Traits<S>;
+  using DT = typename T::DT;
+  constexpr int kHalf = T::kHeadDim / 2;
+  for (int i = threadIdx.x; i < kRows * kHalf; i += T::kThreads) {
+    const int r = i / kHalf, d = i % kHalf;
+    if (first + r >= end) continue;
+    DT* e0 = tile + sw128_offset<kRows>(r, d);
+    DT* e1 = tile + sw128_offset<kRows>(r, d + kHalf);
+    const float x0 = to_float(*e0), x1 = to_float(*e1);
+    float y0, y1;
+    if constexpr (kIsQuery) {
+      const PrefillRow q = prefill_row<S>(first + r, end, qo_base, kv_head);
+      y0 = S::query_transform(p, x0, -x1, batch, q.head, q.pos, d, oob);
+      y1 = S::query_transform(p, x1, x0, batch, q.head, q.pos, d + kHalf, oob);
+    } else {
+      y0 = S::key_transform(p, x0, -x1, batch, kv_head, first + r, d, oob);
+      y1 = S::key_transform(p, x1, x0, batch, kv_head, first + r, d + kHalf, oob);
+    }
+    *e0 = from_float<DT>(y0);
+    *e1 = from_float<DT>(y1);
+  }
+}
+
+template <class S>
+__device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = PrefillSm90Traits<S>;
+  using DT = typename T::DT;
+  constexpr int kN = T::kBlockN, kD = T::kHeadDim;
+  extern __shared__ __align__(16) uint8_t smem_sm90[];
+  uint8_t* smem = smem_sm90 + ((1024u - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_sm90)) & 1023u)) & 1023u);
+  DT* sq = reinterpret_cast<DT*>(smem);
+  DT* skv = reinterpret_cast<DT*>(smem + T::kQBytes);  // [stage][K|V][swizzled kBlockN x head_dim]
+  auto stage_k = [&](int s) { return skv + (2 * s) * kN * kD; };
+  auto stage_v = [&](int s) { return skv + (2 * s + 1) * kN * kD; };
+
+  int batch, tile;
+  if (!prefill_find_tile<S, T::kBlockM>(p, gridDim.x - 1 - blockIdx.x, batch, tile)) return;
+  const int kv_head = blockIdx.y;
+  const int q_start = p.query_start_loc[batch];
+  const int qo_len = p.query_start_loc[batch + 1] - q_start;
+  const int kv_len = p.seq_lens[batch];
+  const int packed0 = tile * T::kBlockM;
+  const int packed_end = min(qo_len * S::kGroupSize, packed0 + T::kBlockM);
+  const int qo_base = kv_len - qo_len;
+  const int pos_lo = qo_base + packed0 / S::kGroupSize;
+  const int pos_hi = qo_base + (packed_end - 1) / S::kGroupSize;
+  bool bad = !sequence_ok<S>(p, qo_len, kv_len);
+  int kv_begin, kv_end;
+  visible_kv_range<S>(pos_lo, pos_hi, kv_len, kv_begin, kv_end);
+  if (bad) kv_end = kv_begin;
+
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, tig = lane % 4;
+  const int wg_row0 = wg * 64;
+  // Positions of this warpgroup's rows (clamped into the block's rows): finer tile skipping and masking.
+  const int wg_lo = qo_base + min(packed0 + wg_row0, packed_end - 1) / S::kGroupSize;
+  const int wg_hi = qo_base + min(packed0 + wg_row0 + 63, packed_end - 1) / S::kGroupSize;
+  int wg_kv_begin, wg_kv_end;
+  visible_kv_range<S>(wg_lo, wg_hi, kv_len, wg_kv_begin, wg_kv_end);
+
+  // Q tile -> swizzled shared memory (rows past the sequence zero-filled).
+#pragma unroll
+  for (int c = threadIdx.x; c < T::kBlockM * T::kChunks; c += T::kThreads) {
+    const int row = c / T::kChunks, chunk = c % T::kChunks;
+    const int packed = packed0 + row;
+    const bool in = packed < packed_end;
+    const int token = packed / S::kGroupSize, qo_head = kv_head * S::kGroupSize + packed % S::kGroupSize;
+    const DT* src = in ? p.q + static_cast<long long>(q_start + token) * p.q_stride_token +
+                             qo_head * S::kHeadDimQK + chunk * 8
+                       : p.q;
+    cp_async_16(sq + sw128_offset<T::kBlockM>(row, chunk * 8), src, in);
+  }
+  if constexpr (S::kHasQTransform) cp_async_commit();
+  const int n_first = (kv_begin / kN) * kN;
+#pragma unroll
+  for (int stg = 0; stg < T::kStages - 1; ++stg) {
+    const int n = n_first + stg * kN;
+    if (n < kv_end) prefill_sm90_load_kv<S>(p, stage_k(stg), stage_v(stg), batch, kv_head, n, kv_end, bad);
+    cp_async_commit();
+  }
+  if constexpr (S::kHasQTransform) {
+    cp_async_wait<T::kStages - 1>();
+    __syncthreads();
+    prefill_sm90_transform_rows<S, true, T::kBlockM>(p, sq, packed0, packed_end, qo_base, kv_head, batch, bad);
+    // fence.proxy.async comes with the first tile's barrier below.
+  }
+
+  // Descriptors: this warpgroup's 64 Q rows (K-major A); K tiles (K-major B); V tiles (N-major B).
+  const uint64_t q_desc = sw128_desc(sq + wg_row0 * 64, 16, 1024);
+  auto kstep_off = [](int kk, int rows) {  // 16-byte units from a tile's start to k-step kk (16 columns)
+    return static_cast<uint64_t>((((kk * 16) / 64) * rows * 64 + (kk * 16) % 64) * 2 / 16);
+  };
+
+  const int row0 = packed0 + wg_row0 + warp * 16 + g;  // packed row of accumulator row r: row0 + 8 * r
+  float o[T::kDTiles * 4];
+#pragma unroll
+  for (int i = 0; i < T::kDTiles * 4; ++i) o[i] = 0.f;
+  SoftmaxState st[2];
+  st[0] = st[1] = SoftmaxState{S::kSoftmax ? kNegInf : 0.f, 0.f};
+  constexpr float kScale = q_prescale<S>();
+
+  int it = 0;
+  for (int n0 = n_first; n0 < kv_end; n0 += kN, ++it) {
+    cp_async_wait<T::kStages - 2>();
+    fence_proxy_async();
+    __syncthreads();  // tile `it` landed for everyone, and everyone is done with tile it - 1's stage
+    {
+      const int n_next = n0 + (T::kStages - 1) * kN;
+      const int st_next = (it + T::kStages - 1) % T::kStages;
+      if (n_next < kv_end)
+        prefill_sm90_load_kv<S>(p, stage_k(st_next), stage_v(st_next), batch, kv_head, n_next, kv_end, bad);
+      cp_async_commit();
+    }
+    const int stage = it % T::kStages;
+    if constexpr (S::kHasKTransform) {
+      prefill_sm90_transform_rows<S, false, kN>(p, stage_k(stage), n0, kv_end, 0, kv_head, batch, bad);
+      fence_proxy_async();
+      __syncthreads();
+    }
+    // A tile none of this warpgroup's rows can see (causal / window): skip it (uniform per warpgroup).
+    if (n0 >= wg_kv_end || n0 + kN <= wg_kv_begin) continue;
+
+    // S = Q K^T: head_dim / 16 wgmma, 64 x kBlockN per warpgroup.
+    float s[T::kNTiles * 4];
+    {
+      const uint64_t k_desc = sw128_desc(stage_k(stage), 16, 1024);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk)
+        wgmma_ss<kN, DT>(s, q_desc + kstep_off(kk, T::kBlockM), k_desc + kstep_off(kk, kN), kk > 0 ? 1 : 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_operands(s);
+    }
+
+    const bool full_tile = !S::kHasMask && n0 + kN <= kv_len && (!S::kCausal || n0 + kN - 1 <= wg_lo) &&
+                           (S::kWindowLeft < 0 || n0 >= wg_hi - S::kWindowLeft) &&
+                           (S::kWindowRight < 0 || n0 + kN - 1 <= wg_lo + S::kWindowRight);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const PrefillRow row = prefill_row<S>(row0 + 8 * r, packed_end, qo_base, kv_head);
+      float tile_max = kNegInf;
+#pragma unroll
+      for (int n = 0; n < T::kNTiles; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int kv_idx = n0 + n * 8 + 2 * tig + e;
+          float v = transform_logit<S>(p, s[n * 4 + 2 * r + e] * kScale, batch, row.head, kv_head, row.pos, kv_idx,
+                                       qo_len, kv_len, bad);
+          if (!full_tile) {
+            const bool ok = kv_idx < kv_end && kv_idx >= kv_begin && structurally_visible<S>(row.pos, kv_idx) &&
+                            custom_visible<S>(p, batch, row.head, kv_head, row.pos, kv_idx, qo_len, kv_len, bad);
+            v = ok ? v : (S::kSoftmax ? kNegInf : 0.f);
+          }
+          s[n * 4 + 2 * r + e] = v;
+          tile_max = fmaxf(tile_max, v);
+        }
+      if constexpr (!S::kSoftmax) continue;
+      tile_max = group_max<4>(tile_max);
+      if (tile_max > st[r].m + T::kRescaleThreshold) {
+        const float alpha = rescale_factor(st[r].m, tile_max);
+        st[r].m = tile_max;
+        st[r].d *= alpha;
+#pragma unroll
+        for (int d = 0; d < T::kDTiles; ++d) {
+          o[d * 4 + 2 * r] *= alpha;
+          o[d * 4 + 2 * r + 1] *= alpha;
+        }
+      }
+      const float m_use = st[r].m == kNegInf ? 0.f : st[r].m;
+#pragma unroll
+      for (int n = 0; n < T::kNTiles; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pe = fast_exp2(s[n * 4 + 2 * r + e] - m_use);
+          s[n * 4 + 2 * r + e] = pe;
+          st[r].d += pe;
+        }
+    }
+
+    // O += P V: P from the S accumulators as register A fragments (n8 groups 2kk, 2kk + 1 = k-step kk).
+    {
+      const uint64_t v_desc = sw128_desc(stage_v(stage), kN * 64 * 2, 1024);
+      uint32_t a[kN / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk) {
+        a[kk][0] = pack2<DT>(s[(2 * kk) * 4 + 0], s[(2 * kk) * 4 + 1]);
+        a[kk][1] = pack2<DT>(s[(2 * kk) * 4 + 2], s[(2 * kk) * 4 + 3]);
+        a[kk][2] = pack2<DT>(s[(2 * kk + 1) * 4 + 0], s[(2 * kk + 1) * 4 + 1]);
+        a[kk][3] = pack2<DT>(s[(2 * kk + 1) * 4 + 2], s[(2 * kk + 1) * 4 + 3]);
+      }
+      wgmma_fence_operands(o);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk)
+        wgmma_rs<kD, DT>(o, a[kk], v_desc + static_cast<uint64_t>(kk * 16 * 64 * 2 / 16), 1);
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_operands(o);
+    }
+  }
+  cp_async_wait<0>();
+  const float poison = __syncthreads_or(bad) ? __int_as_float(0x7fc00000) : 0.f;
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int packed = row0 + 8 * r;
+    const PrefillRow row = prefill_row<S>(packed, packed_end, qo_base, kv_head);
+    st[r].d = group_sum<4>(st[r].d);
+    float lse;
+    const float scale = finalize_state<S>(p, row.head, st[r], lse);
+    if (!row.valid) continue;
+    const long long row_head = static_cast<long long>(q_start + packed / S::kGroupSize) * S::kNumQoHeads + row.head;
+    typename S::DTypeO* out = p.o + row_head * S::kHeadDimVO;
+#pragma unroll
+    for (int d = 0; d < T::kDTiles; ++d) {
+      float v0 = o[d * 4 + 2 * r] * scale, v1 = o[d * 4 + 2 * r + 1] * scale;
+      if constexpr (S::kHasOutTransform) {
+        bool oob = false;
+        const int dim = d * 8 + 2 * tig;
+        v0 = S::output_transform(p, v0, batch, row.head, row.pos, dim, oob);
+        v1 = S::output_transform(p, v1, batch, row.head, row.pos, dim + 1, oob);
+        if (oob) v0 = v1 = __int_as_float(0x7fc00000);
+      }
+      *reinterpret_cast<uint32_t*>(out + d * 8 + 2 * tig) = pack2<typename S::DTypeO>(v0 + poison, v1 + poison);
+    }
+    if (tig == 0 && p.lse != nullptr) p.lse[row_head] = lse + poison;
+  }
+#else
+  __trap();  // only the sm_90a cubin dispatches here (PrefillLaunch)
+#endif
+}
+
+}  // namespace jitattn
