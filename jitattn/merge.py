@@ -159,6 +159,19 @@ def _merge_many_torch(v, s) -> tuple[torch.Tensor, torch.Tensor]:
 _STRUCT_CODE = {"ptr": "Q", "i64": "q", "i32": "i", "f32": "f"}
 
 
+def params_packer(module: _mm.MergeModule) -> tuple[struct.Struct, tuple[str, ...]]:
+    """A ``struct.Struct`` packing ``MergeParams`` (layout of :func:`jitattn.render.params_layout`) and
+    the field names in packing order."""
+    from jitattn.render import params_layout
+
+    placed, size = params_layout(module.fields)
+    fmt, pos = "<", 0
+    for f, off in placed:
+        fmt += "x" * (off - pos) + _STRUCT_CODE[f.kind]
+        pos = off + f.size
+    return struct.Struct(fmt + "x" * (size - pos)), tuple(f.name for f, _ in placed)
+
+
 class MergeKernel:
     """The merge kernels of one dtype, loaded on one CUDA device (:class:`jitattn.merge_module.MergeModule`).
 
@@ -170,7 +183,6 @@ class MergeKernel:
     """
 
     def __init__(self, dtype: str, device: torch.device):
-        from jitattn.render import params_layout
         from jitattn.runtime import CubinModule, select_entry
 
         self.module_spec = _mm.MergeModule(dtype)
@@ -180,13 +192,8 @@ class MergeKernel:
         self._module = CubinModule(str(self.entry.cubin), device.index, kernels)
         raw = self._module.read_global_int32(_mm.KERNEL_NAMES["geometry"], len(_mm.GEOMETRY))
         self.geometry = dict(zip(_mm.GEOMETRY, raw))
-        placed, size = params_layout(self.module_spec.fields)
-        fmt, pos = "<", 0
-        for f, off in placed:
-            fmt += "x" * (off - pos) + _STRUCT_CODE[f.kind]
-            pos = off + f.size
-        self._packer = struct.Struct(fmt + "x" * (size - pos))
-        self._order = tuple(f.name for f, _ in placed)
+        self._packer, self._order = params_packer(self.module_spec)
+        size = self._packer.size
         if self.geometry["params_size"] != size or self.geometry["threads"] != _mm.THREADS:
             raise RuntimeError(f"{self.entry.cubin}: geometry {self.geometry} does not match the host (Params "
                                f"{size} bytes, {_mm.THREADS} threads); the cache entry is stale: "
@@ -195,42 +202,54 @@ class MergeKernel:
 
     def launch(self, kernel: str, *, v_a, s_a, v_b, s_b, v_out, s_out, mask, num_states: int) -> None:
         """Launch ``merge_state`` or ``merge_states`` on torch's current stream. Checked inputs only."""
-        rows, heads, head_dim = v_out.shape
-        if rows * heads == 0:
+        fields, blocks = launch_fields(kernel, self.vec_elems, v_a=v_a, s_a=s_a, v_b=v_b, s_b=s_b, v_out=v_out,
+                                       s_out=s_out, mask=mask, num_states=num_states)
+        if blocks == 0:
             return
-        many = kernel == "merge_states"
-        values = [t for t in (v_a, v_b, v_out) if t is not None]
-        vec = self.vec_elems
-        aligned = head_dim % vec == 0 and all(
-            t.data_ptr() % 16 == 0 and all(st % vec == 0 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
-            for t in values)
-        chunks = -(-head_dim // vec)
-        group = 1
-        while group < min(chunks, 32):
-            group *= 2
-        zero = (0, 0)
-        sb = s_b.stride() if s_b is not None else zero
-        vb = v_b.stride() if v_b is not None else zero
-        fields = {
-            "v_a": v_a.data_ptr(), "s_a": s_a.data_ptr(),
-            "v_b": v_b.data_ptr() if v_b is not None else 0, "s_b": s_b.data_ptr() if s_b is not None else 0,
-            "v_out": v_out.data_ptr(), "s_out": s_out.data_ptr(), "mask": mask.data_ptr() if mask is not None else 0,
-            "v_a_stride_seq": v_a.stride(0), "v_a_stride_state": v_a.stride(1) if many else 0,
-            "v_a_stride_head": v_a.stride(2 if many else 1),
-            "s_a_stride_seq": s_a.stride(0), "s_a_stride_state": s_a.stride(1) if many else 0,
-            "s_a_stride_head": s_a.stride(2 if many else 1),
-            "v_b_stride_seq": vb[0], "v_b_stride_head": vb[1], "s_b_stride_seq": sb[0], "s_b_stride_head": sb[1],
-            "v_out_stride_seq": v_out.stride(0), "v_out_stride_head": v_out.stride(1),
-            "s_out_stride_seq": s_out.stride(0), "s_out_stride_head": s_out.stride(1),
-            "mask_stride": mask.stride(0) if mask is not None else 0,
-            "num_rows": rows, "num_heads": heads, "head_dim": head_dim, "num_states": num_states,
-            "group_threads": group, "vectorized": int(aligned),
-        }
         args = self._packer.pack(*(fields[n] for n in self._order))
-        threads = _mm.THREADS
-        blocks = -(-rows * heads * group // threads)
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        self._module.launch(kernel, (blocks, 1, 1), threads, 0, args, stream)
+        self._module.launch(kernel, (blocks, 1, 1), _mm.THREADS, 0, args, stream)
+
+
+def launch_fields(kernel: str, vec_elems: int, *, v_a, s_a, v_b, s_b, v_out, s_out, mask, num_states: int
+                  ) -> tuple[dict[str, int], int]:
+    """The ``MergeParams`` values (by field name) and the grid size of one launch (0: nothing to do).
+
+    ``vec_elems`` is the elements per 16-byte chunk (8 for 16-bit values, 4 for float32). The
+    kernel takes 16-byte vector loads when every value tensor's address is 16-byte aligned and its
+    strides (of dims longer than 1) and head_dim are multiples of ``vec_elems``; otherwise
+    element-wise loads. Each (row, head) gets the smallest power of two >= its chunk count (at
+    most 32) lanes.
+    """
+    rows, heads, head_dim = v_out.shape
+    many = kernel == "merge_states"
+    values = [t for t in (v_a, v_b, v_out) if t is not None]
+    aligned = head_dim % vec_elems == 0 and all(
+        t.data_ptr() % 16 == 0 and all(st % vec_elems == 0 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
+        for t in values)
+    chunks = -(-head_dim // vec_elems)
+    group = 1
+    while group < min(chunks, 32):
+        group *= 2
+    zero = (0, 0)
+    sb = s_b.stride() if s_b is not None else zero
+    vb = v_b.stride() if v_b is not None else zero
+    fields = {
+        "v_a": v_a.data_ptr(), "s_a": s_a.data_ptr(),
+        "v_b": v_b.data_ptr() if v_b is not None else 0, "s_b": s_b.data_ptr() if s_b is not None else 0,
+        "v_out": v_out.data_ptr(), "s_out": s_out.data_ptr(), "mask": mask.data_ptr() if mask is not None else 0,
+        "v_a_stride_seq": v_a.stride(0), "v_a_stride_state": v_a.stride(1) if many else 0,
+        "v_a_stride_head": v_a.stride(2 if many else 1),
+        "s_a_stride_seq": s_a.stride(0), "s_a_stride_state": s_a.stride(1) if many else 0,
+        "s_a_stride_head": s_a.stride(2 if many else 1),
+        "v_b_stride_seq": vb[0], "v_b_stride_head": vb[1], "s_b_stride_seq": sb[0], "s_b_stride_head": sb[1],
+        "v_out_stride_seq": v_out.stride(0), "v_out_stride_head": v_out.stride(1),
+        "s_out_stride_seq": s_out.stride(0), "s_out_stride_head": s_out.stride(1),
+        "mask_stride": mask.stride(0) if mask is not None else 0,
+        "num_rows": rows, "num_heads": heads, "head_dim": head_dim, "num_states": num_states,
+        "group_threads": group, "vectorized": int(aligned),
+    }
+    return fields, -(-rows * heads * group // _mm.THREADS)
 
 
 _KERNELS: dict[tuple[str, int], MergeKernel] = {}

@@ -180,6 +180,30 @@ def test_cuda_graph_capture_and_replay(session_cache):
     assert torch.equal(out_v, v_a) and torch.equal(out_s, s_a)
 
 
+_SERVE = """
+import torch, jitattn
+v, s = torch.randn(33, 4, 128, device="cuda", dtype=torch.bfloat16), torch.randn(33, 4, device="cuda")
+out_v, out_s = jitattn.merge_state(v, s, v, s)
+torch.cuda.synchronize()
+assert torch.equal(out_v, v) and torch.allclose(out_s, s + 0.6931471805599453), (out_v, out_s)
+from jitattn.merge import load_merge_kernel
+print(load_merge_kernel(torch.bfloat16).entry.arch)
+"""
+
+
+def test_a_serving_process_under_disable_jit_loads_the_cached_module(session_cache):
+    """A fresh process with JITATTN_DISABLE_JIT=1 finds the module warm-up (precompile) built."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "JITATTN_DISABLE_JIT": "1", "JITATTN_CACHE_DIR": str(session_cache),
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.run([sys.executable, "-c", _SERVE], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().startswith("sm_")
+
+
 def test_torch_compile_traces_the_torch_path_on_cuda(session_cache):
     (v_a, v_b), (s_a, s_b) = _states(64, 4, 64, torch.float16, seed=13)
     got = torch.compile(merge_state, fullgraph=True, backend="aot_eager")(v_a, s_a, v_b, s_b)

@@ -294,6 +294,42 @@ def test_in_place_and_many_reject_bad_input():
         merge_states(torch.zeros(4, 3, 2, 16, dtype=torch.float16), s_a)
 
 
+# ---- the host side of a launch (CPU tensors: only addresses and strides are read) -----------------
+def test_launch_fields_pick_vector_loads_group_size_and_strides():
+    from jitattn.merge import launch_fields, params_packer
+
+    for dtype in MERGE_DTYPES:
+        packer, order = params_packer(MergeModule(dtype))
+        assert packer.size == MergeModule(dtype).render().params_size
+        assert f"sizeof(MergeParams) == {packer.size}" in MergeModule(dtype).render().text
+        assert sorted(order) == sorted(f.name for f in MergeModule(dtype).fields)
+
+    def fields(v_a, v_b, vec, kernel="merge_state", n=2):
+        s = torch.zeros(v_a.shape[:-1])
+        out_v = torch.empty(v_a.shape[0], v_a.shape[-2], v_a.shape[-1], dtype=v_a.dtype)
+        out_s = torch.empty(out_v.shape[:2])
+        return launch_fields(kernel, vec, v_a=v_a, s_a=s, v_b=v_b, s_b=None if v_b is None else s, v_out=out_v,
+                             s_out=out_s, mask=None, num_states=n)
+
+    v = torch.zeros(100, 8, 128, dtype=torch.bfloat16)
+    f, blocks = fields(v, v.clone(), 8)
+    assert f["vectorized"] == 1 and f["group_threads"] == 16 and blocks == 100 * 8 * 16 // 128
+    assert (f["v_a_stride_seq"], f["v_a_stride_head"], f["head_dim"], f["num_states"]) == (1024, 128, 128, 2)
+    f, _ = fields(torch.zeros(10, 4, 256), torch.zeros(10, 4, 256), 4)  # fp32 d256: 64 chunks, a full warp
+    assert f["group_threads"] == 32 and f["vectorized"] == 1
+    f, blocks = fields(torch.zeros(7, 3, 3, dtype=torch.float16), torch.zeros(7, 3, 3, dtype=torch.float16), 8)
+    assert f["group_threads"] == 1 and f["vectorized"] == 0 and blocks == 1  # tail only: element-wise
+    flat = torch.zeros(100 * 8 * 128 + 1, dtype=torch.bfloat16)
+    f, _ = fields(flat[1:].view(100, 8, 128), v, 8)  # 2 bytes off a 16-byte boundary
+    assert f["vectorized"] == 0
+    wide = torch.zeros(100, 11, 128, dtype=torch.bfloat16)[:, 2:10]  # a head slice: aligned, other strides
+    f, _ = fields(wide, v, 8)
+    assert f["vectorized"] == 1 and (f["v_a_stride_seq"], f["v_a_stride_head"]) == (11 * 128, 128)
+    many = torch.zeros(5, 3, 4, 64, dtype=torch.float16)
+    f, _ = fields(many, None, 8, "merge_states", 3)
+    assert (f["v_a_stride_state"], f["v_a_stride_head"], f["s_a_stride_state"], f["v_b"]) == (256, 64, 4, 0)
+
+
 # ---- the CUDA utility module: rendered, compiled by nvcc, cached -----------------------------------
 def test_module_description_round_trips_and_is_a_warmup_spec():
     m = MergeModule("bf16")
