@@ -16,9 +16,11 @@ it once for every row of the batch, one-query rows included.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import math
 import struct
 import threading
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -37,14 +39,15 @@ MAX_SPLITS = 64  # kMaxSplits in templates/decode.cuh
 _DEFAULT_SMEM_LIMIT = 48 * 1024
 
 
-def _driver_bindings():
-    """``(driver, runtime)``: CuPy's thin Cython bindings of the CUDA driver and runtime APIs.
+def _driver():
+    """CuPy's thin Cython bindings of the CUDA driver API (``cuModuleLoadData``, ``cuLaunchKernel``, ...).
 
-    They live in ``cupy_backends`` and import in a few ms; ``import cupy`` (the array library
-    around them) costs ~100 ms more, which a warm start must not pay (issue #7: <= 50 ms per kernel).
+    Imported from ``cupy_backends`` (a few ms): ``import cupy``, the array library around them, costs
+    ~100 ms more, which a warm start must not pay (issue #7: <= 50 ms per kernel). The device and its
+    primary context are torch's (``torch.cuda.set_device``), so the CUDA runtime API is not needed.
     """
     try:
-        from cupy_backends.cuda.api import driver, runtime
+        from cupy_backends.cuda.api import driver
     except ImportError:
         try:
             import cupy
@@ -52,8 +55,8 @@ def _driver_bindings():
             raise ImportError(
                 "running jitattn kernels needs CuPy for your CUDA version: pip install 'jitattn[cuda12]' or "
                 "'jitattn[cuda13]' (cupy-cuda12x / cupy-cuda13x)") from exc
-        driver, runtime = cupy.cuda.driver, cupy.cuda.runtime
-    return driver, runtime
+        driver = cupy.cuda.driver
+    return driver
 
 
 _STRUCT_CODE = {"ptr": "Q", "i64": "q", "i32": "i", "f32": "f"}
@@ -95,20 +98,33 @@ _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CUfunction_attribute in 
 _thread_state = threading.local()
 
 
+class _DeviceArray:
+    """A device buffer described by ``__cuda_array_interface__`` (v3), for ``torch.as_tensor``."""
+
+    def __init__(self, ptr: int, count: int, typestr: str):
+        self.__cuda_array_interface__ = {"shape": (count,), "typestr": typestr, "data": (ptr, True), "version": 3,
+                                         "strides": None}
+
+
 class CubinModule:
-    """A cubin loaded through CuPy's thin driver-API bindings (``cupy.cuda.driver``).
+    """A cubin loaded through CuPy's thin driver-API bindings (``cupy_backends.cuda.api.driver``).
 
     Launches pass the kernel's packed ``Params`` bytes straight to ``cuLaunchKernel``: no per-call
     argument conversion (CuPy's ``RawKernel`` call spent ~30 us per launch describing the
     structured dtype, measured on the H200 2026-11-29), and the stream is torch's raw handle.
     """
 
-    def __init__(self, path: str, device_index: int, names: Mapping[str, str]):
-        self._driver, self._runtime = _driver_bindings()
+    def __init__(self, path: str, device_index: int, names: Mapping[str, str], sha256: str | None = None):
+        self._driver = _driver()
         self.device_index = device_index
+        # The bytes checked are the bytes loaded: a file swapped after the cache verified it is refused.
+        image = Path(path).read_bytes()
+        if sha256 is not None and hashlib.sha256(image).hexdigest() != sha256:
+            raise RuntimeError(f"{path}: changed after the cache verified it (sha256 differs); run "
+                               f"`jitattn cache verify` and load again")
         prev = self._make_current()
         try:
-            self._module = self._driver.moduleLoad(path)
+            self._module = self._driver.moduleLoadData(image)
             self.functions = {k: self._driver.moduleGetFunction(self._module, v) for k, v in names.items()}
         finally:
             self._restore(prev)
@@ -118,27 +134,22 @@ class CubinModule:
         primed = getattr(_thread_state, "primed", None)
         if primed is None:
             primed = _thread_state.primed = set()
-        current = self._runtime.getDevice()
+        current = torch.cuda.current_device()
         if self.device_index in primed and current == self.device_index:
             return None
-        self._runtime.setDevice(self.device_index)  # creates and binds the primary context if needed
+        torch.cuda.set_device(self.device_index)  # creates and binds the primary context if needed
         primed.add(self.device_index)
         return current if current != self.device_index else None
 
     def _restore(self, prev: int | None) -> None:
         if prev is not None:
-            self._runtime.setDevice(prev)
+            torch.cuda.set_device(prev)
 
     def read_global_int32(self, name: str, count: int) -> list[int]:
-        """``count`` int32 values of a ``__constant__`` / global array of the module."""
-        prev = self._make_current()
-        try:
-            ptr = self._driver.moduleGetGlobal(self._module, name)
-            host = (ctypes.c_int32 * count)()
-            self._runtime.memcpy(ctypes.addressof(host), ptr, 4 * count, self._runtime.memcpyDeviceToHost)
-        finally:
-            self._restore(prev)
-        return list(host)
+        """``count`` int32 values of a ``__constant__`` / global array of the module (copied by torch)."""
+        ptr = self._driver.moduleGetGlobal(self._module, name)
+        view = _DeviceArray(ptr, count, "<i4")
+        return torch.as_tensor(view, device=torch.device("cuda", self.device_index)).cpu().tolist()
 
     def set_max_dynamic_smem(self, kernel: str, nbytes: int) -> None:
         self._driver.funcSetAttribute(self.functions[kernel], _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
@@ -180,7 +191,8 @@ class JitKernel:
         # A ragged spec's module holds only the prefill kernel (attention.cu.j2 builds no decode for it).
         wanted = ("prefill",) if spec.ragged else ("decode", "merge", "prefill")
         kernels = {k: v for k, v in KERNEL_NAMES.items() if k in wanted}
-        self._module = CubinModule(str(self.entry.cubin), self.device.index, kernels)
+        self._module = CubinModule(str(self.entry.cubin), self.device.index, kernels,
+                                   sha256=self.entry.manifest["artifacts"].get(self.entry.cubin.name))
         raw = self._module.read_global_int32(KERNEL_NAMES["geometry"], len(_GEOMETRY))
         self.geometry = dict(zip(_GEOMETRY, raw))
         self._packer, self._field_order = params_packer(spec)
