@@ -381,7 +381,7 @@ def test_format_table_ratios_against_the_best_correct_anchor():
 def test_format_compile_table():
     fig = CompileFigure("h32x8_d128", "sm_90a", 41.24, 40.9, 2210.0, 1850.0, 240.0, 12.34, 18.2, nan, "", 31.6)
     row = table_rows(bench.format_compile_table([fig]))[0]
-    assert row == ["h32x8_d128", "sm_90a", "41.2 (40.9)", "2210", "1850 (32)", "240", "12.3", "18.2", "-", ""]
+    assert row == ["h32x8_d128", "sm_90a", "41.2 (40.9)", "2210", "1850 (32)", "240", "12.3 (-)", "18.2", "-", ""]
 
 
 def test_one_line_keeps_tables_intact():
