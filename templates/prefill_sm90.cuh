@@ -27,7 +27,7 @@ namespace jitattn {
 
 // Dispatch switch read by PrefillLaunch (attention.cu.j2): off until the kernel has passed the GPU
 // test matrix on the device (GPU_TESTS.md).
-constexpr bool kPrefillSm90Enabled = false;
+constexpr bool kPrefillSm90Enabled = true;
 
 template <class S>
 struct PrefillSm90Traits {
@@ -38,18 +38,26 @@ struct PrefillSm90Traits {
   static constexpr bool kSupported = sizeof(DT) == 2 && sizeof(typename S::DTypeKV) == 2 &&
                                      sizeof(typename S::DTypeO) == 2 && S::kHeadDimQK == S::kHeadDimVO &&
                                      (kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256);
-  static constexpr int kWarpGroups = 2;                 // consumer warpgroups, 64 rows each
-  static constexpr int kThreads = 128 * kWarpGroups;
-  static constexpr int kMinBlocksPerSM = 1;
-  static constexpr int kBlockM = 64 * kWarpGroups;      // packed query rows per block
+  // Warp specialisation (FlashAttention-3's layout): warpgroups 0 .. kConsumerWGs - 1 compute, 64 rows
+  // each; the last warpgroup only loads K/V (cp.async into the stages) and runs on few registers.
+  static constexpr int kConsumerWGs = 2;
+  static constexpr int kConsumerThreads = 128 * kConsumerWGs;
+  static constexpr int kThreads = kConsumerThreads + 128;
+  static constexpr int kBlockM = 64 * kConsumerWGs;     // packed query rows per block
   // Keys per tile: S (kBlockN / 2 floats per thread) and O (kHeadDim / 2) share the registers.
   static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
-  static constexpr int kStages = 2;
+  // K/V stages in flight: three fit beside Q up to head_dim 128 (230 KB at 128), two at 256.
+  static constexpr int kStages = kHeadDim <= 128 ? 3 : 2;
+  // setmaxnreg: 384 threads start at 168 registers; the producer gives most of its share to the
+  // consumers (40 x 128 + 232 x 256 = 168 x 384; at 24 the producer's page walk spilled).
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
   static constexpr int kChunks = kHeadDim / 8;          // 16-byte chunks per row
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kTileBytes = kBlockN * kHeadDim * 2;  // one of K or V
   // +1024: the dynamic shared memory base is aligned up to a swizzle atom by hand.
   static constexpr int kSmemBytes = kQBytes + kStages * 2 * kTileBytes + 1024;
+  static_assert(!kSupported || kSmemBytes <= 227 * 1024 - 256, "stages exceed the shared memory of one SM");
   static constexpr int kNTiles = kBlockN / 8;   // n8 column groups of S
   static constexpr int kDTiles = kHeadDim / 8;  // n8 column groups of O
   static constexpr float kRescaleThreshold = 8.0f;
@@ -97,7 +105,42 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t da, uint64_
 template <int N, class DT>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db, int scale_d);
 
+
+// ---- mbarriers (PTX ISA 9.7.13.15), named barriers, setmaxnreg -------------------------------------
+__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+// Waits until the barrier's phase with this parity has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// bar.sync on barrier `id` (0 is __syncthreads) for `count` threads (whole warps).
+__device__ __forceinline__ void named_barrier_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
 template <>
 __device__ __forceinline__ void wgmma_ss<64, __nv_bfloat16>(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
   asm volatile(
@@ -196,14 +239,15 @@ __device__ __forceinline__ void wgmma_rs<256, __half>(float (&d)[128], const uin
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
-// cp.async of keys [start, start + kBlockN) (K and V) into two swizzled tiles; keys at or past `end`
-// are zero-filled. The paged addressing is decode.cuh's kv_row (page lookup once per row and chunk).
+// cp.async of keys [start, start + kBlockN) (K and V) into two swizzled tiles by the producer
+// warpgroup (thread `tid` of 128); keys at or past `end` are zero-filled. Paged addressing is
+// decode.cuh's kv_row.
 template <class S>
 __device__ __forceinline__ void prefill_sm90_load_kv(const Params& p, typename S::DTypeQ* sk, typename S::DTypeQ* sv,
-                                                     int batch, int kv_head, int start, int end, bool& bad) {
+                                                     int batch, int kv_head, int start, int end, int tid, bool& bad) {
   using T = PrefillSm90Traits<S>;
-#pragma unroll
-  for (int c = threadIdx.x; c < T::kBlockN * T::kChunks; c += T::kThreads) {
+#pragma unroll 4
+  for (int c = tid; c < T::kBlockN * T::kChunks; c += 128) {
     const int row = c / T::kChunks, chunk = c % T::kChunks;
     const int kv_idx = start + row;
     const bool in = kv_idx < end;
@@ -215,14 +259,15 @@ __device__ __forceinline__ void prefill_sm90_load_kv(const Params& p, typename S
 }
 
 // Query (kIsQuery) or key transform in place on a swizzled tile of kRows rows, in rotate_half pairs
-// (prefill_transform_rows with swizzled addressing). Row r is packed query row / key first + r.
+// (prefill_transform_rows with swizzled addressing), by the consumer threads. Row r is packed query
+// row / key first + r.
 template <class S, bool kIsQuery, int kRows>
 __device__ __forceinline__ void prefill_sm90_transform_rows(const Params& p, typename S::DTypeQ* tile, int first,
                                                             int end, int qo_base, int kv_head, int batch, bool& oob) {
   using T = PrefillSm90Traits<S>;
   using DT = typename T::DT;
   constexpr int kHalf = T::kHeadDim / 2;
-  for (int i = threadIdx.x; i < kRows * kHalf; i += T::kThreads) {
+  for (int i = threadIdx.x; i < kRows * kHalf; i += T::kConsumerThreads) {
     const int r = i / kHalf, d = i % kHalf;
     if (first + r >= end) continue;
     DT* e0 = tile + sw128_offset<kRows>(r, d);
@@ -242,6 +287,11 @@ __device__ __forceinline__ void prefill_sm90_transform_rows(const Params& p, typ
   }
 }
 
+// Pipeline: stage s of tile j (s = j % kStages) is filled by the producer, which arrives on full[s]
+// once its cp.async landed (and fenced for the async proxy); consumers wait on full[s] with parity
+// (j / kStages) & 1, run S = Q K^T, the softmax and O += P V on it, and arrive on empty[s]; the
+// producer waits on empty[s] before refilling it. No block-wide barrier inside the loop, so the two
+// consumer warpgroups drift apart and the tensor cores serve one while the other runs its softmax.
 template <class S>
 __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -249,7 +299,9 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
   using DT = typename T::DT;
   constexpr int kN = T::kBlockN, kD = T::kHeadDim;
   extern __shared__ __align__(16) uint8_t smem_sm90[];
-  uint8_t* smem = smem_sm90 + ((1024u - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_sm90)) & 1023u)) & 1023u);
+  __shared__ uint64_t full_bar[T::kStages], empty_bar[T::kStages];
+  __shared__ int bad_flag;
+  uint8_t* smem = smem_sm90 + ((1024u - (smem_u32(smem_sm90) & 1023u)) & 1023u);
   DT* sq = reinterpret_cast<DT*>(smem);
   DT* skv = reinterpret_cast<DT*>(smem + T::kQBytes);  // [stage][K|V][swizzled kBlockN x head_dim]
   auto stage_k = [&](int s) { return skv + (2 * s) * kN * kD; };
@@ -270,7 +322,45 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
   int kv_begin, kv_end;
   visible_kv_range<S>(pos_lo, pos_hi, kv_len, kv_begin, kv_end);
   if (bad) kv_end = kv_begin;
+  const int n_first = (kv_begin / kN) * kN;
+  const int num_tiles = kv_end > n_first ? ceil_div(kv_end - n_first, kN) : 0;
 
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < T::kStages; ++s) {
+      mbar_init(&full_bar[s], 128);
+      mbar_init(&empty_bar[s], T::kConsumerThreads);
+    }
+    bad_flag = 0;
+  }
+  __syncthreads();
+
+  if (threadIdx.x >= T::kConsumerThreads) {  // ---- producer warpgroup ----
+    setmaxnreg_dec<T::kProducerRegs>();
+    const int tid = threadIdx.x - T::kConsumerThreads;
+    for (int j = 0; j < num_tiles; ++j) {
+      const int s = j % T::kStages;
+      if (j >= T::kStages) mbar_wait(&empty_bar[s], ((j / T::kStages) - 1) & 1);
+      prefill_sm90_load_kv<S>(p, stage_k(s), stage_v(s), batch, kv_head, n_first + j * kN, kv_end, tid, bad);
+      cp_async_commit();
+      if (j > 0) {  // tile j - 1 landed (tile j may still be in flight)
+        cp_async_wait<1>();
+        fence_proxy_async();
+        mbar_arrive(&full_bar[(j - 1) % T::kStages]);
+      }
+    }
+    if (num_tiles > 0) {
+      cp_async_wait<0>();
+      fence_proxy_async();
+      mbar_arrive(&full_bar[(num_tiles - 1) % T::kStages]);
+    }
+    if (bad) bad_flag = 1;
+    named_barrier_sync(2, T::kThreads);
+    return;
+  }
+
+  // ---- consumer warpgroups ----
+  setmaxnreg_inc<T::kConsumerRegs>();
   const int wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tig = lane % 4;
   const int wg_row0 = wg * 64;
@@ -280,9 +370,9 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
   int wg_kv_begin, wg_kv_end;
   visible_kv_range<S>(wg_lo, wg_hi, kv_len, wg_kv_begin, wg_kv_end);
 
-  // Q tile -> swizzled shared memory (rows past the sequence zero-filled).
+  // Q tile -> swizzled shared memory (rows past the sequence zero-filled), by the consumers.
 #pragma unroll
-  for (int c = threadIdx.x; c < T::kBlockM * T::kChunks; c += T::kThreads) {
+  for (int c = threadIdx.x; c < T::kBlockM * T::kChunks; c += T::kConsumerThreads) {
     const int row = c / T::kChunks, chunk = c % T::kChunks;
     const int packed = packed0 + row;
     const bool in = packed < packed_end;
@@ -292,20 +382,14 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
                        : p.q;
     cp_async_16(sq + sw128_offset<T::kBlockM>(row, chunk * 8), src, in);
   }
-  if constexpr (S::kHasQTransform) cp_async_commit();
-  const int n_first = (kv_begin / kN) * kN;
-#pragma unroll
-  for (int stg = 0; stg < T::kStages - 1; ++stg) {
-    const int n = n_first + stg * kN;
-    if (n < kv_end) prefill_sm90_load_kv<S>(p, stage_k(stg), stage_v(stg), batch, kv_head, n, kv_end, bad);
-    cp_async_commit();
-  }
+  cp_async_commit();
+  cp_async_wait<0>();
   if constexpr (S::kHasQTransform) {
-    cp_async_wait<T::kStages - 1>();
-    __syncthreads();
+    named_barrier_sync(1, T::kConsumerThreads);
     prefill_sm90_transform_rows<S, true, T::kBlockM>(p, sq, packed0, packed_end, qo_base, kv_head, batch, bad);
-    // fence.proxy.async comes with the first tile's barrier below.
   }
+  fence_proxy_async();
+  named_barrier_sync(1, T::kConsumerThreads);
 
   // Descriptors: this warpgroup's 64 Q rows (K-major A); K tiles (K-major B); V tiles (N-major B).
   const uint64_t q_desc = sw128_desc(sq + wg_row0 * 64, 16, 1024);
@@ -321,26 +405,22 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
   st[0] = st[1] = SoftmaxState{S::kSoftmax ? kNegInf : 0.f, 0.f};
   constexpr float kScale = q_prescale<S>();
 
-  int it = 0;
-  for (int n0 = n_first; n0 < kv_end; n0 += kN, ++it) {
-    cp_async_wait<T::kStages - 2>();
-    fence_proxy_async();
-    __syncthreads();  // tile `it` landed for everyone, and everyone is done with tile it - 1's stage
-    {
-      const int n_next = n0 + (T::kStages - 1) * kN;
-      const int st_next = (it + T::kStages - 1) % T::kStages;
-      if (n_next < kv_end)
-        prefill_sm90_load_kv<S>(p, stage_k(st_next), stage_v(st_next), batch, kv_head, n_next, kv_end, bad);
-      cp_async_commit();
-    }
-    const int stage = it % T::kStages;
-    if constexpr (S::kHasKTransform) {
+  for (int j = 0; j < num_tiles; ++j) {
+    const int n0 = n_first + j * kN;
+    const int stage = j % T::kStages;
+    mbar_wait(&full_bar[stage], (j / T::kStages) & 1);
+    fence_proxy_async();  // the producer fenced its cp.async writes before arriving; this side too
+    if constexpr (S::kHasKTransform) {  // the cache holds raw keys: both warpgroups transform the tile
+      named_barrier_sync(1, T::kConsumerThreads);
       prefill_sm90_transform_rows<S, false, kN>(p, stage_k(stage), n0, kv_end, 0, kv_head, batch, bad);
       fence_proxy_async();
-      __syncthreads();
+      named_barrier_sync(1, T::kConsumerThreads);
     }
     // A tile none of this warpgroup's rows can see (causal / window): skip it (uniform per warpgroup).
-    if (n0 >= wg_kv_end || n0 + kN <= wg_kv_begin) continue;
+    if (n0 >= wg_kv_end || n0 + kN <= wg_kv_begin) {
+      mbar_arrive(&empty_bar[stage]);
+      continue;
+    }
 
     // S = Q K^T: head_dim / 16 wgmma, 64 x kBlockN per warpgroup.
     float s[T::kNTiles * 4];
@@ -354,7 +434,6 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
       wgmma_wait<0>();
       wgmma_fence_operands(s);
     }
-
     const bool full_tile = !S::kHasMask && n0 + kN <= kv_len && (!S::kCausal || n0 + kN - 1 <= wg_lo) &&
                            (S::kWindowLeft < 0 || n0 >= wg_hi - S::kWindowLeft) &&
                            (S::kWindowRight < 0 || n0 + kN - 1 <= wg_lo + S::kWindowRight);
@@ -420,9 +499,11 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
       wgmma_wait<0>();
       wgmma_fence_operands(o);
     }
+    mbar_arrive(&empty_bar[stage]);  // this thread is done with the stage
   }
-  cp_async_wait<0>();
-  const float poison = __syncthreads_or(bad) ? __int_as_float(0x7fc00000) : 0.f;
+  if (bad) bad_flag = 1;
+  named_barrier_sync(2, T::kThreads);  // every bad flag (the producer's page lookups too) is in
+  const float poison = bad_flag ? __int_as_float(0x7fc00000) : 0.f;
 
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
