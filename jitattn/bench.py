@@ -21,6 +21,7 @@ nvcc figures only; ``--from-json`` re-renders a run's tables (and ``--md`` BENCH
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -67,6 +68,9 @@ class BenchCase:
     q_lens: list[int]
     kv_lens: list[int]
     phase: str  # "prefill", "decode" or "mixed" (prefill chunks and decode rows in one call; FLOP units)
+    # Also time the same batch from contiguous varlen K/V (a ragged spec): "jitattn-ragged", so the
+    # paged row's ratio is paged / contiguous (issue #6: within 10%).
+    ragged_twin: bool = False
 
     @property
     def is_decode(self) -> bool:
@@ -113,6 +117,12 @@ def decode_target_cases() -> list[BenchCase]:
     out.append(BenchCase("decode-hd128-b64x4096-fp8", AttentionSpec(32, 8, 128, kv_dtype="float8_e4m3fn"),
                          [1] * 64, [4096] * 64, "decode"))
     return out
+
+
+def ragged_cases() -> list[BenchCase]:
+    """The first design case timed from the paged cache (page 16) and from contiguous K/V, one run."""
+    return [BenchCase("prefill-hd128-causal-b4x8192-vs-ragged", AttentionSpec(32, 8, 128), [8192] * 4,
+                      [8192] * 4, "prefill", ragged_twin=True)]
 
 
 def mixed_cases() -> list[BenchCase]:
@@ -173,7 +183,7 @@ def example_model_configs() -> list[Path]:
 
 def all_cases(models: list[Path] | None = None) -> list[BenchCase]:
     """DESIGN.md's six, the decode targets, then every layer kind of every model (default: examples/models)."""
-    out = design_cases() + decode_target_cases() + mixed_cases()
+    out = design_cases() + decode_target_cases() + mixed_cases() + ragged_cases()
     for config in example_model_configs() if models is None else models:
         out += model_cases(config)
     return out
@@ -342,6 +352,9 @@ def jitattn_runner(case: BenchCase, batch: PagedBatch) -> Runner | dict[str, Run
     out = torch.empty(batch.q.shape[0], case.spec.num_qo_heads, case.spec.head_dim_vo,
                       dtype=torch_dtype(case.spec.o_dtype), device=batch.q.device)
     call = lambda: kernel.paged_attention(*batch.args(), **batch.kwargs(), out=out, max_query_len=hint)  # noqa: E731
+    if case.ragged_twin:
+        return {"jitattn": Runner(call, note=f"{kernel.entry.arch}, paged (page {case.spec.page_size})"),
+                "jitattn-ragged": ragged_twin_runner(case, batch)}
     if case.phase != "mixed":
         return Runner(call, note=f"{kernel.entry.arch}")
     # The same batch as two calls, the prefill sequences then the decode rows: what one call must beat.
@@ -356,6 +369,32 @@ def jitattn_runner(case: BenchCase, batch: PagedBatch) -> Runner | dict[str, Run
 
     return {"jitattn": Runner(call, note=f"{kernel.entry.arch}, one call"),
             "jitattn-separate": Runner(separate, note=f"prefill call ({n} seqs) + decode call, same kernels")}
+
+
+def ragged_twin_inputs(case: BenchCase, batch: PagedBatch
+                       ) -> tuple[AttentionSpec, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ragged spec, k, v, kv_start_loc)``: the paged batch's K/V copied out to contiguous varlen tensors."""
+    from jitattn.reference import gather_kv
+
+    spec = case.spec.replace(kv_storage="ragged")
+    ks, vs = zip(*(gather_kv(case.spec, batch.kv_cache, batch.block_table, i, n) for i, n in enumerate(batch.kv_lens)))
+    k, v = torch.cat(ks).contiguous(), torch.cat(vs).contiguous()
+    kv_start_loc = torch.tensor([0, *itertools.accumulate(batch.kv_lens)], dtype=torch.int32, device=k.device)
+    return spec, k, v, kv_start_loc
+
+
+def ragged_twin_runner(case: BenchCase, batch: PagedBatch) -> Runner:
+    """The paged batch's K/V copied out to contiguous varlen tensors, run by the ragged spec's kernel."""
+    from jitattn.runtime import load_kernel
+
+    spec, k, v, kv_start_loc = ragged_twin_inputs(case, batch)
+    kernel = load_kernel(spec)
+    out = torch.empty(batch.q.shape[0], spec.num_qo_heads, spec.head_dim_vo, dtype=torch_dtype(spec.o_dtype),
+                      device=batch.q.device)
+    kw = {"sinks": batch.sinks, "alibi_slopes": batch.alibi_slopes, "params": batch.params}
+    call = lambda: kernel.ragged_attention(batch.q, k, v, batch.query_start_loc, kv_start_loc, **kw,  # noqa: E731
+                                           out=out)
+    return Runner(call, note=f"{kernel.entry.arch}, contiguous varlen K/V")
 
 
 def split_batch(batch: PagedBatch, n: int) -> tuple[PagedBatch, PagedBatch]:

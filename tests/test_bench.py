@@ -79,7 +79,8 @@ def test_narrow_windows_get_bigger_decode_batches():
 def test_all_cases_are_unique_and_cover_the_examples():
     names = [c.name for c in bench.all_cases()]
     assert len(names) == len(set(names))
-    extra = ["decode-hd128-b64x4096-fp8", "mixed-hd128-4x2048-prefill+60x4096-decode"]
+    extra = ["decode-hd128-b64x4096-fp8", "mixed-hd128-4x2048-prefill+60x4096-decode",
+             "prefill-hd128-causal-b4x8192-vs-ragged"]
     assert len(names) == len(V0_CASES) + len(extra) + sum(len(bench.model_cases(m)) for m in MODELS)
     assert set(extra) <= set(names)
 
@@ -125,6 +126,17 @@ def test_mixed_case_checks_every_row_and_splits_into_the_same_output():
     whole = reference.paged_attention(spec, *batch.args(), **batch.kwargs())
     parts = [reference.paged_attention(spec, *b.args(), **b.kwargs()) for b in (first, rest)]
     torch.testing.assert_close(torch.cat(parts), whole, rtol=0, atol=0)
+
+
+def test_ragged_twin_inputs_give_the_paged_answer():
+    case = bench.ragged_cases()[0]
+    assert case.ragged_twin and case.name in {c.name for c in bench.all_cases()}
+    small = BenchCase("r", AttentionSpec(8, 2, 64, window_left=7), [5, 1, 9], [12, 30, 9], "prefill", ragged_twin=True)
+    batch = random_paged_batch(small.spec, small.q_lens, small.kv_lens, seed=2)
+    spec, k, v, kv_start_loc = bench.ragged_twin_inputs(small, batch)
+    assert spec.ragged and k.shape == (51, 2, 64) and kv_start_loc.tolist() == [0, 12, 42, 51]
+    got = reference.ragged_attention(spec, batch.q, k, v, batch.query_start_loc, kv_start_loc)
+    torch.testing.assert_close(got, reference.paged_attention(small.spec, *batch.args()), rtol=0, atol=0)
 
 
 # ---- FLOP and byte accounting -----------------------------------------------------------------
