@@ -189,7 +189,8 @@ class MergeKernel:
         self.device = device
         self.entry = select_entry(self.module_spec, torch.cuda.get_device_capability(device))
         kernels = {k: v for k, v in _mm.KERNEL_NAMES.items() if k != "geometry"}
-        self._module = CubinModule(str(self.entry.cubin), device.index, kernels)
+        self._module = CubinModule(str(self.entry.cubin), device.index, kernels,
+                                   sha256=self.entry.manifest["artifacts"].get(self.entry.cubin.name))
         raw = self._module.read_global_int32(_mm.KERNEL_NAMES["geometry"], len(_mm.GEOMETRY))
         self.geometry = dict(zip(_mm.GEOMETRY, raw))
         self._packer, self._order = params_packer(self.module_spec)
