@@ -102,7 +102,7 @@ class _DeviceArray:
     """A device buffer described by ``__cuda_array_interface__`` (v3), for ``torch.as_tensor``."""
 
     def __init__(self, ptr: int, count: int, typestr: str):
-        self.__cuda_array_interface__ = {"shape": (count,), "typestr": typestr, "data": (ptr, True), "version": 3,
+        self.__cuda_array_interface__ = {"shape": (count,), "typestr": typestr, "data": (ptr, False), "version": 3,
                                          "strides": None}
 
 
