@@ -171,6 +171,29 @@ class CubinModule:
             self._restore(prev)
 
 
+def choose_num_splits(blocks: int, slots: int, max_useful: int, *, min_wave_fill: float = 0.9) -> int:
+    """Split-KV factor (FlashDecoding; Dao et al. 2023): the smallest that fills whole waves.
+
+    ``blocks`` = batch x num_kv_heads decode blocks; ``slots`` = SMs x resident blocks per SM (the
+    driver's occupancy); each sequence's keys are split into ``s`` blocks, merged by log-sum-exp.
+    The smallest ``s`` with at least one full wave (``blocks * s >= slots``) whose waves are at least
+    ``min_wave_fill`` full (the last, partial wave idles the rest of the GPU), capped by
+    ``max_useful`` (>= 4 tiles per split) and MAX_SPLITS. Fewer splits mean longer blocks (less
+    prologue, no merge kernel at s = 1). Rule fitted to tests/tune_decode_splits.py on the H200,
+    2026-11-29: 64 x 4096 hd128 (512 blocks, 264 slots) best at 1 (the old ">= 4 waves" rule took 3,
+    4 % slower); 1 x 32768 (8 blocks) best at 33, one exact wave (the old rule took 64, 31 % slower);
+    Gemma-2 64 x 8192 on the CUDA-core decode (512 blocks, 396 slots) best at 2-3.
+    """
+    cap = max(1, min(max_useful, MAX_SPLITS))
+    s = min(max(1, math.ceil(slots / max(blocks, 1))), cap)
+    while s < cap:
+        waves = math.ceil(blocks * s / slots)
+        if blocks * s / (waves * slots) >= min_wave_fill:
+            break
+        s += 1
+    return s
+
+
 class JitKernel:
     """The compiled kernels of one spec, loaded on one CUDA device.
 
@@ -215,20 +238,14 @@ class JitKernel:
         return min(keys, self.spec.window_left + 1) if self.spec.window_left >= 0 else keys
 
     def num_splits(self, batch: int, max_kv_len: int) -> int:
-        """Split-KV factor of a decode launch (FlashDecoding; Dao et al. 2023).
+        """Split-KV factor of a decode launch (:func:`choose_num_splits` for this kernel's geometry).
 
-        ``batch x num_kv_heads`` blocks rarely fill whole waves of the GPU: 512 blocks on 396 slots
-        run as two waves, the second a third full. Splitting each sequence's keys into more, shorter
-        blocks (at least 4 tiles each) until there are ~4 waves' worth makes the tail small; the
-        partial states are merged by log-sum-exp. Depends only on shapes, so a captured CUDA graph
-        stays valid for any sequence lengths.
+        Depends only on shapes, so a captured CUDA graph stays valid for any sequence lengths.
         """
         blocks = batch * self.spec.num_kv_heads
         slots = self._num_sms * self._decode_blocks_per_sm
-        if blocks >= 4 * slots:
-            return 1
         max_useful = max(1, max_kv_len // (4 * self.geometry["decode_tile_keys"]))
-        return max(1, min(math.ceil(4 * slots / blocks), max_useful, MAX_SPLITS))
+        return choose_num_splits(blocks, slots, max_useful)
 
     def _launch(self, name: str, grid: tuple[int, int, int], block: int, smem: int, args: bytes) -> None:
         stream = torch.cuda.current_stream(self.device).cuda_stream
