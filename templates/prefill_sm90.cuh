@@ -10,8 +10,12 @@
 // Q, K and V tiles are kept in the 128-byte swizzled layout wgmma reads (PTX ISA, "Asynchronous
 // Warpgroup Level Matrix Shared Memory Layout"): a tile is stored as column blocks of 64 elements
 // (128 bytes per row); inside a block, row r's 16-byte chunk c sits at chunk position c ^ (r % 8),
-// and every 8-row group is one 1024-byte swizzle atom. K/V arrive through cp.async, issued by all
-// threads, kStages deep.
+// and every 8-row group is one 1024-byte swizzle atom. Warp specialisation: a third warpgroup only
+// gathers the paged K/V rows into kStages stages with cp.async and hands them over through mbarriers
+// (prefill_sm90_kernel says how); setmaxnreg moves its registers to the two consumer warpgroups.
+// Served here (PrefillLaunch in attention.cu.j2 picks this kernel in the sm_90a cubin only): 16-bit
+// q/KV/o, head_dim_qk == head_dim_vo in {64, 128, 256}, paged K/V. FP8 caches, other head dims and
+// ragged K/V keep prefill_kernel.
 //
 // The wgmma m64nN fp32 accumulator of a warpgroup is, per warp, N/8 mma.sync m16n8 C fragments
 // (warp w owns rows 16w .. 16w + 15), and the register A operand of m64k16 is, per warp, an m16k16
@@ -25,9 +29,14 @@
 
 namespace jitattn {
 
-// Dispatch switch read by PrefillLaunch (attention.cu.j2): off until the kernel has passed the GPU
-// test matrix on the device (GPU_TESTS.md).
+// Dispatch switch read by PrefillLaunch (attention.cu.j2). On since this version passed the GPU test
+// matrix on the H200 (GPU_TESTS.md, 2026-11-29) and ran faster than prefill_kernel (BENCHMARKS.md).
 constexpr bool kPrefillSm90Enabled = true;
+// Consumer warpgroups take turns issuing their S = Q K^T MMAs (see prefill_sm90_kernel). Off: it passed
+// the GPU matrix but was slower (H200, 2026-11-29: hd128 causal 4x8192 305 vs 349 TFLOP/s, Gemma-2
+// 310 vs 352): with a wait right after each MMA there is no softmax/MMA overlap inside a warpgroup
+// for the turns to protect, only an extra barrier per tile.
+constexpr bool kPrefillSm90PingPong = false;
 
 template <class S>
 struct PrefillSm90Traits {
@@ -52,7 +61,7 @@ struct PrefillSm90Traits {
   // consumers (40 x 128 + 232 x 256 = 168 x 384; at 24 the producer's page walk spilled).
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
-  static constexpr int kChunks = kHeadDim / 8;          // 16-byte chunks per row
+  static constexpr int kChunks = kHeadDim / 8;          // 16-byte chunks per row (a multiple of 4)
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kTileBytes = kBlockN * kHeadDim * 2;  // one of K or V
   // +1024: the dynamic shared memory base is aligned up to a swizzle atom by hand.
@@ -130,6 +139,10 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
 // bar.sync on barrier `id` (0 is __syncthreads) for `count` threads (whole warps).
 __device__ __forceinline__ void named_barrier_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+// bar.arrive: counts this warp towards barrier `id` without waiting.
+__device__ __forceinline__ void named_barrier_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -239,24 +252,51 @@ __device__ __forceinline__ void wgmma_rs<256, __half>(float (&d)[128], const uin
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
-// cp.async of keys [start, start + kBlockN) (K and V) into two swizzled tiles by the producer
-// warpgroup (thread `tid` of 128); keys at or past `end` are zero-filled. Paged addressing is
-// decode.cuh's kv_row.
+// The producer warpgroup's K/V loader. 4 threads per key row (each 16-byte chunk sub + 4m, so a warp
+// instruction reads 64 contiguous bytes of 8 rows), 32 rows per pass: one page-table read per row and
+// thread, done one tile ahead (fetch) so the dependent read is off the path to the next cp.async.
+// The rows of a pass are permuted so that the two rows served by 8 consecutive threads differ by 4:
+// their swizzled chunk sets are disjoint (no shared-memory bank conflicts on the writes).
 template <class S>
-__device__ __forceinline__ void prefill_sm90_load_kv(const Params& p, typename S::DTypeQ* sk, typename S::DTypeQ* sv,
-                                                     int batch, int kv_head, int start, int end, int tid, bool& bad) {
+struct Sm90KvLoader {
   using T = PrefillSm90Traits<S>;
-#pragma unroll 4
-  for (int c = tid; c < T::kBlockN * T::kChunks; c += 128) {
-    const int row = c / T::kChunks, chunk = c % T::kChunks;
-    const int kv_idx = start + row;
-    const bool in = kv_idx < end;
-    const auto* k = in ? kv_row<S>(p, batch, kv_head, kv_idx, 0, bad) + chunk * 8 : p.kv_cache;
-    const int off = sw128_offset<T::kBlockN>(row, chunk * 8);
-    cp_async_16(sk + off, k, in);
-    cp_async_16(sv + off, k + p.kv_stride_kv, in);
+  using KV = typename S::DTypeKV;
+  static constexpr int kPasses = T::kBlockN / 32;
+  static constexpr int kChunksPerThread = T::kChunks / 4;
+  int row0;  // row of pass 0
+  int sub;   // first chunk
+  int page[kPasses];
+  __device__ __forceinline__ explicit Sm90KvLoader(int tid) {
+    const int q = tid / 4;
+    row0 = (q & ~7) | ((q & 6) >> 1) | ((q & 1) << 2);
+    sub = tid % 4;
   }
-}
+  __device__ __forceinline__ void fetch(const Params& p, int batch, int start, int end) {
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int kv_idx = start + i * 32 + row0;
+      page[i] = kv_idx < end ? page_of<S>(p, batch, kv_idx) : 0;
+    }
+  }
+  // cp.async of keys [start, start + kBlockN) (K and V) into two swizzled tiles; keys at or past `end`
+  // are zero-filled. `page` must hold fetch(start, end).
+  __device__ __forceinline__ void load(const Params& p, KV* sk, KV* sv, int kv_head, int start, int end,
+                                      bool& bad) const {
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int row = i * 32 + row0, kv_idx = start + row;
+      const bool in = kv_idx < end;
+      const KV* base = in ? kv_row_in_page<S>(p, page[i], kv_head, kv_idx, 0, bad) : p.kv_cache;
+#pragma unroll 2  // fully unrolled, the hoisted 64-bit addresses spill at the producer's 40 registers
+      for (int m = 0; m < kChunksPerThread; ++m) {
+        const int chunk = sub + 4 * m;
+        const int off = sw128_offset<T::kBlockN>(row, chunk * 8);
+        cp_async_16(sk + off, in ? base + chunk * 8 : p.kv_cache, in);
+        cp_async_16(sv + off, in ? base + chunk * 8 + p.kv_stride_kv : p.kv_cache, in);
+      }
+    }
+  }
+};
 
 // Query (kIsQuery) or key transform in place on a swizzled tile of kRows rows, in rotate_half pairs
 // (prefill_transform_rows with swizzled addressing), by the consumer threads. Row r is packed query
@@ -337,22 +377,36 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
 
   if (threadIdx.x >= T::kConsumerThreads) {  // ---- producer warpgroup ----
     setmaxnreg_dec<T::kProducerRegs>();
-    const int tid = threadIdx.x - T::kConsumerThreads;
+    Sm90KvLoader<S> loader(threadIdx.x - T::kConsumerThreads);
+    if (num_tiles > 0) loader.fetch(p, batch, n_first, kv_end);
+    // Tile `pending` is issued but not yet published on full[]. Publishing it before blocking on
+    // empty[] matters with two stages: the consumers may be waiting for exactly that tile.
+    int pending = -1;
     for (int j = 0; j < num_tiles; ++j) {
       const int s = j % T::kStages;
-      if (j >= T::kStages) mbar_wait(&empty_bar[s], ((j / T::kStages) - 1) & 1);
-      prefill_sm90_load_kv<S>(p, stage_k(s), stage_v(s), batch, kv_head, n_first + j * kN, kv_end, tid, bad);
+      if (j >= T::kStages) {
+        if (pending >= 0) {
+          cp_async_wait<0>();
+          fence_proxy_async();
+          mbar_arrive(&full_bar[pending % T::kStages]);
+          pending = -1;
+        }
+        mbar_wait(&empty_bar[s], ((j / T::kStages) - 1) & 1);
+      }
+      loader.load(p, stage_k(s), stage_v(s), kv_head, n_first + j * kN, kv_end, bad);
       cp_async_commit();
-      if (j > 0) {  // tile j - 1 landed (tile j may still be in flight)
+      if (pending >= 0) {  // the tile before landed (this one may still be in flight)
         cp_async_wait<1>();
         fence_proxy_async();
-        mbar_arrive(&full_bar[(j - 1) % T::kStages]);
+        mbar_arrive(&full_bar[pending % T::kStages]);
       }
+      pending = j;
+      if (j + 1 < num_tiles) loader.fetch(p, batch, n_first + (j + 1) * kN, kv_end);
     }
-    if (num_tiles > 0) {
+    if (pending >= 0) {
       cp_async_wait<0>();
       fence_proxy_async();
-      mbar_arrive(&full_bar[(num_tiles - 1) % T::kStages]);
+      mbar_arrive(&full_bar[pending % T::kStages]);
     }
     if (bad) bad_flag = 1;
     named_barrier_sync(2, T::kThreads);
@@ -405,6 +459,12 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
   st[0] = st[1] = SoftmaxState{S::kSoftmax ? kNegInf : 0.f, 0.f};
   constexpr float kScale = q_prescale<S>();
 
+  // Ping-pong (FlashAttention-3): the warpgroups take turns issuing S = Q K^T (named barriers 3 and
+  // 4), so one runs its softmax while the other's MMAs run. Warpgroup 0 goes first.
+  constexpr bool kPingPong = kPrefillSm90PingPong && !S::kHasKTransform;
+  if constexpr (kPingPong) {
+    if (wg == 1 && num_tiles > 0) named_barrier_arrive(3, 256);
+  }
   for (int j = 0; j < num_tiles; ++j) {
     const int n0 = n_first + j * kN;
     const int stage = j % T::kStages;
@@ -417,23 +477,28 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
       named_barrier_sync(1, T::kConsumerThreads);
     }
     // A tile none of this warpgroup's rows can see (causal / window): skip it (uniform per warpgroup).
-    if (n0 >= wg_kv_end || n0 + kN <= wg_kv_begin) {
-      mbar_arrive(&empty_bar[stage]);
-      continue;
-    }
+    const bool skip = n0 >= wg_kv_end || n0 + kN <= wg_kv_begin;
 
     // S = Q K^T: head_dim / 16 wgmma, 64 x kBlockN per warpgroup.
     float s[T::kNTiles * 4];
-    {
+    if constexpr (kPingPong) named_barrier_sync(3 + wg, 256);  // this warpgroup's turn to issue
+    if (!skip) {
       const uint64_t k_desc = sw128_desc(stage_k(stage), 16, 1024);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kD / 16; ++kk)
         wgmma_ss<kN, DT>(s, q_desc + kstep_off(kk, T::kBlockM), k_desc + kstep_off(kk, kN), kk > 0 ? 1 : 0);
       wgmma_commit();
-      wgmma_wait<0>();
-      wgmma_fence_operands(s);
     }
+    if constexpr (kPingPong) {  // the other warpgroup's turn (warpgroup 1 skips its last: nobody waits)
+      if (wg == 0 || j + 1 < num_tiles) named_barrier_arrive(3 + (1 - wg), 256);
+    }
+    if (skip) {
+      mbar_arrive(&empty_bar[stage]);
+      continue;
+    }
+    wgmma_wait<0>();
+    wgmma_fence_operands(s);
     const bool full_tile = !S::kHasMask && n0 + kN <= kv_len && (!S::kCausal || n0 + kN - 1 <= wg_lo) &&
                            (S::kWindowLeft < 0 || n0 >= wg_hi - S::kWindowLeft) &&
                            (S::kWindowRight < 0 || n0 + kN - 1 <= wg_lo + S::kWindowRight);
