@@ -98,6 +98,26 @@ _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CUfunction_attribute in 
 _thread_state = threading.local()
 
 
+def _module_load_data(image: bytes) -> int:
+    """``cuModuleLoadData`` through ctypes on the driver library torch has already loaded.
+
+    CuPy's binding of this one call imports all of ``cupy`` on its first use (~140 ms, profiled on
+    the H200 2026-11-29: ``driver.moduleLoadData`` -> ``cupy/__init__``); the handle it returns is
+    the same ``CUmodule`` the other driver bindings take.
+
+    Raises:
+        RuntimeError: the driver refused the image (its CUresult in the message).
+    """
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuModuleLoadData.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p)
+    lib.cuModuleLoadData.restype = ctypes.c_int
+    handle = ctypes.c_void_p()
+    status = lib.cuModuleLoadData(ctypes.byref(handle), image)
+    if status != 0:
+        raise RuntimeError(f"cuModuleLoadData failed: CUresult {status} (a cubin for another GPU, or a damaged one)")
+    return int(handle.value)
+
+
 class _DeviceArray:
     """A device buffer described by ``__cuda_array_interface__`` (v3), for ``torch.as_tensor``."""
 
@@ -124,7 +144,7 @@ class CubinModule:
                                f"`jitattn cache verify` and load again")
         prev = self._make_current()
         try:
-            self._module = self._driver.moduleLoadData(image)
+            self._module = _module_load_data(image)
             self.functions = {k: self._driver.moduleGetFunction(self._module, v) for k, v in names.items()}
         finally:
             self._restore(prev)
