@@ -246,6 +246,17 @@ def _check_kernel_layout(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.T
             _fail(f"{name}: must be contiguous")
 
 
+def check_scale(name: str, value: Any) -> float:
+    """An FP8 dequantisation scale (``k_scale`` / ``v_scale``): a positive finite Python number.
+
+    Raises:
+        ValueError: naming the argument and the value (NaN, inf, <= 0, a bool or a tensor).
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        _fail(f"{name}={value!r}: expected a positive finite Python float (a tensor would need a sync)")
+    return float(value)
+
+
 def _resolve_dim(dim: int | str, *, batch: int, total_q: int, spec: AttentionSpec) -> int | None:
     if isinstance(dim, int):
         return dim
@@ -290,8 +301,10 @@ def check_metadata_values(spec: AttentionSpec, seq_lens: torch.Tensor, query_sta
     """Check the metadata's values (copies them to the host: a device sync; not during graph capture).
 
     Raises:
-        ValueError: non-monotone query_start_loc, a sequence with more queries than keys, a sequence
-            longer than its block_table row holds, or a page id outside the cache.
+        ValueError: query_start_loc not starting at 0 and ending at ``total_q`` or decreasing, a
+            negative seq_lens entry, a sequence with more queries than keys, a sequence longer than
+            its block_table row holds, or a page id (of the pages the sequence uses) outside
+            ``[0, num_pages)``.
     """
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -301,6 +314,8 @@ def check_metadata_values(spec: AttentionSpec, seq_lens: torch.Tensor, query_sta
     table = block_table.cpu()
     for b, kv_len in enumerate(lens):
         qo_len = qsl[b + 1] - qsl[b]
+        if kv_len < 0:
+            _fail(f"seq_lens[{b}]={kv_len}: expected a KV length >= 0")
         if qo_len < 0:
             _fail(f"query_start_loc: decreases at sequence {b} ({qsl[b]} -> {qsl[b + 1]})")
         if qo_len > kv_len:

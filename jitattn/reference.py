@@ -19,6 +19,8 @@ from typing import Mapping
 
 import torch
 
+from jitattn.checks import (check_metadata_values, check_paged_call, check_ragged_call, check_ragged_metadata_values,
+                            check_scale)
 from jitattn.spec import AttentionSpec
 from jitattn.trace import ParamView
 from jitattn.variant import alibi_slopes as _alibi_slopes
@@ -158,13 +160,27 @@ def paged_attention(
     Returns:
         ``out`` ``(total_q, num_qo_heads, head_dim_vo)`` in ``spec.o_dtype``, and ``lse`` if asked.
 
+    Every input is checked first, as the kernels check theirs with ``validate=True``
+    (:func:`jitattn.checks.check_paged_call`, :func:`jitattn.checks.check_metadata_values`): the
+    reference reads the metadata on the host anyway, so a bad batch is an error, never a wrong answer.
+
     Raises:
-        ValueError: a ragged spec, missing sinks, or a sequence with more queries than keys.
+        ValueError: a ragged spec; a tensor whose type, dtype (the spec's: ``q_dtype``, ``kv_dtype``,
+            int32 metadata, float32 sinks / slopes), number of dims, size or device does not match;
+            missing or unexpected sinks / params; ``query_start_loc`` not starting at 0, not ending
+            at ``total_q`` or decreasing; a negative ``seq_lens`` entry, one with fewer keys than
+            queries or more than its ``block_table`` row holds; a page id outside ``[0, num_pages)``;
+            a ``k_scale`` / ``v_scale`` that is not a positive finite float; ``return_lse`` with a
+            softmax-free variant.
         NotImplementedError: a variant functor without its torch reference.
     """
     if spec.ragged:
         raise ValueError("spec.kv_storage='ragged': use reference.ragged_attention(spec, q, k, v, query_start_loc, "
                          "kv_start_loc) for a ragged spec")
+    call = check_paged_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc, sinks=sinks,
+                            alibi_slopes=alibi_slopes, params=params)
+    check_metadata_values(spec, seq_lens, query_start_loc, block_table, call.num_pages, call.total_q)
+    k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
     return _attention(spec, q, query_start_loc, seq_lens.tolist(),
                       lambda b, kv_len: gather_kv(spec, kv_cache, block_table, b, kv_len), "seq_lens[{b}]={n}",
                       sinks=sinks, alibi_slopes=alibi_slopes, params=params, return_lse=return_lse, k_scale=k_scale,
@@ -208,13 +224,22 @@ def ragged_attention(
         ``out`` ``(total_q, num_qo_heads, head_dim_vo)`` in ``spec.o_dtype``, and the natural-log
         ``lse`` float32 ``(total_q, num_qo_heads)`` if asked. Rows that see no key: 0 and ``-inf``.
 
+    Every input is checked first (:func:`jitattn.checks.check_ragged_call`,
+    :func:`jitattn.checks.check_ragged_metadata_values`), so a bad batch is an error, never a wrong answer.
+
     Raises:
-        ValueError: a paged spec, missing sinks, or a sequence with more queries than keys.
+        ValueError: a paged spec; a tensor whose type, dtype, number of dims, size or device does
+            not match the spec; missing or unexpected sinks / params; ``query_start_loc`` /
+            ``kv_start_loc`` not starting at 0, not ending at the rows of q / k, or decreasing; a
+            sequence with more queries than keys; ``return_lse`` with a softmax-free variant.
         NotImplementedError: a variant functor without its torch reference.
     """
     if not spec.ragged:
         raise ValueError(f"spec.kv_storage={spec.kv_storage!r}: ragged_attention needs a spec with "
                          f"kv_storage='ragged' (use paged_attention for the paged cache)")
+    call = check_ragged_call(spec, q, k, v, query_start_loc, kv_start_loc, sinks=sinks, alibi_slopes=alibi_slopes,
+                             params=params)
+    check_ragged_metadata_values(query_start_loc, kv_start_loc, call.total_q, call.total_kv)
     ksl = kv_start_loc.tolist()
     lens = [ksl[b + 1] - ksl[b] for b in range(len(ksl) - 1)]
     return _attention(spec, q, query_start_loc, lens,

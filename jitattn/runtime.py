@@ -27,7 +27,8 @@ import torch
 
 from jitattn.build import archs_for_capability
 from jitattn.cache import CacheEntry, KernelCache
-from jitattn.checks import check_metadata_values, check_paged_call, check_ragged_call, check_ragged_metadata_values
+from jitattn.checks import (check_metadata_values, check_paged_call, check_ragged_call, check_ragged_metadata_values,
+                            check_scale)
 from jitattn.reference import default_alibi_slopes, torch_dtype
 from jitattn.render import KERNEL_NAMES, params_fields, params_layout
 from jitattn.spec import AttentionSpec
@@ -424,10 +425,7 @@ _KERNELS: dict[tuple[AttentionSpec, int], JitKernel] = {}
 _KERNELS_LOCK = threading.Lock()
 
 
-def _scale(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={value!r}: expected a positive finite Python float (a tensor would need a sync)")
-    return float(value)
+_scale = check_scale
 
 
 def _cuda_device(device: torch.device | str | int | None) -> torch.device:

@@ -294,11 +294,11 @@ def test_variant_without_reference_functor_is_not_silently_ignored():
 def test_missing_sinks_and_too_many_queries_raise():
     spec = AttentionSpec(4, 2, 64, sinks=True)
     batch = random_paged_batch(spec, [2], [4])
-    with pytest.raises(ValueError, match="sinks: the spec has sinks=True"):
+    with pytest.raises(ValueError, match=r"sinks: spec.sinks=True, so a float32 \(4,\) tensor is required"):
         reference.paged_attention(spec, *batch.args())
     plain = AttentionSpec(4, 2, 64)
     b2 = random_paged_batch(plain, [2], [4])
-    with pytest.raises(ValueError, match=r"sequence 0: 2 queries but seq_lens\[0\]=1"):
+    with pytest.raises(ValueError, match=r"seq_lens\[0\]=1 but the sequence brings 2 queries"):
         reference.paged_attention(plain, b2.q, b2.kv_cache, b2.block_table, torch.tensor([1], dtype=torch.int32),
                                   b2.query_start_loc)
 

@@ -10,20 +10,24 @@ two questions:
 - :meth:`Backend.build` ``(spec, device)``: a callable with the paged signature (:data:`PagedAttentionFn`)::
 
       fn(q, kv_cache, block_table, seq_lens, query_start_loc, *, sinks=None, alibi_slopes=None,
-         params=None, return_lse=False, out=None, max_query_len=None, k_scale=1.0, v_scale=1.0)
-        -> out | (out, lse)
+         params=None, return_lse=False, out=None, max_query_len=None, k_scale=1.0, v_scale=1.0,
+         validate=False) -> out | (out, lse)
 
   shapes and semantics exactly as :func:`jitattn.reference.paged_attention`: ``out``
   ``(total_q, num_qo_heads, head_dim_vo)`` in ``spec.o_dtype``, ``lse`` float32 natural-log
   ``(total_q, num_qo_heads)``. ``out`` (optional) is written in place and returned;
   ``max_query_len`` is a host-side hint (``1``: a pure decode batch) that a backend may ignore;
-  ``k_scale`` / ``v_scale`` are an FP8 cache's per-tensor scales (1.0 and unused for 16-bit KV).
+  ``k_scale`` / ``v_scale`` are an FP8 cache's per-tensor scales (1.0 and unused for 16-bit KV);
+  ``validate=True`` also checks the metadata values (query_start_loc bounds and order, seq_lens
+  against the block table, page ids in range: :func:`jitattn.checks.check_metadata_values`, a device
+  sync) and raises ValueError instead of computing on them. Backends that read the metadata on the
+  host anyway (``reference``, ``sdpa``) always check them.
 
   For a ragged spec (``spec.kv_storage == "ragged"``) the callable takes contiguous varlen K/V
   instead, as :func:`jitattn.reference.ragged_attention`::
 
       fn(q, k, v, query_start_loc, kv_start_loc, *, sinks=None, alibi_slopes=None, params=None,
-         return_lse=False, out=None, max_query_len=None) -> out | (out, lse)
+         return_lse=False, out=None, max_query_len=None, validate=False) -> out | (out, lse)
 
   A backend that cannot take ragged K/V says so in its reasons.
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from jitattn.checks import check_paged_call, check_ragged_call
+from jitattn.checks import check_metadata_values, check_paged_call, check_ragged_call, check_ragged_metadata_values
 from jitattn.reference import torch_dtype
 from jitattn.spec import AttentionSpec
 
@@ -29,17 +29,31 @@ def finish(result: torch.Tensor, lse: torch.Tensor | None, out: torch.Tensor | N
 
 
 def check_call(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-               seq_lens: torch.Tensor, query_start_loc: torch.Tensor, kwargs: dict[str, Any]) -> None:
-    """The shared call-time checks (:func:`jitattn.checks.check_paged_call`), host-only, no sync."""
-    check_paged_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc, sinks=kwargs.get("sinks"),
-                     alibi_slopes=kwargs.get("alibi_slopes"), params=kwargs.get("params"), out=kwargs.get("out"))
+               seq_lens: torch.Tensor, query_start_loc: torch.Tensor, kwargs: dict[str, Any], *,
+               values: bool = False) -> None:
+    """The shared call-time checks (:func:`jitattn.checks.check_paged_call`), host-only, no sync.
+
+    ``values=True`` also checks the metadata values (:func:`jitattn.checks.check_metadata_values`:
+    query_start_loc bounds and order, seq_lens against the block table, page ids in range), a device
+    sync: backends that read the metadata on the host anyway always pass it, the others on ``validate=True``.
+    """
+    call = check_paged_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc, sinks=kwargs.get("sinks"),
+                            alibi_slopes=kwargs.get("alibi_slopes"), params=kwargs.get("params"),
+                            out=kwargs.get("out"))
+    if values:
+        check_metadata_values(spec, seq_lens, query_start_loc, block_table, call.num_pages, call.total_q)
 
 
 def check_ragged(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 query_start_loc: torch.Tensor, kv_start_loc: torch.Tensor, kwargs: dict[str, Any]) -> None:
-    """The shared checks of a ragged call (:func:`jitattn.checks.check_ragged_call`), host-only, no sync."""
-    check_ragged_call(spec, q, k, v, query_start_loc, kv_start_loc, sinks=kwargs.get("sinks"),
-                      alibi_slopes=kwargs.get("alibi_slopes"), params=kwargs.get("params"), out=kwargs.get("out"))
+                 query_start_loc: torch.Tensor, kv_start_loc: torch.Tensor, kwargs: dict[str, Any], *,
+                 values: bool = False) -> None:
+    """The shared checks of a ragged call (:func:`jitattn.checks.check_ragged_call`), host-only, no sync;
+    ``values=True`` adds :func:`jitattn.checks.check_ragged_metadata_values` (a device sync)."""
+    call = check_ragged_call(spec, q, k, v, query_start_loc, kv_start_loc, sinks=kwargs.get("sinks"),
+                             alibi_slopes=kwargs.get("alibi_slopes"), params=kwargs.get("params"),
+                             out=kwargs.get("out"))
+    if values:
+        check_ragged_metadata_values(query_start_loc, kv_start_loc, call.total_q, call.total_kv)
 
 
 def query_positions(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, total_q: int

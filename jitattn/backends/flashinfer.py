@@ -86,8 +86,10 @@ class FlashInferBackend(Backend):
         dtype = torch_dtype(spec.q_dtype)
 
         def flashinfer_paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, *, out=None,
-                                       return_lse: bool = False, max_query_len: int | None = None, **kwargs: Any):
-            check_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc, {**kwargs, "out": out})
+                                       return_lse: bool = False, max_query_len: int | None = None,
+                                       validate: bool = False, **kwargs: Any):
+            check_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc, {**kwargs, "out": out},
+                       values=validate)
             indptr, indices, last_len = _page_metadata(spec, block_table, seq_lens)
             wrapper.plan(query_start_loc, indptr, indices, last_len, spec.num_qo_heads, spec.num_kv_heads,
                          spec.head_dim_qk, spec.page_size, causal=spec.causal, window_left=spec.window_left,

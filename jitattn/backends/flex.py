@@ -75,9 +75,10 @@ class FlexBackend(Backend):
 
         def flex_paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, *, out=None,
                                  return_lse: bool = False, max_query_len: int | None = None, sinks=None,
-                                 alibi_slopes=None, params=None, k_scale: float = 1.0, v_scale: float = 1.0):
+                                 alibi_slopes=None, params=None, k_scale: float = 1.0, v_scale: float = 1.0,
+                                 validate: bool = False):
             check_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc,
-                       {"sinks": sinks, "alibi_slopes": alibi_slopes, "params": params, "out": out})
+                       {"sinks": sinks, "alibi_slopes": alibi_slopes, "params": params, "out": out}, values=validate)
             if spec.alibi and alibi_slopes is None:
                 alibi_slopes = default_alibi_slopes(spec, q.device)
             total_q = q.shape[0]

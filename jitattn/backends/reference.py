@@ -47,7 +47,7 @@ class ReferenceBackend(Backend):
         if spec.ragged:
             def reference_ragged_attention(q, k, v, query_start_loc, kv_start_loc, *, out=None,
                                            return_lse: bool = False, max_query_len: int | None = None,
-                                           **kwargs: Any):
+                                           validate: bool = True, **kwargs: Any):
                 check_ragged(spec, q, k, v, query_start_loc, kv_start_loc, {**kwargs, "out": out})
                 res = reference.ragged_attention(spec, q, k, v, query_start_loc, kv_start_loc, return_lse=True,
                                                  **kwargs)
@@ -57,7 +57,7 @@ class ReferenceBackend(Backend):
 
         def reference_paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, *, out=None,
                                       return_lse: bool = False, max_query_len: int | None = None,
-                                      **kwargs: Any):
+                                      validate: bool = True, **kwargs: Any):
             check_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc, {**kwargs, "out": out})
             res = reference.paged_attention(spec, q, kv_cache, block_table, seq_lens, query_start_loc,
                                             return_lse=True, **kwargs)

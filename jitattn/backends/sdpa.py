@@ -56,11 +56,13 @@ class SdpaBackend(Backend):
             return _ragged_fn(spec)
 
         def sdpa_paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, *, out=None,
-                                 return_lse: bool = False, max_query_len: int | None = None, **kwargs: Any):
+                                 return_lse: bool = False, max_query_len: int | None = None, validate: bool = True,
+                                 **kwargs: Any):
             if return_lse:
                 raise NotImplementedError("sdpa: cannot return the lse (torch SDPA does not expose it); "
                                           "select a backend with need_lse=True")
-            check_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc, {**kwargs, "out": out})
+            # It reads the metadata on the host anyway, so it always checks the values (validate is moot).
+            check_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc, {**kwargs, "out": out}, values=True)
             result = new_out(spec, q, None)
             qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
             for b, kv_len in enumerate(lens):
@@ -77,11 +79,11 @@ class SdpaBackend(Backend):
 
 def _ragged_fn(spec: AttentionSpec) -> PagedAttentionFn:
     def sdpa_ragged_attention(q, k, v, query_start_loc, kv_start_loc, *, out=None, return_lse: bool = False,
-                              max_query_len: int | None = None, **kwargs: Any):
+                              max_query_len: int | None = None, validate: bool = True, **kwargs: Any):
         if return_lse:
             raise NotImplementedError("sdpa: cannot return the lse (torch SDPA does not expose it); "
                                       "select a backend with need_lse=True")
-        check_ragged(spec, q, k, v, query_start_loc, kv_start_loc, {**kwargs, "out": out})
+        check_ragged(spec, q, k, v, query_start_loc, kv_start_loc, {**kwargs, "out": out}, values=True)
         result = new_out(spec, q, None)
         qsl, ksl = query_start_loc.tolist(), kv_start_loc.tolist()
         for b in range(len(qsl) - 1):

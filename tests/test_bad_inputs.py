@@ -1,0 +1,136 @@
+"""Bad inputs to the torch-level entry points on the CPU: jitattn.reference.paged_attention /
+ragged_attention and the torch backends' callables. Each is a ValueError naming the argument and the
+value, never a traceback from inside torch and never a silently wrong answer (the reference is the
+oracle: it must not compute on metadata the kernels would refuse under ``validate=True``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jitattn import AttentionSpec, reference
+from jitattn.backends import get_backend
+from jitattn.backends.base import DeviceInfo
+from jitattn.testing import random_paged_batch, random_ragged_batch
+
+SPEC = AttentionSpec(4, 2, 64, q_dtype="float16", page_size=16)
+RAGGED = AttentionSpec(4, 2, 64, head_dim_vo=32, kv_storage="ragged")
+I32 = torch.int32
+
+
+def paged():
+    return random_paged_batch(SPEC, [1, 5], [20, 37])  # 3 pages per row, 8 pages in all
+
+
+def bad_table():
+    b = paged()
+    t = b.block_table.clone()
+    t[1, 1] = b.kv_cache.shape[0] + 5
+    return t
+
+
+def neg_table():
+    t = paged().block_table.clone()
+    t[1, 1] = -3  # would index from the end of the cache: another sequence's keys
+    return t
+
+
+PAGED_CASES = [
+    ("q", lambda b: b.q.float(), r"q: expected dtype torch.float16, got torch.float32"),
+    ("q", lambda b: b.q[:, :2], r"q: dim 1 \(num_qo_heads\) must be 4, got 2"),
+    ("kv_cache", lambda b: b.kv_cache[:, :, :8], r"kv_cache: dim 2 \(page_size\) must be 16"),
+    ("seq_lens", lambda b: b.seq_lens.long(), r"seq_lens: expected dtype torch.int32"),
+    ("seq_lens", lambda b: torch.tensor([-1, 37], dtype=I32), r"seq_lens\[0\]=-1: expected a KV length >= 0"),
+    ("seq_lens", lambda b: torch.tensor([20, 1000], dtype=I32), r"seq_lens\[1\]=1000 exceeds block_table capacity"),
+    ("query_start_loc", lambda b: torch.tensor([0, 1, 3], dtype=I32),
+     r"query_start_loc: must start at 0 and end at total_q=6, got 0 \.\.\. 3"),
+    ("query_start_loc", lambda b: torch.tensor([1, 2, 6], dtype=I32), r"query_start_loc: must start at 0"),
+    ("query_start_loc", lambda b: torch.tensor([0, 7, 6], dtype=I32), r"query_start_loc: decreases at sequence 1"),
+    ("block_table", lambda b: bad_table(), r"block_table\[1\]: page ids must be in \[0, 8\), got \[.*13.*\]"),
+    ("block_table", lambda b: neg_table(), r"block_table\[1\]: page ids must be in \[0, 8\), got \[.*-3.*\]"),
+    ("block_table", lambda b: b.block_table[0], r"block_table: expected 2 dims"),
+    ("k_scale", lambda b: float("nan"), r"k_scale=nan: expected a positive finite Python float"),
+    ("v_scale", lambda b: -1.0, r"v_scale=-1.0: expected a positive finite Python float"),
+    ("sinks", lambda b: torch.zeros(4), r"sinks: given, but spec.sinks=False"),
+]
+
+
+def _paged_call(fn, b, name, value, **kw):
+    args = dict(q=b.q, kv_cache=b.kv_cache, block_table=b.block_table, seq_lens=b.seq_lens,
+                query_start_loc=b.query_start_loc)
+    extra = {}
+    if name in args:
+        args[name] = value
+    else:
+        extra[name] = value
+    return fn(*args.values(), **extra, **kw)
+
+
+@pytest.mark.parametrize("name, make, match", PAGED_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(PAGED_CASES)])
+def test_reference_paged_attention_refuses(name, make, match):
+    b = paged()
+    with pytest.raises(ValueError, match=match):
+        _paged_call(lambda *a, **kw: reference.paged_attention(SPEC, *a, **kw), b, name, make(b))
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+@pytest.mark.parametrize("name, make, match",
+                         [c for c in PAGED_CASES if c[0] not in ("k_scale", "v_scale")],
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(PAGED_CASES) if c[0] not in ("k_scale", "v_scale")])
+def test_torch_backends_refuse_bad_metadata(backend, name, make, match):
+    """reference and sdpa read the metadata on the host anyway: they always check its values."""
+    fn = get_backend(backend).build(SPEC, DeviceInfo.parse("cpu"))
+    b = paged()
+    with pytest.raises(ValueError, match=match):
+        _paged_call(fn, b, name, make(b))
+
+
+def test_backends_take_validate_like_the_jit_kernel():
+    b = paged()
+    for name in ("reference", "sdpa"):
+        fn = get_backend(name).build(SPEC, DeviceInfo.parse("cpu"))
+        torch.testing.assert_close(fn(*b.args(), validate=True), reference.paged_attention(SPEC, *b.args()))
+        with pytest.raises(ValueError, match=r"block_table\[1\]: page ids must be in \[0, 8\)"):
+            fn(b.q, b.kv_cache, bad_table(), b.seq_lens, b.query_start_loc, validate=True)
+
+
+def test_zero_length_sequences_and_empty_q_are_fine():
+    b = paged()
+    qsl = torch.tensor([0, 0, 5], dtype=I32)
+    out, lse = reference.paged_attention(SPEC, b.q[1:], b.kv_cache, b.block_table, torch.tensor([0, 37], dtype=I32),
+                                         qsl, return_lse=True)
+    assert out.shape == (5, 4, 64) and not out.isnan().any() and lse.isfinite().all()
+    empty = reference.paged_attention(SPEC, b.q[:0], b.kv_cache, b.block_table, b.seq_lens,
+                                      torch.zeros(3, dtype=I32))
+    assert empty.shape == (0, 4, 64)
+
+
+def ragged():
+    return random_ragged_batch(RAGGED, [1, 5], [20, 37])  # 57 keys
+
+
+RAGGED_CASES = [
+    ("v", lambda b: b.k, r"v: dim 2 \(head_dim_vo\) must be 32, got 64"),
+    ("q", lambda b: b.q.half(), r"q: expected dtype torch.bfloat16, got torch.float16"),
+    ("kv_start_loc", lambda b: torch.tensor([0, 20, 50], dtype=I32),
+     r"kv_start_loc: must start at 0 and end at 57 \(rows of k and v\), got 0 \.\.\. 50"),
+    ("kv_start_loc", lambda b: torch.tensor([0, 20, 80], dtype=I32), r"kv_start_loc: must start at 0 and end at 57"),
+    ("kv_start_loc", lambda b: torch.tensor([0, 60, 57], dtype=I32), r"kv_start_loc: decreases at sequence 1"),
+    ("query_start_loc", lambda b: torch.tensor([0, 1, 4], dtype=I32),
+     r"query_start_loc: must start at 0 and end at 6 \(rows of q\)"),
+    ("kv_start_loc", lambda b: b.kv_start_loc.long(), r"kv_start_loc: expected dtype torch.int32"),
+]
+
+
+@pytest.mark.parametrize("via", ["reference", "backend:reference", "backend:sdpa"])
+@pytest.mark.parametrize("name, make, match", RAGGED_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(RAGGED_CASES)])
+def test_ragged_refuses(via, name, make, match):
+    b = ragged()
+    if via == "reference":
+        fn = lambda *a, **kw: reference.ragged_attention(RAGGED, *a, **kw)  # noqa: E731
+    else:
+        fn = get_backend(via.split(":")[1]).build(RAGGED, DeviceInfo.parse("cpu"))
+    args = dict(q=b.q, k=b.k, v=b.v, query_start_loc=b.query_start_loc, kv_start_loc=b.kv_start_loc)
+    args[name] = make(b)
+    with pytest.raises(ValueError, match=match):
+        fn(*args.values())
