@@ -91,6 +91,15 @@ def _usage_errors() -> Iterator[None]:
         _fail(str(exc).strip().replace("\n", " "))
 
 
+def _need_torch(command: str) -> None:
+    """Exit 2 with one line when torch is missing (the build-box install has no torch)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        _fail(f"`jitattn {command}` needs torch, which is not installed here (only `jitattn warmup` and "
+              f"`jitattn cache` work without it): pip install 'jitattn[torch]'")
+
+
 def _version_callback(value: bool) -> None:
     if value:
         typer.echo(f"jitattn {jitattn.__version__}")
@@ -612,6 +621,7 @@ def select(
 
     Works without a GPU when the device is named. Exit code 1 when a layer kind has no backend.
     """
+    _need_torch("select")
     from jitattn.selector import format_model_selection, select_model
 
     with _usage_errors():
@@ -655,6 +665,7 @@ def bench(ctx: typer.Context) -> None:
     if problem:
         _fail(f"jitattn bench runs kernels on a CUDA GPU, and cannot here: {problem} "
               f"(--list, --from-json and --compile-only work without one)")
+    _need_torch("bench")
     from jitattn import bench as bench_module
 
     bench_module.main(args)

@@ -303,3 +303,17 @@ def test_select_exit_codes(tmp_path):
     assert "| sliding_attention | 21 (0, 2, 4, 6, ...) | none |" in forced.stdout
     bad = jitattn("select", "-m", str(GEMMA), "--device", "tpu", cache=tmp_path)
     assert bad.returncode == 2 and bad.stderr.startswith("jitattn: error: device='tpu': unknown device")
+
+
+@pytest.mark.parametrize("args", [["select", "--model", "examples/models/gemma-2-9b.json", "--device", "h100"],
+                                  ["bench", "--list"]])
+def test_torch_commands_without_torch_exit_2_with_one_line(tmp_path, args):
+    """A build box installs jitattn without torch: select and bench say so, without a traceback."""
+    blocker = tmp_path / "blocker"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(blocker), str(REPO)])}
+    proc = jitattn(*args, cache=tmp_path / "cache", env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().startswith(f"jitattn: error: `jitattn {args[0]}` needs torch"), proc.stderr
