@@ -325,13 +325,15 @@ class ParamView(Mapping):
         try:
             return self._values[name]
         except KeyError:
-            raise AttributeError(f"params has no {name!r}; declared: {sorted(self._values)}") from None
+            raise AttributeError(f"params has no {name!r}; declared: {sorted(self._values)} "
+                                 f"(declare it in Variant(params=(Param({name!r}, ...),)))") from None
 
     def __getitem__(self, name: str) -> Any:
         try:
             return self._values[name]
         except KeyError:
-            raise KeyError(f"params has no {name!r}; declared: {sorted(self._values)}") from None
+            raise KeyError(f"params has no {name!r}; declared: {sorted(self._values)} "
+                           f"(declare it in Variant(params=(Param({name!r}, ...),)))") from None
 
     def __iter__(self):
         return iter(self._values)
@@ -377,7 +379,8 @@ def trace(fn: Callable, args: tuple, *, hook: str, returns: str) -> Traced:
 
     Raises:
         TraceError: wrong number of arguments, an unsupported construct (with the function, its source
-            line and what to write instead), or a result of the wrong kind.
+            line and what to write instead), a parameter the variant does not declare, or a result of
+            the wrong kind.
     """
     try:
         inspect.signature(fn).bind(*args)
@@ -390,6 +393,9 @@ def trace(fn: Callable, args: tuple, *, hook: str, returns: str) -> Traced:
         out = fn(*args)
     except TraceError as exc:
         raise TraceError(f"{hook} {_failing_line(fn, sys.exc_info()[2])}: {exc}") from None
+    except (AttributeError, KeyError) as exc:  # an undeclared params name, a torch function that does not exist
+        message = exc.args[0] if exc.args else type(exc).__name__
+        raise TraceError(f"{hook} {_failing_line(fn, sys.exc_info()[2])}: {message}") from None
     try:
         result = _literal(out)
     except TraceError as exc:

@@ -126,6 +126,21 @@ def _bias_a(score, batch, qo_head, qo_idx, kv_idx, params):
     return score - params.slope[qo_head] * (qo_idx - kv_idx)
 
 
+def undeclared_bias(score, batch, qo_head, qo_idx, kv_idx, params):
+    return score + params.bias[qo_head]
+
+
+def undeclared_item(score, batch, qo_head, qo_idx, kv_idx, params):
+    return score * params["scale"]
+
+
+@pytest.mark.parametrize("fn, name", [(undeclared_bias, "bias"), (undeclared_item, "scale")])
+def test_undeclared_parameter_is_a_trace_error_naming_the_line(fn, name):
+    with pytest.raises(TraceError, match=rf"logits_transform {fn.__name__} at .*test_trace.py:\d+ `return .*`: "
+                                         rf"params has no '{name}'; declared: \[\] \(declare it in Variant"):
+        Variant("v", logits_transform=fn)
+
+
 def test_same_function_same_key_changed_constant_new_key():
     a = AttentionSpec(8, 2, 64, variant=Variant("b", logits_transform=_bias_a, params=SLOPE))
     again = AttentionSpec(8, 2, 64, variant=Variant("b", logits_transform=_bias_a, params=SLOPE))
