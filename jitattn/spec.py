@@ -25,7 +25,7 @@ import json
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from jitattn.variant import Variant
 
@@ -236,15 +236,31 @@ class AttentionSpec:
 
     @classmethod
     def from_json(cls, data: dict[str, Any] | str) -> "AttentionSpec":
-        """Inverse of :meth:`to_json` (accepts the dict or its JSON text)."""
+        """Inverse of :meth:`to_json` (accepts the dict or its JSON text).
+
+        Raises:
+            ValueError: text that is not JSON, JSON that is not an object, unknown or missing fields,
+                or a field value :class:`AttentionSpec` refuses.
+        """
         if isinstance(data, str):
-            data = json.loads(data)
+            try:
+                data = json.loads(data)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"AttentionSpec.from_json: not valid JSON ({exc})") from None
+        if not isinstance(data, Mapping):
+            raise ValueError(f"AttentionSpec.from_json: expected a JSON object of spec fields, got "
+                             f"{type(data).__name__} {data!r:.80}")
         data = dict(data)
         if data.get("variant") is not None:
             data["variant"] = Variant.from_json(data["variant"])
-        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        unknown = set(data) - set(fields)
         if unknown:
             raise ValueError(f"AttentionSpec.from_json: unknown fields {sorted(unknown)}")
+        missing = [n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise ValueError(f"AttentionSpec.from_json: missing required fields {missing}")
         return cls(**data)
 
     @property

@@ -128,7 +128,7 @@ BAD_ARGS = [
     (("--spec", "specs/missing.json"), {}, r"--spec 'specs/missing.json': no such file, and not JSON text"),
     (("--spec", '{"num_qo_heads": 8, "num_kv_heads": 3, "head_dim_qk": 64}'), {},
      r"--spec: invalid spec: num_qo_heads=8, num_kv_heads=3: num_kv_heads must divide num_qo_heads"),
-    (("--spec", '{"num_qo_heads": 8}'), {}, r"--spec: invalid spec: .*missing 2 required positional arguments"),
+    (("--spec", '{"num_qo_heads": 8}'), {}, r"--spec: invalid spec: .*missing required fields \[.num_kv_heads., .head_dim_qk.\]"),
     (("--spec", '{"num_qo_heads": 8, "num_kv_heads": 8, "head_dim_qk": 64, "nope": 1}'), {},
      r"--spec: invalid spec: AttentionSpec.from_json: unknown fields \['nope'\]"),
     (("--spec", "[1, 2]"), {}, r"--spec \[0\]: expected a JSON object with AttentionSpec fields, got int"),

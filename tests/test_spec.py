@@ -322,3 +322,13 @@ def test_alibi_slopes(n):
 def test_alibi_slopes_bad_count(bad):
     with pytest.raises(ValueError, match="num_heads"):
         alibi_slopes(bad)
+
+
+@pytest.mark.parametrize("text, match", [
+    ('{"num_qo_heads": 4}', r"from_json: missing required fields \['num_kv_heads', 'head_dim_qk'\]"),
+    ("[1]", r"from_json: expected a JSON object of spec fields, got list"),
+    ("{", r"from_json: not valid JSON"),
+])
+def test_from_json_bad_text_is_a_value_error(text, match):
+    with pytest.raises(ValueError, match=match):
+        AttentionSpec.from_json(text)
