@@ -59,6 +59,20 @@ def kv_cache_shape(spec: AttentionSpec, num_pages: int) -> tuple[int, ...]:
     return (num_pages, 2, spec.num_kv_heads, spec.page_size, spec.head_dim_qk)
 
 
+def _check_extras(spec: AttentionSpec, q: torch.Tensor, sinks: torch.Tensor | None,
+                  alibi_slopes: torch.Tensor | None, params: Mapping[str, Any] | None, out: torch.Tensor | None,
+                  batch: int, dev: torch.device) -> None:
+    """The checks a paged and a ragged call share: sinks, ALiBi slopes, variant params and ``out``."""
+    _check_vector("sinks", sinks, spec.sinks, spec.num_qo_heads, dev, "spec.sinks")
+    _check_vector("alibi_slopes", alibi_slopes, spec.alibi, spec.num_qo_heads, dev, "spec.alibi", optional=True)
+    check_params(spec, params or {}, batch=batch, total_q=q.shape[0], device=dev)
+    if out is not None:
+        _check_tensor("out", out, dtype=_TORCH_DTYPES[spec.o_dtype], ndim=3, device=dev)
+        if tuple(out.shape) != (q.shape[0], spec.num_qo_heads, spec.head_dim_vo) or not out.is_contiguous():
+            _fail(f"out: expected a contiguous ({q.shape[0]}, {spec.num_qo_heads}, {spec.head_dim_vo}) tensor, "
+                  f"got shape {tuple(out.shape)} strides {out.stride()}")
+
+
 def check_paged_call(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, sinks: torch.Tensor | None = None,
                      alibi_slopes: torch.Tensor | None = None, params: Mapping[str, Any] | None = None,
@@ -95,14 +109,7 @@ def check_paged_call(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tenso
     _check_dim("seq_lens", seq_lens, 0, batch, "batch, from query_start_loc")
     _check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=dev)
     _check_dim("block_table", block_table, 0, batch, "batch, from query_start_loc")
-    _check_vector("sinks", sinks, spec.sinks, spec.num_qo_heads, dev, "spec.sinks")
-    _check_vector("alibi_slopes", alibi_slopes, spec.alibi, spec.num_qo_heads, dev, "spec.alibi", optional=True)
-    check_params(spec, params or {}, batch=batch, total_q=q.shape[0], device=dev)
-    if out is not None:
-        _check_tensor("out", out, dtype=_TORCH_DTYPES[spec.o_dtype], ndim=3, device=dev)
-        if tuple(out.shape) != (q.shape[0], spec.num_qo_heads, spec.head_dim_vo) or not out.is_contiguous():
-            _fail(f"out: expected a contiguous ({q.shape[0]}, {spec.num_qo_heads}, {spec.head_dim_vo}) tensor, "
-                  f"got shape {tuple(out.shape)} strides {out.stride()}")
+    _check_extras(spec, q, sinks, alibi_slopes, params, out, batch, dev)
     if for_kernel:
         _check_kernel_layout(spec, q, kv_cache, block_table, seq_lens, query_start_loc)
     return PagedCall(batch=batch, total_q=q.shape[0], num_pages=kv_cache.shape[0],
@@ -151,14 +158,7 @@ def check_ragged_call(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: 
         _fail(f"query_start_loc: expected shape (batch + 1,) with batch >= 1, got {tuple(query_start_loc.shape)}")
     _check_tensor("kv_start_loc", kv_start_loc, dtype=torch.int32, ndim=1, device=dev)
     _check_dim("kv_start_loc", kv_start_loc, 0, batch + 1, "batch + 1, from query_start_loc")
-    _check_vector("sinks", sinks, spec.sinks, spec.num_qo_heads, dev, "spec.sinks")
-    _check_vector("alibi_slopes", alibi_slopes, spec.alibi, spec.num_qo_heads, dev, "spec.alibi", optional=True)
-    check_params(spec, params or {}, batch=batch, total_q=q.shape[0], device=dev)
-    if out is not None:
-        _check_tensor("out", out, dtype=_TORCH_DTYPES[spec.o_dtype], ndim=3, device=dev)
-        if tuple(out.shape) != (q.shape[0], spec.num_qo_heads, spec.head_dim_vo) or not out.is_contiguous():
-            _fail(f"out: expected a contiguous ({q.shape[0]}, {spec.num_qo_heads}, {spec.head_dim_vo}) tensor, "
-                  f"got shape {tuple(out.shape)} strides {out.stride()}")
+    _check_extras(spec, q, sinks, alibi_slopes, params, out, batch, dev)
     if for_kernel:
         if q.device.type != "cuda":
             _fail(f"q: the jit backend runs on CUDA devices, got {q.device}; use the reference backend on CPU")

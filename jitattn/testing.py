@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -115,6 +115,32 @@ def make_paged_kv(k: torch.Tensor, v: torch.Tensor, kv_lens: Sequence[int], spec
     return cache, table.to(k.device)
 
 
+def _random_source(spec: AttentionSpec, q_lens: Sequence[int], kv_lens: Sequence[int],
+                   device: torch.device | str, seed: int, scale: float
+                   ) -> tuple[Callable[..., torch.Tensor], torch.Generator]:
+    """Check the lengths of a random batch; return ``randn(*shape)`` (standard normal x ``scale`` in
+    q's dtype, generated on ``device``) and a CPU generator of the same seed (page order, sinks).
+
+    Values are generated where they are used: the large benchmark batches (billions of values) would
+    cost tens of seconds and tens of GB of host memory through the CPU.
+
+    Raises:
+        ValueError: lengths of different counts, or a sequence with more queries than keys.
+    """
+    if len(q_lens) != len(kv_lens):
+        raise ValueError(f"q_lens has {len(q_lens)} entries, kv_lens {len(kv_lens)}")
+    for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
+        if ql > kl or ql < 0:
+            raise ValueError(f"sequence {b}: q_len={ql} must be in [0, kv_len={kl}]")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dt = torch_dtype(spec.q_dtype)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dt)
+
+    return randn, torch.Generator(device="cpu").manual_seed(seed)
+
+
 def random_paged_batch(spec: AttentionSpec, q_lens: Sequence[int], kv_lens: Sequence[int], *,
                        device: torch.device | str = "cpu", seed: int = 0, extra_pages: int = 3,
                        params: dict[str, Any] | None = None, scale: float = 1.0) -> PagedBatch:
@@ -125,19 +151,7 @@ def random_paged_batch(spec: AttentionSpec, q_lens: Sequence[int], kv_lens: Sequ
     Raises:
         ValueError: lengths of different counts, or a sequence with more queries than keys.
     """
-    if len(q_lens) != len(kv_lens):
-        raise ValueError(f"q_lens has {len(q_lens)} entries, kv_lens {len(kv_lens)}")
-    for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
-        if ql > kl or ql < 0:
-            raise ValueError(f"sequence {b}: q_len={ql} must be in [0, kv_len={kl}]")
-    # Generated where they are used: the large benchmark batches (billions of values) would cost tens
-    # of seconds and tens of GB of host memory through the CPU. Page order comes from a CPU generator.
-    gen = torch.Generator(device=device).manual_seed(seed)
-    cpu_gen = torch.Generator(device="cpu").manual_seed(seed)
-    dt = torch_dtype(spec.q_dtype)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dt)
+    randn, cpu_gen = _random_source(spec, q_lens, kv_lens, device, seed, scale)
 
     q = randn(sum(q_lens), spec.num_qo_heads, spec.head_dim_qk)
     k = randn(sum(kv_lens), spec.num_kv_heads, spec.head_dim_qk)
@@ -204,17 +218,8 @@ def random_ragged_batch(spec: AttentionSpec, q_lens: Sequence[int], kv_lens: Seq
     """
     if not spec.ragged:
         raise ValueError(f"spec.kv_storage={spec.kv_storage!r}: random_ragged_batch needs a ragged spec")
-    if len(q_lens) != len(kv_lens):
-        raise ValueError(f"q_lens has {len(q_lens)} entries, kv_lens {len(kv_lens)}")
-    for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
-        if ql > kl or ql < 0:
-            raise ValueError(f"sequence {b}: q_len={ql} must be in [0, kv_len={kl}]")
-    gen = torch.Generator(device=device).manual_seed(seed)
-    cpu_gen = torch.Generator(device="cpu").manual_seed(seed)
+    randn, cpu_gen = _random_source(spec, q_lens, kv_lens, device, seed, scale)
     dt = torch_dtype(spec.q_dtype)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dt)
 
     nq, nkv = sum(q_lens), sum(kv_lens)
     dqk, dvo = spec.head_dim_qk, spec.head_dim_vo
