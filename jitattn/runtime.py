@@ -43,9 +43,10 @@ _DEFAULT_SMEM_LIMIT = 48 * 1024
 def _driver():
     """CuPy's thin Cython bindings of the CUDA driver API (``cuModuleLoadData``, ``cuLaunchKernel``, ...).
 
-    Imported from ``cupy_backends`` (a few ms): ``import cupy``, the array library around them, costs
-    ~100 ms more, which a warm start must not pay (issue #7: <= 50 ms per kernel). The device and its
-    primary context are torch's (``torch.cuda.set_device``), so the CUDA runtime API is not needed.
+    Imported from ``cupy_backends`` (1.4 ms on the H200), but the first call into them still imports
+    all of ``cupy`` (~130 ms, once per process; profiled 2026-11-29), which keeps a process's first
+    kernel load over issue #7's 50 ms (each further kernel: ~3 ms). The device and its primary
+    context are torch's (``torch.cuda.set_device``), so the CUDA runtime API is not needed.
     """
     try:
         from cupy_backends.cuda.api import driver
@@ -102,9 +103,9 @@ _thread_state = threading.local()
 def _module_load_data(image: bytes) -> int:
     """``cuModuleLoadData`` through ctypes on the driver library torch has already loaded.
 
-    CuPy's binding of this one call imports all of ``cupy`` on its first use (~140 ms, profiled on
-    the H200 2026-11-29: ``driver.moduleLoadData`` -> ``cupy/__init__``); the handle it returns is
-    the same ``CUmodule`` the other driver bindings take.
+    Loads exactly the bytes the cache verified. (CuPy's binding of this call was where ``cupy`` got
+    imported, profiled on the H200 2026-11-29; with it bypassed, the next CuPy driver call imports
+    it instead.) The handle is the same ``CUmodule`` the other driver bindings take.
 
     Raises:
         RuntimeError: the driver refused the image (its CUresult in the message).
