@@ -41,10 +41,6 @@ def gpu_problem() -> str | None:
     """Why the kernels cannot run here, or None."""
     if not torch.cuda.is_available():
         return "torch sees no CUDA device"
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        return "CuPy is not installed (pip install 'jitattn[cuda12]' or 'jitattn[cuda13]')"
     return None
 
 

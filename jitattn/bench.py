@@ -948,7 +948,7 @@ def _try(fn: Callable[[], Any]) -> Any:
 
 
 def environment(argv: list[str], anchors: tuple[str, ...] = ANCHORS) -> dict[str, Any]:
-    """Date (UTC), device, versions (torch, CUDA, CuPy, triton, FlashInfer, nvcc, driver) and the command.
+    """Date (UTC), device, versions (torch, CUDA, triton, FlashInfer, nvcc, driver) and the command.
 
     FlashInfer is imported only when it is among ``anchors``.
     """
@@ -967,7 +967,6 @@ def environment(argv: list[str], anchors: tuple[str, ...] = ANCHORS) -> dict[str
             timeout=30, check=True).stdout.strip().splitlines()[0]),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "cupy": _try(lambda: __import__("cupy").__version__),
         "triton": _try(lambda: __import__("triton").__version__),
         "flashinfer": _try(lambda: import_flashinfer().__version__) if "flashinfer" in anchors else "not requested",
         "nvcc": _try(lambda: nvcc_version(settings.nvcc())),
@@ -1099,7 +1098,7 @@ def latest_section(results: list[Result], env: dict[str, Any], figures: list[Com
     """BENCHMARKS.md's "Latest" section: date, device, versions, the exact command, the table(s)."""
     lines = [f"## Latest: {env.get('date', '?')}", "",
              f"- Device: {env.get('device')}, driver {env.get('driver')}, torch {env.get('torch')} "
-             f"(CUDA {env.get('cuda')}), CuPy {env.get('cupy')}, triton {env.get('triton')}, "
+             f"(CUDA {env.get('cuda')}), triton {env.get('triton')}, "
              f"nvcc {env.get('nvcc')}, {env.get('arch')} cubins, jitattn {env.get('jitattn')} ({env.get('git')}).",
              f"- FlashInfer: {env.get('flashinfer')}.",
              *[f"- Command: `{cmd}`." for cmd in env.get("commands", [env.get("command")])],

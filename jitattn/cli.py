@@ -637,17 +637,13 @@ def select(
 
 # ---- bench -------------------------------------------------------------------------------------
 def gpu_problem() -> str | None:
-    """Why kernels cannot run here (no torch, no CUDA device, no CuPy), or None when they can."""
+    """Why kernels cannot run here (no torch, no CUDA device), or None when they can."""
     try:
         import torch
     except ImportError:
-        return "torch is not installed (pip install 'jitattn[cuda13]')"
+        return "torch is not installed (pip install 'jitattn[torch]', or torch for your CUDA from pytorch.org)"
     if not torch.cuda.is_available():
         return "torch sees no CUDA device on this machine"
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        return "CuPy is not installed (pip install 'jitattn[cuda12]' or 'jitattn[cuda13]')"
     return None
 
 

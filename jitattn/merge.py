@@ -27,7 +27,7 @@ Two implementations with the same arithmetic (fp32; the output rounded once to t
   Python branches, so ``torch.compile(fullgraph=True)`` traces it;
 - for CUDA tensors, a fused kernel (``templates/merge.cu.j2``: one pass over the values with
   16-byte vector loads and stores, fp32 accumulation) that goes through jitattn's own pipeline:
-  rendered, compiled by nvcc, cached by content, loaded with CuPy's driver API and launched on
+  rendered, compiled by nvcc, cached by content, loaded through the CUDA driver API and launched on
   torch's current stream (:mod:`jitattn.merge_module`). ``JITATTN_DISABLE_JIT=1`` deployments
   find it in the cache, and ``jitattn warmup --model`` builds it for each model's output dtype.
 
@@ -178,7 +178,7 @@ class MergeKernel:
     Raises:
         MissingKernelError: not cached under JITATTN_DISABLE_JIT=1 (names the warm-up command).
         jitattn.build.CompileError / BuildError: nvcc failed or cannot run.
-        ImportError: CuPy is not installed.
+        OSError: no CUDA driver library (:mod:`jitattn.cuda_driver`).
         RuntimeError: the cubin's Params size differs from the host's (a stale entry).
     """
 

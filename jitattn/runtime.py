@@ -1,8 +1,8 @@
-"""Runtime: load a spec's cubin with CuPy and launch its kernels on torch's current stream.
+"""Runtime: load a spec's cubin and launch its kernels on torch's current stream.
 
-No C++ extension and no torch ABI coupling: the cubin is loaded through CuPy's driver-API bindings
-(``cupy.cuda.driver.moduleLoad``), the kernel arguments travel as one packed struct (layout from
-:mod:`jitattn.render`), and launches go to ``torch.cuda.current_stream()``'s raw handle, so they
+No C++ extension and no torch ABI coupling: the cubin is loaded through the CUDA driver API
+(``cuModuleLoadData``, bound with ctypes in :mod:`jitattn.cuda_driver`) into the primary context
+torch uses, the kernel arguments travel as one packed struct (layout from :mod:`jitattn.render`), and launches go to ``torch.cuda.current_stream()``'s raw handle, so they
 order with torch's own work and can be captured in CUDA graphs. Launch geometry (block sizes, shared memory,
 tile shapes) is read from the cubin itself, never re-derived in Python.
 
@@ -15,7 +15,6 @@ it once for every row of the batch, one-query rows included.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import math
 import struct
@@ -25,6 +24,7 @@ from typing import Any, Mapping
 
 import torch
 
+from jitattn import cuda_driver
 from jitattn.build import archs_for_capability
 from jitattn.cache import CacheEntry, KernelCache
 from jitattn.checks import (check_metadata_values, check_paged_call, check_ragged_call, check_ragged_metadata_values,
@@ -38,27 +38,6 @@ _GEOMETRY = ("decode_threads", "decode_smem", "decode_tile_keys", "prefill_threa
 _MERGE_THREADS = 128  # kMergeThreads in templates/decode.cuh
 MAX_SPLITS = 64  # kMaxSplits in templates/decode.cuh
 _DEFAULT_SMEM_LIMIT = 48 * 1024
-
-
-def _driver():
-    """CuPy's thin Cython bindings of the CUDA driver API (``cuModuleLoadData``, ``cuLaunchKernel``, ...).
-
-    Imported from ``cupy_backends`` (1.4 ms on the H200), but the first call into them still imports
-    all of ``cupy`` (~130 ms, once per process; profiled 2026-11-29), which keeps a process's first
-    kernel load over issue #7's 50 ms (each further kernel: ~3 ms). The device and its primary
-    context are torch's (``torch.cuda.set_device``), so the CUDA runtime API is not needed.
-    """
-    try:
-        from cupy_backends.cuda.api import driver
-    except ImportError:
-        try:
-            import cupy
-        except ImportError as exc:
-            raise ImportError(
-                "running jitattn kernels needs CuPy for your CUDA version: pip install 'jitattn[cuda12]' or "
-                "'jitattn[cuda13]' (cupy-cuda12x / cupy-cuda13x)") from exc
-        driver = cupy.cuda.driver
-    return driver
 
 
 _STRUCT_CODE = {"ptr": "Q", "i64": "q", "i32": "i", "f32": "f"}
@@ -96,28 +75,7 @@ def select_entry(spec: AttentionSpec, capability: tuple[int, int], cache: Kernel
     return cache.get_or_build(spec, archs[0])[0]
 
 
-_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CUfunction_attribute in cuda.h
 _thread_state = threading.local()
-
-
-def _module_load_data(image: bytes) -> int:
-    """``cuModuleLoadData`` through ctypes on the driver library torch has already loaded.
-
-    Loads exactly the bytes the cache verified. (CuPy's binding of this call was where ``cupy`` got
-    imported, profiled on the H200 2026-11-29; with it bypassed, the next CuPy driver call imports
-    it instead.) The handle is the same ``CUmodule`` the other driver bindings take.
-
-    Raises:
-        RuntimeError: the driver refused the image (its CUresult in the message).
-    """
-    lib = ctypes.CDLL("libcuda.so.1")
-    lib.cuModuleLoadData.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p)
-    lib.cuModuleLoadData.restype = ctypes.c_int
-    handle = ctypes.c_void_p()
-    status = lib.cuModuleLoadData(ctypes.byref(handle), image)
-    if status != 0:
-        raise RuntimeError(f"cuModuleLoadData failed: CUresult {status} (a cubin for another GPU, or a damaged one)")
-    return int(handle.value)
 
 
 class _DeviceArray:
@@ -129,25 +87,35 @@ class _DeviceArray:
 
 
 class CubinModule:
-    """A cubin loaded through CuPy's thin driver-API bindings (``cupy_backends.cuda.api.driver``).
+    """A cubin loaded into the device's primary context through the CUDA driver API (:mod:`jitattn.cuda_driver`).
 
     Launches pass the kernel's packed ``Params`` bytes straight to ``cuLaunchKernel``: no per-call
     argument conversion (CuPy's ``RawKernel`` call spent ~30 us per launch describing the
     structured dtype, measured on the H200 2026-11-29), and the stream is torch's raw handle.
+
+    Args:
+        path: the cubin file.
+        device_index: the CUDA device to load it on.
+        names: our kernel name -> the cubin's symbol name.
+        sha256: the digest the cache verified; the bytes read are checked against it and then loaded,
+            so a file swapped after verification is refused, never loaded.
+
+    Raises:
+        RuntimeError: the file's sha256 differs from ``sha256``.
+        CudaDriverError: the driver refused the image (another arch, damaged) or a kernel is missing.
     """
 
     def __init__(self, path: str, device_index: int, names: Mapping[str, str], sha256: str | None = None):
-        self._driver = _driver()
+        self._driver = cuda_driver.driver()
         self.device_index = device_index
-        # The bytes checked are the bytes loaded: a file swapped after the cache verified it is refused.
         image = Path(path).read_bytes()
         if sha256 is not None and hashlib.sha256(image).hexdigest() != sha256:
             raise RuntimeError(f"{path}: changed after the cache verified it (sha256 differs); run "
                                f"`jitattn cache verify` and load again")
         prev = self._make_current()
         try:
-            self._module = _module_load_data(image)
-            self.functions = {k: self._driver.moduleGetFunction(self._module, v) for k, v in names.items()}
+            self._module = self._driver.module_load_data(image)
+            self.functions = {k: self._driver.module_get_function(self._module, v) for k, v in names.items()}
         finally:
             self._restore(prev)
 
@@ -168,27 +136,33 @@ class CubinModule:
             torch.cuda.set_device(prev)
 
     def read_global_int32(self, name: str, count: int) -> list[int]:
-        """``count`` int32 values of a ``__constant__`` / global array of the module (copied by torch)."""
-        ptr = self._driver.moduleGetGlobal(self._module, name)
+        """``count`` int32 values of a ``__constant__`` / global array of the module (copied by torch).
+
+        Raises:
+            ValueError: the global holds fewer than ``count`` int32 values.
+        """
+        ptr, size = self._driver.module_get_global(self._module, name)
+        if size < 4 * count:
+            raise ValueError(f"module global {name} has {size} bytes, fewer than the {count} int32 values asked for")
         view = _DeviceArray(ptr, count, "<i4")
         return torch.as_tensor(view, device=torch.device("cuda", self.device_index)).cpu().tolist()
 
     def set_max_dynamic_smem(self, kernel: str, nbytes: int) -> None:
-        self._driver.funcSetAttribute(self.functions[kernel], _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
+        """Allow ``kernel`` up to ``nbytes`` of dynamic shared memory (needed above 48 KiB)."""
+        self._driver.func_set_attribute(self.functions[kernel],
+                                        cuda_driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
 
     def blocks_per_sm(self, kernel: str, threads: int, smem: int) -> int:
         """Resident blocks per SM from the driver's occupancy calculator (registers, smem, threads)."""
-        return max(1, self._driver.occupancyMaxActiveBlocksPerMultiprocessor(self.functions[kernel], threads, smem))
+        return max(1, self._driver.occupancy_max_active_blocks_per_multiprocessor(self.functions[kernel], threads,
+                                                                                   smem))
 
     def launch(self, kernel: str, grid: tuple[int, int, int], block: int, smem: int, params: bytes,
                stream: int) -> None:
         """``cuLaunchKernel`` with one by-value struct argument (the driver copies it before returning)."""
-        buf = ctypes.create_string_buffer(params, len(params))
-        argv = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
         prev = self._make_current()
         try:
-            self._driver.launchKernel(self.functions[kernel], grid[0], grid[1], grid[2], block, 1, 1, smem, stream,
-                                      ctypes.addressof(argv), 0)
+            self._driver.launch_kernel(self.functions[kernel], grid, (block, 1, 1), smem, stream, params)
         finally:
             self._restore(prev)
 
@@ -226,7 +200,7 @@ class JitKernel:
     Raises:
         MissingKernelError: not cached under JITATTN_DISABLE_JIT=1.
         jitattn.build.CompileError: nvcc rejected the rendered source.
-        ImportError: CuPy is not installed.
+        OSError: no CUDA driver library (:mod:`jitattn.cuda_driver`).
     """
 
     def __init__(self, spec: AttentionSpec, device: torch.device | str | int | None = None):
@@ -253,6 +227,7 @@ class JitKernel:
         self._decode_blocks_per_sm = 0 if spec.ragged else self._module.blocks_per_sm(
             "decode", self.geometry["decode_threads"], self.geometry["decode_smem"])
         self._default_slopes = default_alibi_slopes(spec, self.device) if spec.alibi else None
+        self._split_counters: dict[int, torch.Tensor] = {}  # stream handle -> fused-merge counters
 
     def max_decode_keys(self, max_pages_per_seq: int) -> int:
         """Most keys one decode row can read: the page table's capacity, or the window if smaller."""
@@ -268,6 +243,20 @@ class JitKernel:
         slots = self._num_sms * self._decode_blocks_per_sm
         max_useful = max(1, max_kv_len // (4 * self.geometry["decode_tile_keys"]))
         return choose_num_splits(blocks, slots, max_useful)
+
+    def split_counters(self, pairs: int) -> torch.Tensor:
+        """Zeroed int32 counters of the fused split-KV merge, at least one per (sequence, kv head).
+
+        One buffer per stream (launches on one stream never overlap). The decode kernel's last split
+        of each pair merges the partial states and resets that pair's counter, so the buffer is zero
+        between launches and needs no memset per call (nor in a captured graph).
+        """
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        buf = self._split_counters.get(stream)
+        if buf is None or buf.numel() < pairs:
+            buf = torch.zeros(max(pairs, 1024), dtype=torch.int32, device=self.device)
+            self._split_counters[stream] = buf
+        return buf
 
     def _launch(self, name: str, grid: tuple[int, int, int], block: int, smem: int, args: bytes) -> None:
         stream = torch.cuda.current_stream(self.device).cuda_stream
@@ -321,8 +310,9 @@ class JitKernel:
         if total_q == 0:
             return (out, lse) if return_lse else out
         splits = self.num_splits(batch, self.max_decode_keys(call.max_pages_per_seq))
-        partial_o = partial_lse = None
+        partial_o = partial_lse = counters = None
         if splits > 1:
+            counters = self.split_counters(batch * spec.num_kv_heads)
             partial_o = torch.empty(splits, batch, spec.num_qo_heads, spec.head_dim_vo, dtype=torch.float32,
                                     device=q.device)
             partial_lse = torch.empty(splits, batch, spec.num_qo_heads, dtype=torch.float32, device=q.device)
@@ -332,15 +322,16 @@ class JitKernel:
             "q": ptr(q), "kv_cache": ptr(kv_cache), "o": ptr(out), "lse": ptr(lse), "block_table": ptr(block_table),
             "seq_lens": ptr(seq_lens), "query_start_loc": ptr(query_start_loc), "sinks": ptr(sinks),
             "alibi_slopes": ptr(alibi_slopes), "partial_o": ptr(partial_o), "partial_lse": ptr(partial_lse),
+            "split_counters": ptr(counters),
             "q_stride_token": q.stride(0), "q_stride_head": q.stride(1), "kv_stride_page": kv_cache.stride(0),
             "kv_stride_kv": kv_cache.stride(1), "block_table_stride": block_table.stride(0), "batch_size": batch,
             "total_q": total_q, "num_pages": call.num_pages, "num_splits": splits, "prefill_skip_decode_rows": 1,
             "k_scale": _scale("k_scale", k_scale), "v_scale": _scale("v_scale", v_scale),
         })
         g = self.geometry
+        # With split_counters set, the last split of each (sequence, kv head) merges the partials
+        # (merge_splits_last_block): no merge launch.
         self._launch("decode", (splits, spec.num_kv_heads, batch), g["decode_threads"], g["decode_smem"], args)
-        if splits > 1:
-            self._launch("merge", (batch, spec.num_qo_heads, 1), _MERGE_THREADS, 0, args)
         if not decode_only:
             tiles = math.ceil(total_q * spec.group_size / g["prefill_block_m"]) + batch
             self._launch("prefill", (tiles, spec.num_kv_heads, 1), g["prefill_threads"], g["prefill_smem"], args)

@@ -403,7 +403,7 @@ def test_one_line_keeps_tables_intact():
 
 # ---- JSON and BENCHMARKS.md -------------------------------------------------------------------
 ENV = {"date": "2026-11-30 09:00 UTC", "device": "NVIDIA H200", "driver": "580.159.04", "torch": "2.11.0+cu130",
-       "cuda": "13.0", "cupy": "14.2.0", "triton": "3.6.0", "flashinfer": "unavailable (Skip: ...)",
+       "cuda": "13.0", "triton": "3.6.0", "flashinfer": "unavailable (Skip: ...)",
        "nvcc": "release 13.0", "arch": "sm_90a", "jitattn": "0.1.0", "git": "abc1234",
        "command": "python -m jitattn.bench --json out.json"}
 

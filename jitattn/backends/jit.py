@@ -1,4 +1,4 @@
-"""``jit``: jitattn's own kernels, rendered for the spec, compiled by nvcc, cached, launched with CuPy.
+"""``jit``: jitattn's own kernels, rendered for the spec, compiled by nvcc, cached, launched through the driver API.
 
 Serves every spec feature (soft-cap, windows, sinks, ALiBi, every variant hook, GQA of any group
 size, head dims 32..256 in steps of 16, NHD/HND, any page size, every KV dtype the spec takes, ragged

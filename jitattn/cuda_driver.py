@@ -1,0 +1,172 @@
+"""The CUDA driver-API calls the runtime makes, bound with ctypes on the driver library (``libcuda.so.1``).
+
+The runtime needs eight driver entry points: load a cubin image, find its kernels and a global, set a
+kernel's dynamic shared memory limit, ask the occupancy calculator, launch, unload, and name an error.
+They are bound here directly, with their C signatures from ``cuda.h`` (CUDA Driver API reference,
+"Module Management", "Execution Control", "Occupancy"), instead of through CuPy: CuPy's bindings
+import all of ``cupy`` on the first call, ~130 ms of a process's first kernel load (cProfile on the
+H200, 2026-11-29), which issue #7's warm-start budget (50 ms per kernel, import included) cannot
+afford. The driver's C ABI is stable across CUDA 12 and 13, so one binding serves both; the versioned
+symbols (``cuModuleGetGlobal_v2``) are named explicitly, as ``cuda.h`` does through its macros.
+
+Every call checks the returned ``CUresult``; a failure raises :class:`CudaDriverError` naming the call,
+the error's name and the driver's description. The calls work on whatever context is current on the
+calling thread: the runtime makes the device's primary context current through torch
+(``torch.cuda.set_device``) before calling, so modules and launches share torch's context and streams.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+__all__ = ["CudaDriver", "CudaDriverError", "driver", "LIBRARY"]
+
+LIBRARY = "libcuda.so.1"  # the driver library the NVIDIA driver installs (Linux)
+
+_c_int = ctypes.c_int
+_c_uint = ctypes.c_uint
+_c_size_t = ctypes.c_size_t
+_c_void_p = ctypes.c_void_p
+_c_char_p = ctypes.c_char_p
+_P = ctypes.POINTER
+
+# name -> (argtypes); every entry point returns CUresult (an int). Handles (CUmodule, CUfunction,
+# CUstream) are opaque pointers; CUdeviceptr is a 64-bit unsigned integer.
+_SIGNATURES = {
+    "cuModuleLoadData": (_P(_c_void_p), _c_char_p),
+    "cuModuleUnload": (_c_void_p,),
+    "cuModuleGetFunction": (_P(_c_void_p), _c_void_p, _c_char_p),
+    "cuModuleGetGlobal_v2": (_P(ctypes.c_uint64), _P(_c_size_t), _c_void_p, _c_char_p),
+    "cuFuncSetAttribute": (_c_void_p, _c_int, _c_int),
+    "cuOccupancyMaxActiveBlocksPerMultiprocessor": (_P(_c_int), _c_void_p, _c_int, _c_size_t),
+    "cuLaunchKernel": (_c_void_p, _c_uint, _c_uint, _c_uint, _c_uint, _c_uint, _c_uint, _c_uint, _c_void_p,
+                       _P(_c_void_p), _P(_c_void_p)),
+    "cuGetErrorName": (_c_int, _P(_c_char_p)),
+    "cuGetErrorString": (_c_int, _P(_c_char_p)),
+}
+
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CUfunction_attribute in cuda.h
+
+
+class CudaDriverError(RuntimeError):
+    """A CUDA driver call returned an error (``status`` is its ``CUresult``)."""
+
+    def __init__(self, call: str, status: int, name: str, description: str):
+        self.call, self.status, self.name = call, status, name
+        super().__init__(f"{call} failed: {name} ({status}): {description}")
+
+
+class CudaDriver:
+    """ctypes bindings of the driver calls the runtime uses, on one loaded driver library.
+
+    Args:
+        library: the shared library to bind (default ``libcuda.so.1``); tests pass another.
+
+    Raises:
+        OSError: the library cannot be loaded (no NVIDIA driver on this machine), or lacks an entry
+            point; the message names the library and the missing symbol.
+    """
+
+    def __init__(self, library: str = LIBRARY):
+        try:
+            self._lib = ctypes.CDLL(library)
+        except OSError as exc:
+            raise OSError(f"cannot load the CUDA driver library {library!r} ({exc}); running jitattn kernels "
+                          f"needs an NVIDIA GPU with its driver installed") from exc
+        for name, argtypes in _SIGNATURES.items():
+            try:
+                fn = getattr(self._lib, name)
+            except AttributeError as exc:
+                raise OSError(f"the CUDA driver library {library!r} has no {name}; the driver is too old for "
+                              f"jitattn (needs CUDA 12 or newer)") from exc
+            fn.argtypes, fn.restype = argtypes, _c_int
+            setattr(self, "_" + name, fn)
+
+    def _check(self, call: str, status: int) -> None:
+        if status == 0:
+            return
+        name, text = _c_char_p(), _c_char_p()
+        got_name = self._cuGetErrorName(status, ctypes.byref(name)) == 0 and name.value
+        got_text = self._cuGetErrorString(status, ctypes.byref(text)) == 0 and text.value
+        raise CudaDriverError(call, status, name.value.decode() if got_name else "CUDA_ERROR_UNKNOWN",
+                              text.value.decode() if got_text else "no description from the driver")
+
+    def module_load_data(self, image: bytes) -> int:
+        """``cuModuleLoadData``: load a cubin image (these exact bytes) into the current context.
+
+        Returns:
+            The ``CUmodule`` handle (an int).
+
+        Raises:
+            CudaDriverError: e.g. ``CUDA_ERROR_NO_BINARY_FOR_GPU`` for a cubin of another arch,
+                ``CUDA_ERROR_INVALID_IMAGE`` for a damaged one.
+        """
+        handle = _c_void_p()
+        self._check("cuModuleLoadData", self._cuModuleLoadData(ctypes.byref(handle), image))
+        return int(handle.value)
+
+    def module_unload(self, module: int) -> None:
+        """``cuModuleUnload``."""
+        self._check("cuModuleUnload", self._cuModuleUnload(module))
+
+    def module_get_function(self, module: int, name: str) -> int:
+        """``cuModuleGetFunction``: the ``CUfunction`` of a kernel by its (mangled) symbol name.
+
+        Raises:
+            CudaDriverError: ``CUDA_ERROR_NOT_FOUND`` when the module has no such kernel.
+        """
+        fn = _c_void_p()
+        self._check(f"cuModuleGetFunction({name})", self._cuModuleGetFunction(ctypes.byref(fn), module, name.encode()))
+        return int(fn.value)
+
+    def module_get_global(self, module: int, name: str) -> tuple[int, int]:
+        """``cuModuleGetGlobal_v2``: a ``__device__`` / ``__constant__`` variable's device address and size in bytes."""
+        ptr, size = ctypes.c_uint64(), _c_size_t()
+        self._check(f"cuModuleGetGlobal({name})",
+                    self._cuModuleGetGlobal_v2(ctypes.byref(ptr), ctypes.byref(size), module, name.encode()))
+        return int(ptr.value), int(size.value)
+
+    def func_set_attribute(self, function: int, attribute: int, value: int) -> None:
+        """``cuFuncSetAttribute`` (e.g. ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``, bytes)."""
+        self._check("cuFuncSetAttribute", self._cuFuncSetAttribute(function, attribute, value))
+
+    def occupancy_max_active_blocks_per_multiprocessor(self, function: int, block_threads: int,
+                                                        dynamic_smem: int) -> int:
+        """``cuOccupancyMaxActiveBlocksPerMultiprocessor``: resident blocks per SM (registers, smem, threads)."""
+        blocks = _c_int()
+        self._check("cuOccupancyMaxActiveBlocksPerMultiprocessor",
+                    self._cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(blocks), function, block_threads,
+                                                                       dynamic_smem))
+        return int(blocks.value)
+
+    def launch_kernel(self, function: int, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
+                      stream: int, params: bytes) -> None:
+        """``cuLaunchKernel`` of a kernel that takes one by-value struct argument.
+
+        Args:
+            function: the ``CUfunction``.
+            grid, block: dimensions (blocks, threads).
+            smem: dynamic shared memory in bytes.
+            stream: the raw ``CUstream`` handle (``torch.cuda.current_stream().cuda_stream``; 0 = legacy default).
+            params: the struct's bytes; the driver copies them before returning.
+        """
+        buf = ctypes.create_string_buffer(params, len(params))
+        argv = (_c_void_p * 1)(ctypes.addressof(buf))
+        self._check("cuLaunchKernel",
+                    self._cuLaunchKernel(function, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem,
+                                         stream, argv, None))
+
+
+_driver: CudaDriver | None = None
+_lock = threading.Lock()
+
+
+def driver() -> CudaDriver:
+    """The process's :class:`CudaDriver` (bound on first use; binding takes well under a millisecond)."""
+    global _driver
+    if _driver is None:
+        with _lock:
+            if _driver is None:
+                _driver = CudaDriver()
+    return _driver
