@@ -183,6 +183,8 @@ def parse_spec_arg(text: str) -> list[AttentionSpec]:
     except json.JSONDecodeError as exc:
         raise UsageError(f"{source}: not valid JSON ({exc})") from None
     items = data if isinstance(data, list) else [data]
+    if not items:
+        raise UsageError(f"{source}: an empty list; --spec needs at least one AttentionSpec object")
     specs = []
     for i, item in enumerate(items):
         where = source if len(items) == 1 else f"{source} [{i}]"

@@ -132,6 +132,7 @@ BAD_ARGS = [
     (("--spec", '{"num_qo_heads": 8, "num_kv_heads": 8, "head_dim_qk": 64, "nope": 1}'), {},
      r"--spec: invalid spec: AttentionSpec.from_json: unknown fields \['nope'\]"),
     (("--spec", "[1, 2]"), {}, r"--spec \[0\]: expected a JSON object with AttentionSpec fields, got int"),
+    (("--spec", "[]"), {}, r"--spec: an empty list; --spec needs at least one AttentionSpec object"),
     (("--model", str(GEMMA), "--arch", "sm_75"), {}, r"--arch='sm_75': unknown target arch; expected one of"),
     (("--model", str(GEMMA), "--kv-layout", "nhd"), {}, r"kv_layout='nhd': expected one of \('NHD', 'HND'\)"),
     (("--model", str(GEMMA), "--dtype", "float32"), {}, r"dtype='float32': expected one of"),
