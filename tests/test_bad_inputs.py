@@ -94,6 +94,22 @@ def test_backends_take_validate_like_the_jit_kernel():
             fn(b.q, b.kv_cache, bad_table(), b.seq_lens, b.query_start_loc, validate=True)
 
 
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+def test_backends_refuse_a_misspelled_keyword(backend):
+    """A keyword the call does not take is a TypeError naming it, for the paged and the ragged callables
+    (the sdpa and flashinfer callables take **kwargs for the optional tensors: a ``sink=`` must not
+    be dropped silently)."""
+    b = paged()
+    fn = get_backend(backend).build(SPEC, DeviceInfo.parse("cpu"))
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['sink'\]; the attention call takes "
+                                        r"sinks, alibi_slopes, params, k_scale, v_scale"):
+        fn(*b.args(), sink=torch.zeros(SPEC.num_qo_heads))
+    r = ragged()
+    fn = get_backend(backend).build(RAGGED, DeviceInfo.parse("cpu"))
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['alibi', 'scale'\]"):
+        fn(r.q, r.k, r.v, r.query_start_loc, r.kv_start_loc, alibi=None, scale=1.0)
+
+
 def test_zero_length_sequences_and_empty_q_are_fine():
     b = paged()
     qsl = torch.tensor([0, 0, 5], dtype=I32)

@@ -28,6 +28,23 @@ def finish(result: torch.Tensor, lse: torch.Tensor | None, out: torch.Tensor | N
     return (result, lse) if return_lse else result
 
 
+# The keyword arguments of the paged / ragged attention call (besides out, return_lse, max_query_len,
+# validate, which every backend callable names itself): jitattn.reference.paged_attention's.
+CALL_KEYWORDS = ("sinks", "alibi_slopes", "params", "k_scale", "v_scale")
+
+
+def check_keywords(kwargs: dict[str, Any]) -> None:
+    """Refuse a keyword the attention call does not take (a misspelled ``sink=`` is never ignored).
+
+    Raises:
+        TypeError: names the keyword and the ones allowed.
+    """
+    unknown = sorted(set(kwargs) - set(CALL_KEYWORDS) - {"out"})
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {unknown}; the attention call takes "
+                        f"{', '.join(CALL_KEYWORDS)}, out, return_lse, max_query_len, validate")
+
+
 def check_call(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor, query_start_loc: torch.Tensor, kwargs: dict[str, Any], *,
                values: bool = False) -> None:
@@ -37,6 +54,7 @@ def check_call(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor, blo
     query_start_loc bounds and order, seq_lens against the block table, page ids in range), a device
     sync: backends that read the metadata on the host anyway always pass it, the others on ``validate=True``.
     """
+    check_keywords(kwargs)
     call = check_paged_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc, sinks=kwargs.get("sinks"),
                             alibi_slopes=kwargs.get("alibi_slopes"), params=kwargs.get("params"),
                             out=kwargs.get("out"))
@@ -49,6 +67,7 @@ def check_ragged(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch
                  values: bool = False) -> None:
     """The shared checks of a ragged call (:func:`jitattn.checks.check_ragged_call`), host-only, no sync;
     ``values=True`` adds :func:`jitattn.checks.check_ragged_metadata_values` (a device sync)."""
+    check_keywords(kwargs)
     call = check_ragged_call(spec, q, k, v, query_start_loc, kv_start_loc, sinks=kwargs.get("sinks"),
                              alibi_slopes=kwargs.get("alibi_slopes"), params=kwargs.get("params"),
                              out=kwargs.get("out"))
