@@ -17,7 +17,8 @@ Use :func:`paged_attention` (the Python wrapper); the raw op's schema is::
   variant's torch functors, which JSON does not carry, reach the torch backends; an unknown text
   is parsed with :meth:`AttentionSpec.from_json`.
 - ``backend``: a registered backend name; the wrapper asks the selector once per (spec, device,
-  phase, lse) at trace time, so the choice is a constant of the compiled graph.
+  phase, lse) at trace time, so the choice is a constant of the compiled graph; eager calls reuse
+  the remembered choice (:func:`jitattn.selector.select_cached`).
 - ``param_tensors`` / ``param_scalars``: the variant's tensor and scalar parameters, each in
   declaration order (int32 scalars travel as floats and are converted back).
 - ``max_query_len``: ``-1`` for unknown, ``1`` for a pure decode batch.
@@ -34,7 +35,7 @@ import torch
 
 from jitattn.backends import DeviceInfo, get_backend
 from jitattn.reference import torch_dtype
-from jitattn.selector import _build_cached, select
+from jitattn.selector import _build_cached, select_cached
 from jitattn.spec import AttentionSpec, live_spec
 
 _specs: dict[str, AttentionSpec] = {}
@@ -125,7 +126,8 @@ def _param_layout(text: str) -> tuple[tuple[str, bool], ...]:
 @torch.compiler.assume_constant_result
 def _backend_name(text: str, device_type: str, device_index: int, phase: str, need_lse: bool) -> str:
     device = torch.device(device_type, device_index) if device_index >= 0 else torch.device(device_type)
-    return select(spec_from_json(text), DeviceInfo.from_torch(device), phase, need_lse=need_lse).name
+    # Under torch.compile this runs once per argument tuple; eager calls find the remembered choice.
+    return select_cached(spec_from_json(text), DeviceInfo.from_torch(device), phase, need_lse=need_lse).name
 
 
 def paged_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -138,7 +140,8 @@ def paged_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor
 
     Args:
         backend: a backend name; None asks :func:`jitattn.selector.select` (honouring
-            ``JITATTN_BACKEND``), once per (spec, device, phase, return_lse) when compiled.
+            ``JITATTN_BACKEND``), once per (spec, device, phase, return_lse): a constant of a
+            compiled graph, remembered across eager calls.
         phase: passed to the selector.
         max_query_len: ``1`` promises a pure decode batch (the jit backend then launches only its
             decode kernel).

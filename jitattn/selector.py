@@ -145,6 +145,28 @@ def select(spec: AttentionSpec, device: DeviceInfo | str | Any = None, phase: st
     return selection
 
 
+def select_cached(spec: AttentionSpec, device: DeviceInfo, phase: str = "mixed", *,
+                  need_lse: bool = False) -> Selection:
+    """:func:`select`, remembered: the per-call path of :func:`jitattn.ops.paged_attention` in eager mode.
+
+    The key is (spec, device, phase, need_lse, ``JITATTN_BACKEND``, the registered backends), so
+    setting the variable or registering a backend takes effect on the next call; :func:`clear_caches`
+    forgets. A failed selection is not remembered (it raises again, with its reasons).
+
+    Raises:
+        NoBackendError, ValueError: as :func:`select`.
+    """
+    key = (spec, device, phase, need_lse, settings.forced_backend(),
+           tuple((b.name, id(b)) for b in registered_backends()))
+    with _lock:
+        sel = _selected.get(key)
+    if sel is None:
+        sel = select(spec, device, phase, need_lse=need_lse)
+        with _lock:
+            sel = _selected.setdefault(key, sel)
+    return sel
+
+
 def build_backend(spec: AttentionSpec, device: DeviceInfo | str | Any = None, phase: str = "mixed",
                   **kwargs: Any) -> PagedAttentionFn:
     """``select(spec, device, phase, **kwargs).build()``: the callable to run (same errors as :func:`select`)."""
@@ -175,6 +197,7 @@ def _none_message(spec: AttentionSpec, device: DeviceInfo, phase: str,
 # ---- logging and building, once each -------------------------------------------------------------
 _logged: set[tuple] = set()
 _built: dict[tuple, PagedAttentionFn] = {}
+_selected: dict[tuple, Selection] = {}
 _lock = threading.Lock()
 
 
@@ -199,10 +222,11 @@ def _build_cached(backend: Backend, spec: AttentionSpec, device: DeviceInfo) -> 
 
 
 def clear_caches() -> None:
-    """Forget logged decisions and built callables (for tests)."""
+    """Forget logged decisions, remembered selections and built callables (for tests)."""
     with _lock:
         _logged.clear()
         _built.clear()
+        _selected.clear()
 
 
 # ---- a model's layer kinds ---------------------------------------------------------------------------

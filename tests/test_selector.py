@@ -299,3 +299,43 @@ def test_device_defaults_to_the_cpu_without_a_gpu(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert select(PLAIN).device == DeviceInfo("cpu", "cpu")
+
+
+# ---- the eager op path remembers its choice --------------------------------------------------------------
+def test_select_cached_reuses_the_choice_until_the_variable_or_the_registry_changes(monkeypatch):
+    calls = []
+    real = selector.select
+    monkeypatch.setattr(selector, "select", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    cpu = DeviceInfo.parse("cpu")
+    assert selector.select_cached(PLAIN, cpu, "decode").name == "sdpa"
+    assert selector.select_cached(PLAIN, cpu, "decode").name == "sdpa"
+    assert len(calls) == 1  # remembered
+    selector.select_cached(PLAIN, cpu, "decode", need_lse=True)
+    selector.select_cached(PLAIN, cpu, "prefill")
+    assert len(calls) == 3  # other keys
+    with settings.scope(JITATTN_BACKEND="reference"):
+        assert selector.select_cached(PLAIN, cpu, "decode").name == "reference"  # the variable is in the key
+    register_backend(type("CpuFirst", (EverythingBackend,), {
+        "name": "cpu_first", "priority": 1000, "spec_reasons": lambda self, spec, device, phase: []}))
+    assert selector.select_cached(PLAIN, cpu, "decode").name == "cpu_first"  # so is the registry
+    selector.clear_caches()
+    calls.clear()
+    selector.select_cached(PLAIN, cpu, "decode")
+    assert len(calls) == 1
+
+
+def test_eager_op_selects_once(monkeypatch):
+    import torch
+
+    from jitattn import ops
+    from jitattn.testing import random_paged_batch
+
+    spec = AttentionSpec(4, 2, 64, page_size=16)
+    b = random_paged_batch(spec, [1, 1], [20, 37])
+    calls = []
+    real = selector.select
+    monkeypatch.setattr(selector, "select", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    first = ops.paged_attention(spec, *b.args())
+    second = ops.paged_attention(spec, *b.args())
+    assert len(calls) == 1
+    torch.testing.assert_close(first, second)
