@@ -32,11 +32,22 @@ namespace jitattn {
 // Dispatch switch read by PrefillLaunch (attention.cu.j2). On since this version passed the GPU test
 // matrix on the H200 (GPU_TESTS.md, 2026-11-29) and ran faster than prefill_kernel (BENCHMARKS.md).
 constexpr bool kPrefillSm90Enabled = true;
-// Consumer warpgroups take turns issuing their S = Q K^T MMAs (see prefill_sm90_kernel). Off: it passed
-// the GPU matrix but was slower (H200, 2026-11-29: hd128 causal 4x8192 305 vs 349 TFLOP/s, Gemma-2
-// 310 vs 352): with a wait right after each MMA there is no softmax/MMA overlap inside a warpgroup
-// for the turns to protect, only an extra barrier per tile.
+// Consumer warpgroups take turns issuing their MMAs (see prefill_sm90_kernel). Off: it passed the GPU
+// matrix but was slower without the overlap below (H200, 2026-11-29: hd128 causal 4x8192 305 vs 349
+// TFLOP/s, Gemma-2 310 vs 352: with a wait right after each MMA there is no softmax/MMA overlap inside
+// a warpgroup for the turns to protect), and no faster with it (hd128 404.1 vs 404.2; 68/68 GPU tests).
 constexpr bool kPrefillSm90PingPong = false;
+// Inside each consumer warpgroup, the S = Q K^T MMAs of tile j are issued before O += P V of tile j - 1
+// and the softmax of tile j runs while those P V MMAs run (FlashAttention-3, Shah et al. 2024,
+// sec. 3.2). H200, 2026-11-29, hd128 causal 4x8192: 348 -> 404 TFLOP/s (ping-pong on top: 404, no
+// gain). Specs with a key transform keep the loop without overlap (both warpgroups transform each
+// tile in place between two barriers), and so do two-stage specs (see kOverlap).
+constexpr bool kPrefillSm90Overlap = true;
+
+template <bool B>
+struct BoolConstant {
+  static constexpr bool value = B;
+};
 
 template <class S>
 struct PrefillSm90Traits {
@@ -459,9 +470,195 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
   st[0] = st[1] = SoftmaxState{S::kSoftmax ? kNegInf : 0.f, 0.f};
   constexpr float kScale = q_prescale<S>();
 
-  // Ping-pong (FlashAttention-3): the warpgroups take turns issuing S = Q K^T (named barriers 3 and
+  // Ping-pong (FlashAttention-3): the warpgroups take turns issuing their MMAs (named barriers 3 and
   // 4), so one runs its softmax while the other's MMAs run. Warpgroup 0 goes first.
   constexpr bool kPingPong = kPrefillSm90PingPong && !S::kHasKTransform;
+  // Which tiles this warpgroup computes: [j_lo, j_hi), the tiles some of its rows can see (a
+  // contiguous range: causal and window bounds only cut tiles off the ends). It still waits for the
+  // others and releases them, so that every stage is released by all consumer threads in order.
+  // Two stages (head_dim 256) keep the loop without overlap: a warpgroup in round j holds tiles j and
+  // j - 1, which leaves the producer nothing to prefetch into (H200, 2026-11-29: Gemma-2 hd256 307 TFLOP/s
+  // with overlap, 355 without).
+  constexpr bool kOverlap = kPrefillSm90Overlap && !S::kHasKTransform && T::kStages >= 3;
+  if constexpr (kOverlap) {
+    const int j_lo = min(num_tiles, max(0, wg_kv_begin - n_first) / kN);  // num_tiles is 0 for a bad sequence
+    const int j_hi = max(j_lo, min(num_tiles, wg_kv_end > n_first ? ceil_div(wg_kv_end - n_first, kN) : 0));
+    // Online softmax of the S tile at keys n0 .. n0 + kN - 1, in place (s becomes P, unnormalised).
+    // A raised running max asks for O to be rescaled by alpha[r] (1: no rescale): the caller applies
+    // it once no O += P V is in flight. When the logit is the scaled dot product itself (no logits
+    // transform), the scale is applied inside exp2 (one FFMA per element) and to the row max.
+    constexpr bool kFoldScale = !S::kLogitsNatural && S::kSoftmax && kScale > 0.f;
+    auto softmax_rows = [&](float (&s)[T::kNTiles * 4], int n0, float (&alpha)[2], auto masked) {
+      constexpr bool kMasked = decltype(masked)::value;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        alpha[r] = 1.f;
+        const PrefillRow row = prefill_row<S>(row0 + 8 * r, packed_end, qo_base, kv_head);
+        // Row max and sum in 4 independent chains (n odd/even x e), not one dependent chain of kBlockN / 4.
+        float part[4] = {kNegInf, kNegInf, kNegInf, kNegInf};
+#pragma unroll
+        for (int n = 0; n < T::kNTiles; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int kv_idx = n0 + n * 8 + 2 * tig + e;
+            float v = s[n * 4 + 2 * r + e];
+            if constexpr (!kFoldScale)
+              v = transform_logit<S>(p, v * kScale, batch, row.head, kv_head, row.pos, kv_idx, qo_len, kv_len, bad);
+            if constexpr (kMasked) {
+              const bool ok = kv_idx < kv_end && kv_idx >= kv_begin && structurally_visible<S>(row.pos, kv_idx) &&
+                              custom_visible<S>(p, batch, row.head, kv_head, row.pos, kv_idx, qo_len, kv_len, bad);
+              v = ok ? v : (S::kSoftmax ? kNegInf : 0.f);
+            }
+            s[n * 4 + 2 * r + e] = v;
+            part[(n % 2) * 2 + e] = fmaxf(part[(n % 2) * 2 + e], v);
+          }
+        if constexpr (!S::kSoftmax) continue;
+        float tile_max = group_max<4>(fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3])));
+        if constexpr (kFoldScale) tile_max *= kScale;  // -inf stays -inf
+        if (tile_max > st[r].m + T::kRescaleThreshold) {
+          alpha[r] = rescale_factor(st[r].m, tile_max);
+          st[r].m = tile_max;
+          st[r].d *= alpha[r];
+        }
+        const float m_use = st[r].m == kNegInf ? 0.f : st[r].m;
+        part[0] = part[1] = part[2] = part[3] = 0.f;
+#pragma unroll
+        for (int n = 0; n < T::kNTiles; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float x = s[n * 4 + 2 * r + e];
+            const float pe = fast_exp2(kFoldScale ? fmaf(x, kScale, -m_use) : x - m_use);
+            s[n * 4 + 2 * r + e] = pe;
+            part[(n % 2) * 2 + e] += pe;
+          }
+        st[r].d += (part[0] + part[1]) + (part[2] + part[3]);
+      }
+    };
+    // Elements are masked on boundary tiles only: one branch per tile, not one per element.
+    auto softmax_tile = [&](float (&s)[T::kNTiles * 4], int n0, float (&alpha)[2]) {
+      const bool full_tile = !S::kHasMask && n0 + kN <= kv_len && (!S::kCausal || n0 + kN - 1 <= wg_lo) &&
+                             (S::kWindowLeft < 0 || n0 >= wg_hi - S::kWindowLeft) &&
+                             (S::kWindowRight < 0 || n0 + kN - 1 <= wg_lo + S::kWindowRight);
+      if (full_tile) {
+        softmax_rows(s, n0, alpha, BoolConstant<false>{});
+      } else {
+        softmax_rows(s, n0, alpha, BoolConstant<true>{});
+      }
+    };
+    // Round j issues S(j) = Q K_j^T and then O += P(j-1) V_{j-1} (the tensor cores run them in order),
+    // waits for S(j) only, runs the softmax of tile j while the P V MMAs run, then waits for those,
+    // releases stage j - 1 and applies tile j's O rescale; P(j) waits in registers (bf16 A fragments)
+    // for the next round. The MMAs sit in straight-line code (a prologue round with S only, a steady
+    // loop, an epilogue with P V only): under a branch that ptxas cannot prove uniform it serialises
+    // every wgmma (warning C7520). Ping-pong: the warpgroups take turns issuing a round's MMAs, and
+    // every warpgroup takes num_tiles + 1 turns (idle ones for the tiles it skips).
+    float s[T::kNTiles * 4];
+    uint32_t a[kN / 16][4];
+    int turn = 0;
+    auto turn_begin = [&]() {
+      if constexpr (kPingPong) named_barrier_sync(3 + wg, 256);  // this warpgroup's turn to issue
+    };
+    auto turn_end = [&]() {  // the other warpgroup's turn (warpgroup 1 skips its last: nobody waits)
+      if constexpr (kPingPong) {
+        if (wg == 0 || turn < num_tiles) named_barrier_arrive(3 + (1 - wg), 256);
+        ++turn;
+      }
+    };
+    if constexpr (kPingPong) {
+      if (wg == 1 && num_tiles > 0) named_barrier_arrive(3, 256);
+    }
+    auto wait_full = [&](int j) {
+      mbar_wait(&full_bar[j % T::kStages], (j / T::kStages) & 1);
+      fence_proxy_async();  // the producer fenced its cp.async writes before arriving; this side too
+    };
+    auto skip_tile = [&](int j) {  // no row of this warpgroup sees tile j
+      wait_full(j);
+      mbar_arrive(&empty_bar[j % T::kStages]);
+      turn_begin();
+      turn_end();
+    };
+    auto issue_s = [&](int j) {
+      const uint64_t k_desc = sw128_desc(stage_k(j % T::kStages), 16, 1024);
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk)
+        wgmma_ss<kN, DT>(s, q_desc + kstep_off(kk, T::kBlockM), k_desc + kstep_off(kk, kN), kk > 0 ? 1 : 0);
+      wgmma_commit();
+    };
+    auto issue_pv = [&](int j) {
+      const uint64_t v_desc = sw128_desc(stage_v(j % T::kStages), kN * 64 * 2, 1024);
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk)
+        wgmma_rs<kD, DT>(o, a[kk], v_desc + static_cast<uint64_t>(kk * 16 * 64 * 2 / 16), 1);
+      wgmma_commit();
+    };
+    auto rescale_and_pack = [&](const float (&alpha)[2]) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (alpha[r] != 1.f) {
+#pragma unroll
+          for (int d = 0; d < T::kDTiles; ++d) {
+            o[d * 4 + 2 * r] *= alpha[r];
+            o[d * 4 + 2 * r + 1] *= alpha[r];
+          }
+        }
+      }
+      // P as register A fragments of O += P V (n8 groups 2kk, 2kk + 1 = k-step kk).
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk) {
+        a[kk][0] = pack2<DT>(s[(2 * kk) * 4 + 0], s[(2 * kk) * 4 + 1]);
+        a[kk][1] = pack2<DT>(s[(2 * kk) * 4 + 2], s[(2 * kk) * 4 + 3]);
+        a[kk][2] = pack2<DT>(s[(2 * kk + 1) * 4 + 0], s[(2 * kk + 1) * 4 + 1]);
+        a[kk][3] = pack2<DT>(s[(2 * kk + 1) * 4 + 2], s[(2 * kk + 1) * 4 + 3]);
+      }
+    };
+
+    for (int j = 0; j < j_lo; ++j) skip_tile(j);
+    if (j_lo < j_hi) {
+      {  // prologue: S(j_lo) alone
+        float alpha[2];
+        wait_full(j_lo);
+        turn_begin();
+        wgmma_fence();
+        issue_s(j_lo);
+        turn_end();
+        wgmma_wait<0>();
+        wgmma_fence_operands(s);
+        softmax_tile(s, n_first + j_lo * kN, alpha);
+        rescale_and_pack(alpha);
+      }
+      for (int j = j_lo + 1; j < j_hi; ++j) {
+        float alpha[2];
+        wait_full(j);
+        turn_begin();
+        wgmma_fence_operands(o);
+        wgmma_fence();  // o (rescaled) and a (packed) were written by ordinary instructions
+        issue_s(j);
+        issue_pv(j - 1);
+        turn_end();
+        wgmma_wait<1>();  // S(j) done; the P V MMAs may still run
+        wgmma_fence_operands(s);
+        softmax_tile(s, n_first + j * kN, alpha);
+        wgmma_wait<0>();
+        wgmma_fence_operands(o);
+        mbar_arrive(&empty_bar[(j - 1) % T::kStages]);  // this thread is done with stage j - 1
+        rescale_and_pack(alpha);
+      }
+      {  // epilogue: O += P V of the last tile
+        turn_begin();
+        wgmma_fence_operands(o);
+        wgmma_fence();
+        issue_pv(j_hi - 1);
+        turn_end();
+        wgmma_wait<0>();
+        wgmma_fence_operands(o);
+        mbar_arrive(&empty_bar[(j_hi - 1) % T::kStages]);
+      }
+    } else if (num_tiles > 0) {
+      turn_begin();  // the turn a warpgroup with tiles spends on its last P V
+      turn_end();
+    }
+    for (int j = j_hi; j < num_tiles; ++j) skip_tile(j);
+  } else {
   if constexpr (kPingPong) {
     if (wg == 1 && num_tiles > 0) named_barrier_arrive(3, 256);
   }
@@ -566,6 +763,7 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
     }
     mbar_arrive(&empty_bar[stage]);  // this thread is done with the stage
   }
+  }  // kOverlap
   if (bad) bad_flag = 1;
   named_barrier_sync(2, T::kThreads);  // every bad flag (the producer's page lookups too) is in
   const float poison = bad_flag ? __int_as_float(0x7fc00000) : 0.f;
