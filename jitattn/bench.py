@@ -189,13 +189,22 @@ def all_cases(models: list[Path] | None = None) -> list[BenchCase]:
     return out
 
 
+class BenchUsageError(SystemExit):
+    """A bad argument (``--case``, ``--model``, ``--from-json``): the message names it and the value.
+
+    A SystemExit, so ``python -m jitattn.bench`` prints the message without a traceback; ``jitattn
+    bench`` prints it as ``jitattn: error: ...`` and exits 2 (a usage error).
+    """
+
+
 def select_cases(names: list[str] | None, models: list[str] | None) -> list[BenchCase]:
     """Cases whose name contains any ``names`` entry, plus every case of each ``models`` config.
 
     Neither given: every case of :func:`all_cases`. Duplicates (same name) are dropped.
 
     Raises:
-        SystemExit: a ``--case`` that matches nothing (the message lists the names).
+        BenchUsageError: a ``--case`` that matches nothing, or a ``--model`` config that is missing
+            or invalid (the message names it).
     """
     if not names and not models:
         return all_cases()
@@ -205,10 +214,13 @@ def select_cases(names: list[str] | None, models: list[str] | None) -> list[Benc
         for sel in names:
             hits = [c for c in pool if sel in c.name]
             if not hits:
-                raise SystemExit(f"--case {sel!r} matches no case; `python -m jitattn.bench --list` shows them")
+                raise BenchUsageError(f"--case {sel!r} matches no case; `python -m jitattn.bench --list` shows them")
             chosen += hits
     for config in models or []:
-        chosen += model_cases(config)
+        try:
+            chosen += model_cases(config)
+        except (OSError, ValueError) as exc:
+            raise BenchUsageError(f"--model {config}: {exc}") from exc
     unique: dict[str, BenchCase] = {}
     for c in chosen:
         unique.setdefault(c.name, c)
@@ -1062,8 +1074,24 @@ def _float(x: Any) -> Any:
 
 
 def read_json(path: str | os.PathLike) -> tuple[dict[str, Any], list[Result], list[CompileFigure]]:
-    """Inverse of :func:`write_json`: ``(environment, results, compile figures)``."""
-    data = json.loads(Path(path).read_text())
+    """Inverse of :func:`write_json`: ``(environment, results, compile figures)``.
+
+    Raises:
+        BenchUsageError: the file is missing, unreadable, not JSON, or not a ``--json`` output.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise BenchUsageError(f"--from-json {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BenchUsageError(f"--from-json {path}: cannot read it ({exc.__class__.__name__}: {exc})") from None
+    except json.JSONDecodeError as exc:
+        raise BenchUsageError(f"--from-json {path}: not valid JSON ({exc}); expected the file "
+                              f"`jitattn bench --json PATH` wrote") from None
+    if not isinstance(data, dict) or not isinstance(data.get("environment"), dict) \
+            or not isinstance(data.get("results"), list):
+        raise BenchUsageError(f"--from-json {path}: not a `jitattn bench --json` file (expected an object with "
+                              f"'environment' and 'results')")
 
     def load(cls, row):
         names = {f.name for f in fields(cls)}

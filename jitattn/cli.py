@@ -666,7 +666,10 @@ def bench(ctx: typer.Context) -> None:
     _need_torch("bench")
     from jitattn import bench as bench_module
 
-    bench_module.main(args)
+    try:
+        bench_module.main(args)
+    except bench_module.BenchUsageError as exc:  # a bad --case / --model / --from-json: one line, exit 2
+        _fail(str(exc).strip().replace("\n", " "))
 
 
 if __name__ == "__main__":

@@ -564,3 +564,40 @@ def test_command_line_names_the_entry_point(monkeypatch):
     assert bench.command_line(["--case", "a b"]) == "python -m jitattn.bench --case 'a b'"
     monkeypatch.setattr(sys, "argv", ["/venv/bin/jitattn", "bench"])
     assert bench.command_line(["--json", "o.json"]) == "jitattn bench --json o.json"
+
+
+@pytest.mark.parametrize("content, match", [
+    (None, r"--from-json .*missing\.json: no such file"),
+    ("xx", r"--from-json .*: not valid JSON .*expected the file `jitattn bench --json PATH` wrote"),
+    ('{"a": 1}', r"--from-json .*: not a `jitattn bench --json` file"),
+    ("[1, 2]", r"--from-json .*: not a `jitattn bench --json` file"),
+])
+def test_from_json_bad_file_is_a_usage_error(tmp_path, content, match):
+    """A missing, non-JSON or foreign --from-json file names the file and what was expected; no traceback
+    from json / pathlib (was FileNotFoundError, JSONDecodeError, KeyError 'environment')."""
+    path = tmp_path / "missing.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(bench.BenchUsageError, match=match):
+        bench.main(["--from-json", str(path)])
+    with pytest.raises(bench.BenchUsageError, match=r"--from-json .*: cannot read it \(IsADirectoryError"):
+        bench.main(["--from-json", str(tmp_path)])
+
+
+def test_missing_model_config_is_a_usage_error(tmp_path):
+    with pytest.raises(bench.BenchUsageError, match=r"--model .*nope\.json: .*model config not found"):
+        bench.main(["--model", str(tmp_path / "nope.json"), "--list"])
+
+
+def test_cli_bench_bad_arguments_exit_2_with_one_line(tmp_path):
+    """`jitattn bench` reports a bad --from-json / --model / --case as one `jitattn: error:` line, exit 2."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JITATTN_")}
+    for args, match in ((["--from-json", str(tmp_path / "none.json")], "no such file"),
+                        (["--model", str(tmp_path / "none.json"), "--list"], "model config not found"),
+                        (["--case", "no-such-case", "--list"], "matches no case")):
+        proc = subprocess.run([sys.executable, "-m", "jitattn", "bench", *args], capture_output=True, text=True,
+                              cwd=REPO, env={**env, "PYTHONPATH": str(REPO), "JITATTN_CACHE_DIR": str(tmp_path)},
+                              timeout=300)
+        assert proc.returncode == 2, proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert proc.stderr.startswith("jitattn: error: ") and match in proc.stderr, proc.stderr
