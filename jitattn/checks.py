@@ -257,6 +257,25 @@ def check_scale(name: str, value: Any) -> float:
     return float(value)
 
 
+def check_scales(spec: AttentionSpec, k_scale: Any, v_scale: Any) -> tuple[float, float]:
+    """A call's ``k_scale`` / ``v_scale``: :func:`check_scale` each, and exactly 1.0 unless the cache is FP8.
+
+    A 16-bit cache holds K and V as they are; a scale other than 1.0 there would be applied by some
+    kernel paths and ignored by others (and by the torch backends), so it is refused, never guessed.
+
+    Raises:
+        ValueError: naming the argument, the value and the spec's ``kv_dtype``.
+    """
+    scales = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
+    if spec.kv_dtype != "float8_e4m3fn":
+        for name, value in zip(("k_scale", "v_scale"), scales):
+            if value != 1.0:
+                _fail(f"{name}={value!r}: only an FP8 cache (kv_dtype='float8_e4m3fn') is dequantised by a scale; "
+                      f"spec.kv_dtype={spec.kv_dtype!r} holds K and V as they are, so {name} must be 1.0 "
+                      f"(drop the argument)")
+    return scales
+
+
 def _resolve_dim(dim: int | str, *, batch: int, total_q: int, spec: AttentionSpec) -> int | None:
     if isinstance(dim, int):
         return dim

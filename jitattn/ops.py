@@ -22,7 +22,8 @@ Use :func:`paged_attention` (the Python wrapper); the raw op's schema is::
 - ``param_tensors`` / ``param_scalars``: the variant's tensor and scalar parameters, each in
   declaration order (int32 scalars travel as floats and are converted back).
 - ``max_query_len``: ``-1`` for unknown, ``1`` for a pure decode batch.
-- ``k_scale`` / ``v_scale``: an FP8 cache's per-tensor scales (passed on only for an FP8 ``kv_dtype``).
+- ``k_scale`` / ``v_scale``: an FP8 cache's per-tensor scales (passed on only for an FP8 ``kv_dtype``; the wrapper refuses
+  anything but 1.0 for a 16-bit cache).
 - ``lse``: float32 ``(total_q, num_qo_heads)`` when ``return_lse``, else an empty ``(0,)`` tensor.
 """
 
@@ -34,6 +35,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from jitattn.backends import DeviceInfo, get_backend
+from jitattn.checks import check_scales
 from jitattn.reference import torch_dtype
 from jitattn.selector import _build_cached, select_cached
 from jitattn.spec import AttentionSpec, live_spec
@@ -145,15 +147,17 @@ def paged_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor
         phase: passed to the selector.
         max_query_len: ``1`` promises a pure decode batch (the jit backend then launches only its
             decode kernel).
-        k_scale, v_scale: per-tensor scales of an FP8 KV cache (Python floats; ignored otherwise).
+        k_scale, v_scale: per-tensor scales of an FP8 KV cache (Python floats; 1.0 for a 16-bit cache).
 
     Returns:
         ``out`` ``(total_q, num_qo_heads, head_dim_vo)``, and lse if ``return_lse``.
 
     Raises:
         jitattn.selector.NoBackendError: no backend serves the spec (or the forced one cannot).
-        ValueError: bad tensors or params (from the backend's checks).
+        ValueError: bad tensors or params (from the backend's checks); a ``k_scale`` / ``v_scale``
+            other than 1.0 for a 16-bit cache.
     """
+    check_scales(spec, k_scale, v_scale)
     text = spec.canonical_text
     device = q.device
     name = backend or _backend_name(text, device.type, -1 if device.index is None else device.index, phase,

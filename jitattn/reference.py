@@ -20,7 +20,7 @@ from typing import Mapping
 import torch
 
 from jitattn.checks import (check_metadata_values, check_paged_call, check_ragged_call, check_ragged_metadata_values,
-                            check_scale)
+                            check_scales)
 from jitattn.spec import AttentionSpec
 from jitattn.trace import ParamView
 from jitattn.variant import alibi_slopes as _alibi_slopes
@@ -153,7 +153,8 @@ def paged_attention(
         alibi_slopes: float32 ``(num_qo_heads,)``; defaults to the standard slopes when ``spec.alibi``.
         params: the variant's parameter tensors by name.
         return_lse: also return the natural-log lse, float32 ``(total_q, num_qo_heads)``.
-        k_scale, v_scale: an FP8 cache holds ``K / k_scale`` and ``V / v_scale`` (per-tensor scales).
+        k_scale, v_scale: an FP8 cache holds ``K / k_scale`` and ``V / v_scale`` (per-tensor scales);
+            1.0 for a 16-bit cache.
         compute_dtype: float32 (default) or float64 arithmetic.
         max_score_bytes: query rows are processed in chunks so one score matrix stays under this.
 
@@ -170,7 +171,8 @@ def paged_attention(
             missing or unexpected sinks / params; ``query_start_loc`` not starting at 0, not ending
             at ``total_q`` or decreasing; a negative ``seq_lens`` entry, one with fewer keys than
             queries or more than its ``block_table`` row holds; a page id outside ``[0, num_pages)``;
-            a ``k_scale`` / ``v_scale`` that is not a positive finite float; ``return_lse`` with a
+            a ``k_scale`` / ``v_scale`` that is not a positive finite float, or not 1.0 for a 16-bit
+            cache (only an FP8 cache is scaled); ``return_lse`` with a
             softmax-free variant.
         NotImplementedError: a variant functor without its torch reference.
     """
@@ -180,7 +182,7 @@ def paged_attention(
     call = check_paged_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc, sinks=sinks,
                             alibi_slopes=alibi_slopes, params=params)
     check_metadata_values(spec, seq_lens, query_start_loc, block_table, call.num_pages, call.total_q)
-    k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
+    k_scale, v_scale = check_scales(spec, k_scale, v_scale)
     return _attention(spec, q, query_start_loc, seq_lens.tolist(),
                       lambda b, kv_len: gather_kv(spec, kv_cache, block_table, b, kv_len), "seq_lens[{b}]={n}",
                       sinks=sinks, alibi_slopes=alibi_slopes, params=params, return_lse=return_lse, k_scale=k_scale,

@@ -150,3 +150,53 @@ def test_ragged_refuses(via, name, make, match):
     args[name] = make(b)
     with pytest.raises(ValueError, match=match):
         fn(*args.values())
+
+
+@pytest.mark.parametrize("scale", [{"k_scale": 2.0}, {"v_scale": 0.5}])
+def test_scales_of_a_16_bit_cache_must_be_1(scale, monkeypatch):
+    """k_scale / v_scale dequantise an FP8 cache only. On a 16-bit cache the reference multiplied K / V
+    by them and the CUDA-core decode applied them, while the tensor-core decode, the prefill and the
+    sdpa / flex backends ignored them: one call, different answers. Now refused everywhere the checks
+    run, naming the argument, the value and the kv_dtype; 1.0 (the default) still passes."""
+    (name, value), = scale.items()
+    b = paged()
+    match = rf"{name}={value}: only an FP8 cache .* spec.kv_dtype='float16' holds K and V as they are"
+    with pytest.raises(ValueError, match=match):
+        reference.paged_attention(SPEC, *b.args(), **scale)
+    for backend in ("reference", "sdpa", "flex"):
+        fn = get_backend(backend).build(SPEC, DeviceInfo.parse("cpu"))
+        with pytest.raises(ValueError, match=match):
+            fn(*b.args(), **scale)
+    torch.testing.assert_close(reference.paged_attention(SPEC, *b.args(), k_scale=1.0, v_scale=1.0),
+                               reference.paged_attention(SPEC, *b.args()))
+
+    # The jit backend's callable checks before it reaches the kernel (no GPU here: a stand-in kernel).
+    import jitattn.runtime
+
+    launched = []
+    stand_in = type("K", (), {"paged_attention": lambda self, *a, **kw: launched.append(kw)})()
+    monkeypatch.setattr(jitattn.runtime, "load_kernel", lambda spec, device=None: stand_in)
+    fn = get_backend("jit").build(SPEC, DeviceInfo.parse("h100"))
+    with pytest.raises(ValueError, match=match):
+        fn(*b.args(), **scale)
+    fn(*b.args(), k_scale=1.0)
+    assert launched == [{"k_scale": 1.0}]
+
+
+def test_scales_of_an_fp8_cache_are_applied():
+    fp8 = SPEC.replace(kv_dtype="float8_e4m3fn")
+    b = random_paged_batch(fp8, [1, 5], [20, 37])
+    one = reference.paged_attention(fp8, *b.args())
+    scaled = reference.paged_attention(fp8, *b.args(), k_scale=1.0, v_scale=2.0)
+    torch.testing.assert_close(scaled.float(), 2 * one.float(), rtol=2e-3, atol=2e-3)
+
+
+def test_ops_wrapper_refuses_scales_of_a_16_bit_cache():
+    """jitattn.ops.paged_attention dropped k_scale / v_scale for a 16-bit cache without a word."""
+    import jitattn.ops
+
+    b = paged()
+    with pytest.raises(ValueError, match=r"k_scale=3.0: only an FP8 cache"):
+        jitattn.ops.paged_attention(SPEC, *b.args(), k_scale=3.0, backend="reference")
+    torch.testing.assert_close(jitattn.ops.paged_attention(SPEC, *b.args(), backend="reference"),
+                               reference.paged_attention(SPEC, *b.args()))

@@ -17,7 +17,8 @@ two questions:
   ``(total_q, num_qo_heads, head_dim_vo)`` in ``spec.o_dtype``, ``lse`` float32 natural-log
   ``(total_q, num_qo_heads)``. ``out`` (optional) is written in place and returned;
   ``max_query_len`` is a host-side hint (``1``: a pure decode batch) that a backend may ignore;
-  ``k_scale`` / ``v_scale`` are an FP8 cache's per-tensor scales (1.0 and unused for 16-bit KV);
+  ``k_scale`` / ``v_scale`` are an FP8 cache's per-tensor scales (for 16-bit KV they must be 1.0:
+  another value is a ValueError, :func:`jitattn.checks.check_scales`);
   ``validate=True`` also checks the metadata values (query_start_loc bounds and order, seq_lens
   against the block table, page ids in range: :func:`jitattn.checks.check_metadata_values`, a device
   sync) and raises ValueError instead of computing on them. Backends that read the metadata on the

@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from jitattn.checks import check_metadata_values, check_paged_call, check_ragged_call, check_ragged_metadata_values
+from jitattn.checks import (check_metadata_values, check_paged_call, check_ragged_call, check_ragged_metadata_values,
+                            check_scales)
 from jitattn.reference import torch_dtype
 from jitattn.spec import AttentionSpec
 
@@ -58,6 +59,7 @@ def check_call(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor, blo
     call = check_paged_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc, sinks=kwargs.get("sinks"),
                             alibi_slopes=kwargs.get("alibi_slopes"), params=kwargs.get("params"),
                             out=kwargs.get("out"))
+    check_scales(spec, kwargs.get("k_scale", 1.0), kwargs.get("v_scale", 1.0))
     if values:
         check_metadata_values(spec, seq_lens, query_start_loc, block_table, call.num_pages, call.total_q)
 

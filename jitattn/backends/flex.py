@@ -78,7 +78,8 @@ class FlexBackend(Backend):
                                  alibi_slopes=None, params=None, k_scale: float = 1.0, v_scale: float = 1.0,
                                  validate: bool = False):
             check_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc,
-                       {"sinks": sinks, "alibi_slopes": alibi_slopes, "params": params, "out": out}, values=validate)
+                       {"sinks": sinks, "alibi_slopes": alibi_slopes, "params": params, "out": out,
+                        "k_scale": k_scale, "v_scale": v_scale}, values=validate)
             if spec.alibi and alibi_slopes is None:
                 alibi_slopes = default_alibi_slopes(spec, q.device)
             total_q = q.shape[0]

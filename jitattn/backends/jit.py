@@ -36,6 +36,7 @@ class JitBackend(Backend):
         return out + dtype_reasons(self.name, spec, kv=KV_DTYPES)
 
     def build(self, spec: AttentionSpec, device: DeviceInfo) -> PagedAttentionFn:
+        from jitattn.checks import check_scales
         from jitattn.runtime import load_kernel
 
         kernel = load_kernel(spec, device.torch_device())
@@ -46,6 +47,7 @@ class JitBackend(Backend):
             return jit_ragged_attention
 
         def jit_paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, **kwargs: Any):
+            check_scales(spec, kwargs.get("k_scale", 1.0), kwargs.get("v_scale", 1.0))
             return kernel.paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, **kwargs)
 
         return jit_paged_attention
