@@ -73,6 +73,20 @@ def _check_extras(spec: AttentionSpec, q: torch.Tensor, sinks: torch.Tensor | No
                   f"got shape {tuple(out.shape)} strides {out.stride()}")
 
 
+def check_spec(spec: Any, call: str) -> AttentionSpec:
+    """``spec`` must be an :class:`AttentionSpec` (the first argument of every attention call).
+
+    Raises:
+        ValueError: naming what was given instead, and how the call is written.
+    """
+    if not isinstance(spec, AttentionSpec):
+        hint = {str: " (a JSON text becomes one through AttentionSpec.from_json)",
+                dict: " (a dict of fields becomes one through AttentionSpec(**fields))"}.get(type(spec), "")
+        _fail(f"spec: expected a jitattn.AttentionSpec, got {type(spec).__name__}{hint}; the spec comes first: "
+              f"{call}")
+    return spec
+
+
 def check_paged_call(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, sinks: torch.Tensor | None = None,
                      alibi_slopes: torch.Tensor | None = None, params: Mapping[str, Any] | None = None,
@@ -86,6 +100,7 @@ def check_paged_call(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tenso
     Raises:
         ValueError: the first problem found, naming the tensor, the dimension and the expectation.
     """
+    check_spec(spec, "paged_attention(spec, q, kv_cache, block_table, seq_lens, query_start_loc, ...)")
     if spec.ragged:
         _fail("spec.kv_storage='ragged': a ragged spec takes k, v and kv_start_loc (ragged_attention), "
               "not a paged cache; build the spec with kv_storage='paged' for paged_attention")
@@ -139,6 +154,7 @@ def check_ragged_call(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: 
         ValueError: the spec is not ragged, or the first problem found, naming the tensor, the
             dimension and the expectation.
     """
+    check_spec(spec, "ragged_attention(spec, q, k, v, query_start_loc, kv_start_loc, ...)")
     if not spec.ragged:
         _fail(f"spec.kv_storage={spec.kv_storage!r}: ragged K/V need a spec with kv_storage='ragged' "
               f"(a paged spec takes kv_cache / block_table / seq_lens: paged_attention)")

@@ -22,8 +22,8 @@ Use :func:`paged_attention` (the Python wrapper); the raw op's schema is::
 - ``param_tensors`` / ``param_scalars``: the variant's tensor and scalar parameters, each in
   declaration order (int32 scalars travel as floats and are converted back).
 - ``max_query_len``: ``-1`` for unknown, ``1`` for a pure decode batch.
-- ``k_scale`` / ``v_scale``: an FP8 cache's per-tensor scales (passed on only for an FP8 ``kv_dtype``; the wrapper refuses
-  anything but 1.0 for a 16-bit cache).
+- ``k_scale`` / ``v_scale``: an FP8 cache's per-tensor scales (passed on only for an FP8 ``kv_dtype``;
+  the wrapper refuses anything but 1.0 for a 16-bit cache).
 - ``lse``: float32 ``(total_q, num_qo_heads)`` when ``return_lse``, else an empty ``(0,)`` tensor.
 """
 
@@ -35,7 +35,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from jitattn.backends import DeviceInfo, get_backend
-from jitattn.checks import check_scales
+from jitattn.checks import check_scales, check_spec
 from jitattn.reference import torch_dtype
 from jitattn.selector import _build_cached, select_cached
 from jitattn.spec import AttentionSpec, live_spec
@@ -157,6 +157,7 @@ def paged_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor
         ValueError: bad tensors or params (from the backend's checks); a ``k_scale`` / ``v_scale``
             other than 1.0 for a 16-bit cache.
     """
+    check_spec(spec, "jitattn.ops.paged_attention(spec, q, kv_cache, block_table, seq_lens, query_start_loc, ...)")
     check_scales(spec, k_scale, v_scale)
     text = spec.canonical_text
     device = q.device

@@ -20,7 +20,7 @@ from typing import Mapping
 import torch
 
 from jitattn.checks import (check_metadata_values, check_paged_call, check_ragged_call, check_ragged_metadata_values,
-                            check_scales)
+                            check_scales, check_spec)
 from jitattn.spec import AttentionSpec
 from jitattn.trace import ParamView
 from jitattn.variant import alibi_slopes as _alibi_slopes
@@ -176,6 +176,7 @@ def paged_attention(
             softmax-free variant.
         NotImplementedError: a variant functor without its torch reference.
     """
+    check_spec(spec, "reference.paged_attention(spec, q, kv_cache, block_table, seq_lens, query_start_loc, ...)")
     if spec.ragged:
         raise ValueError("spec.kv_storage='ragged': use reference.ragged_attention(spec, q, k, v, query_start_loc, "
                          "kv_start_loc) for a ragged spec")
@@ -236,6 +237,7 @@ def ragged_attention(
             sequence with more queries than keys; ``return_lse`` with a softmax-free variant.
         NotImplementedError: a variant functor without its torch reference.
     """
+    check_spec(spec, "reference.ragged_attention(spec, q, k, v, query_start_loc, kv_start_loc, ...)")
     if not spec.ragged:
         raise ValueError(f"spec.kv_storage={spec.kv_storage!r}: ragged_attention needs a spec with "
                          f"kv_storage='ragged' (use paged_attention for the paged cache)")

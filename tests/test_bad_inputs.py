@@ -200,3 +200,33 @@ def test_ops_wrapper_refuses_scales_of_a_16_bit_cache():
         jitattn.ops.paged_attention(SPEC, *b.args(), k_scale=3.0, backend="reference")
     torch.testing.assert_close(jitattn.ops.paged_attention(SPEC, *b.args(), backend="reference"),
                                reference.paged_attention(SPEC, *b.args()))
+
+
+NOT_SPECS = [("x", r"got str \(a JSON text becomes one through AttentionSpec.from_json\);"),
+             ({"num_qo_heads": 4}, r"got dict \(a dict of fields becomes one through AttentionSpec\(\*\*fields\)\);"),
+             (None, r"got NoneType;")]
+
+
+@pytest.mark.parametrize("spec, got", NOT_SPECS, ids=["str", "dict", "None"])
+def test_spec_that_is_not_an_attention_spec(spec, got):
+    """A spec that is not an AttentionSpec (a JSON text, a dict, None, or the arguments in the wrong
+    order) is a ValueError naming what was given and how the call is written; it was an
+    AttributeError ('str' object has no attribute 'ragged') from inside the reference."""
+    import jitattn.ops
+
+    b, r = paged(), ragged()
+    with pytest.raises(ValueError, match=rf"spec: expected a jitattn.AttentionSpec, {got} the spec comes first: "
+                                         r"reference.paged_attention\(spec, q, kv_cache"):
+        reference.paged_attention(spec, *b.args())
+    with pytest.raises(ValueError, match=rf"spec: expected a jitattn.AttentionSpec, {got}.*"
+                                         r"reference.ragged_attention\(spec, q, k, v"):
+        reference.ragged_attention(spec, r.q, r.k, r.v, r.query_start_loc, r.kv_start_loc)
+    with pytest.raises(ValueError, match=rf"spec: expected a jitattn.AttentionSpec, {got}.*"
+                                         r"jitattn.ops.paged_attention\(spec, q"):
+        jitattn.ops.paged_attention(spec, *b.args(), backend="reference")
+
+
+def test_spec_passed_last_names_the_order():
+    b = paged()
+    with pytest.raises(ValueError, match=r"spec: expected a jitattn.AttentionSpec, got Tensor; the spec comes first"):
+        reference.paged_attention(*b.args(), SPEC)
