@@ -14,7 +14,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export JITATTN_CACHE_DIR=${JITATTN_CACHE_DIR:-/tmp/jitattn-cache}
 export JITATTN_GPU_RESULTS=$OUT/gpu_results.jsonl
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv;
-  nvcc --version | tail -2; python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"; } \
+  nvcc --version | tail -2; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } \
   > "$OUT/device.txt" 2>&1
 cat "$OUT/device.txt"
 rc=0

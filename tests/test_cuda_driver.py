@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import re
 import shutil
 import struct
 import subprocess
@@ -140,3 +141,17 @@ def test_loading_the_runtime_does_not_import_cupy():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('cupy', 'cupy_backends')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_nothing_a_user_runs_or_installs_needs_cupy():
+    """CuPy is gone: no install extra, script or example imports or pins it (tests/run_gpu.sh imported
+    it for the device banner, which then printed a ModuleNotFoundError instead of torch's version)."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    files = [repo / "pyproject.toml", repo / ".ci" / "run", repo / "tests" / "run_gpu.sh",
+             *sorted((repo / "examples").rglob("*.py")), *sorted((repo / "jitattn").rglob("*.py"))]
+    uses = re.compile(r"import\s+[\w., ]*\bcupy\b|\bfrom\s+cupy\b|\bcupy\.\w|[\"']cupy")
+    for path in files:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            assert not uses.search(line.split("#")[0]), f"{path}:{n}: {line}"
