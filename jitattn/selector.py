@@ -132,7 +132,7 @@ def select(spec: AttentionSpec, device: DeviceInfo | str | Any = None, phase: st
     forced = backend or settings.forced_backend()
     verdicts = [(b, tuple(b.reasons(spec, device, phase, req))) for b in registered_backends()]
     if forced:
-        chosen = _forced(forced, verdicts, spec, device, phase)
+        chosen = _forced(forced, verdicts, spec, device, phase, "backend" if backend else "JITATTN_BACKEND")
     else:
         chosen = next((b for b, reasons in verdicts if not reasons), None)
         if chosen is None:
@@ -174,16 +174,19 @@ def build_backend(spec: AttentionSpec, device: DeviceInfo | str | Any = None, ph
 
 
 def _forced(name: str, verdicts: list[tuple[Backend, tuple[str, ...]]], spec: AttentionSpec, device: DeviceInfo,
-            phase: str) -> Backend:
+            phase: str, source: str = "JITATTN_BACKEND") -> Backend:
+    """The backend ``name`` forced by ``source`` (``"JITATTN_BACKEND"`` or the ``"backend"`` argument,
+    which ``jitattn select --backend`` passes); errors name the one the user set."""
     try:
         chosen = get_backend(name)
     except KeyError as exc:
-        raise ValueError(f"JITATTN_BACKEND={name!r}: {exc.args[0]}") from None
+        raise ValueError(f"{source}={name!r}: {exc.args[0]}") from None
     reasons = dict((b.name, r) for b, r in verdicts)[chosen.name]
     if reasons:
         text = "\n".join(f"  - {r}" for r in reasons)
-        raise NoBackendError(f"JITATTN_BACKEND={name} cannot serve {spec.describe()} on {device.describe()} "
-                             f"(phase {phase}):\n{text}\nunset JITATTN_BACKEND to select automatically",
+        undo = "unset JITATTN_BACKEND" if source == "JITATTN_BACKEND" else "pass no backend"
+        raise NoBackendError(f"{source}={name} cannot serve {spec.describe()} on {device.describe()} "
+                             f"(phase {phase}):\n{text}\n{undo} to select automatically",
                              (Rejection(name, reasons),))
     return chosen
 

@@ -132,6 +132,17 @@ def test_backend_argument_overrides_the_environment():
         assert select(GEMMA2, "cpu", backend="reference").name == "reference"
 
 
+def test_forced_backend_errors_name_the_argument_the_user_set():
+    """select(..., backend=NAME) (and `jitattn select --backend NAME`) blamed JITATTN_BACKEND, which was not set."""
+    with settings.scope(JITATTN_BACKEND=None):
+        with pytest.raises(ValueError) as err:
+            select(PLAIN, "h100", backend="cudnn")
+        assert str(err.value).startswith("backend='cudnn': no attention backend named 'cudnn'; registered: jit")
+        with pytest.raises(NoBackendError, match=r"(?s)^backend=jit cannot serve.*pass no backend to select "
+                                                 r"automatically"):
+            select(PLAIN, "cpu", backend="jit")
+
+
 def test_unknown_forced_backend_lists_the_registered_ones():
     with settings.scope(JITATTN_BACKEND="cudnn"), pytest.raises(ValueError) as err:
         select(PLAIN, "h100")
