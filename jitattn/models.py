@@ -19,8 +19,10 @@ How the fields map (all models here are decoders: every spec is ``causal=True``)
   the spec's convention is ``p - j <= window_left``, so ``window_left = W - 1``.
 - Which layers slide: explicit ``layer_types`` win over every rule; Gemma-2: even layers (layer
   0 slides); Gemma-3 (or any config with ``sliding_window_pattern``): layer ``i`` is global when
-  ``(i + 1) % P == 0`` (``P`` default 6); otherwise (Mistral, Phi-3, ...) every layer when
-  ``sliding_window`` is not null (and ``use_sliding_window`` is not false), none when it is.
+  ``(i + 1) % P == 0`` (``P`` default 6); Qwen2 / Qwen3: layers ``i >= max_window_layers`` when
+  ``use_sliding_window`` is true (its default there is false), none otherwise; otherwise
+  (Mistral, Phi-3, ...) every layer when ``sliding_window`` is not null (and
+  ``use_sliding_window`` is not false), none when it is.
 - Features the config has no key for come from the model type (:data:`IMPLIED_FEATURES`):
   ALiBi for BLOOM, MPT and Falcon with ``alibi: true``; sinks for gpt-oss.
 - dtype: the ``dtype`` argument, else the config's ``torch_dtype`` / ``dtype``, else bfloat16.
@@ -280,6 +282,11 @@ def _dtype(raw: Mapping[str, Any], cfg: Mapping[str, Any], override: Any, source
 
 
 # ---- layer kinds -------------------------------------------------------------------------------
+#: Model types whose sliding layers are those from ``max_window_layers`` on (Hugging Face's Qwen2 and
+#: Qwen3 configs: ``layer_types[i] = sliding iff use_sliding_window and i >= max_window_layers``).
+_MAX_WINDOW_LAYERS_TYPES = ("qwen2", "qwen3")
+
+
 def _layer_types(cfg: Mapping[str, Any], model_type: str, num_layers: int, source: str) -> list[str]:
     """Each layer's kind: explicit ``layer_types``, else the model type's sliding rule."""
     if cfg.get("layer_types") is not None:
@@ -291,6 +298,16 @@ def _layer_types(cfg: Mapping[str, Any], model_type: str, num_layers: int, sourc
         if isinstance(period, bool) or not isinstance(period, int) or period < 1:
             raise ValueError(f"{source}: sliding_window_pattern={period!r}: expected a positive int")
         return [FULL if (i + 1) % period == 0 else SLIDING for i in range(num_layers)]
+    if model_type in _MAX_WINDOW_LAYERS_TYPES:
+        # Hugging Face's Qwen2 / Qwen3: use_sliding_window defaults to false; when true, only the
+        # layers from max_window_layers on slide (the first max_window_layers are full).
+        if not (_has(cfg, "sliding_window") and cfg.get("use_sliding_window", False) is True):
+            return [FULL] * num_layers
+        first = cfg.get("max_window_layers")
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise ValueError(f"{source}: max_window_layers={first!r}: with use_sliding_window=true, "
+                             f"{model_type} needs an int >= 0 (layers from it on slide)")
+        return [SLIDING if i >= first else FULL for i in range(num_layers)]
     slides = _has(cfg, "sliding_window") and cfg.get("use_sliding_window", True) is not False
     return [SLIDING if slides else FULL] * num_layers
 

@@ -198,6 +198,24 @@ def test_use_sliding_window_false_means_no_window():
     assert [s.window_left for s in model_specs(cfg)] == [-1]
 
 
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_qwen_slides_only_from_max_window_layers(model_type):
+    """Hugging Face's Qwen2 / Qwen3 configs: with use_sliding_window=true, layers i >= max_window_layers
+    slide and the first max_window_layers are full (Qwen2Config(..., num_hidden_layers=4,
+    use_sliding_window=True, sliding_window=128, max_window_layers=2).layer_types is full, full,
+    sliding, sliding in transformers 5.24); use_sliding_window defaults to false there. jitattn gave
+    every layer the window (a wrong answer on the full layers)."""
+    base = {**read("llama-3-8b"), "model_type": model_type, "num_hidden_layers": 4, "sliding_window": 128}
+    model = load_model_config({**base, "use_sliding_window": True, "max_window_layers": 2})
+    assert [(k.name, k.layers, k.spec.window_left) for k in model.layer_kinds] == [
+        ("full_attention", (0, 1), -1), ("sliding_attention", (2, 3), 127)]
+    assert [s.window_left for s in model_specs({**base, "use_sliding_window": True, "max_window_layers": 0})] == [127]
+    assert [s.window_left for s in model_specs(base)] == [-1]  # use_sliding_window absent: false
+    with pytest.raises(ValueError, match=r"max_window_layers=None: with use_sliding_window=true, "
+                                         rf"{model_type} needs an int >= 0"):
+        load_model_config({**base, "use_sliding_window": True})
+
+
 # ---- model types: unknown and implied features --------------------------------------------------
 def test_unknown_model_type_maps_generically():
     cfg = {"model_type": "brand_new", "hidden_size": 2560, "num_hidden_layers": 3,
