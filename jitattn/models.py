@@ -112,13 +112,13 @@ def load_model_config(config: str | os.PathLike | dict, *, dtype: str | None = N
     """Map a Hugging Face ``config.json`` to its layer kinds and their specs (module doc: how).
 
     Args:
-        config: path to a ``config.json``, or the parsed dict.
+        config: path to a ``config.json`` (or to the model directory holding it), or the parsed dict.
         dtype: ``"float16"`` / ``"bfloat16"`` (or a torch dtype) for every spec; overrides the
             config's ``torch_dtype`` / ``dtype``.
         kv_layout, page_size: passed to every spec (see :class:`~jitattn.spec.AttentionSpec`).
 
     Raises:
-        FileNotFoundError: ``config`` is a path that does not exist.
+        FileNotFoundError: ``config`` is a path that does not exist, or a directory without config.json.
         ValueError: invalid JSON; a required field missing or invalid; a float32 config without a
             ``dtype`` argument; a feature the specs cannot express (e.g. multi-head latent
             attention); or a spec the kernels cannot serve (e.g. head_dim 72): AttentionSpec's
@@ -151,6 +151,11 @@ def _read_config(config: str | os.PathLike | Mapping) -> tuple[Mapping[str, Any]
         label = config.get("_name_or_path") or config.get("model_type") or "?"
         return config, f"config dict ({label})"
     path = Path(config)
+    if path.is_dir():  # a Hugging Face model directory (a snapshot): its config.json
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path}: a directory without config.json (expected a Hugging Face config.json "
+                                    f"file, or the model directory holding one)")
+        path = path / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: model config not found (expected a Hugging Face config.json file)")
     try:

@@ -353,3 +353,15 @@ def test_invalid_json(tmp_path):
 def test_json_not_an_object(tmp_path):
     with pytest.raises(ValueError, match=r"top level is a list"):
         load_model_config(write(tmp_path, "[1, 2]"))
+
+
+def test_model_directory_reads_its_config_json(tmp_path):
+    """A Hugging Face model directory (what a snapshot download gives) was 'model config not found'
+    although it exists; now its config.json is read (the model is named after the directory), and a
+    directory without one says so."""
+    model_dir = tmp_path / "gemma-2-9b"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(config("gemma-2-9b").read_text())
+    assert load_model_config(model_dir).specs() == load_model_config(config("gemma-2-9b")).specs()
+    with pytest.raises(FileNotFoundError, match=rf"{tmp_path}: a directory without config.json"):
+        load_model_config(tmp_path)
