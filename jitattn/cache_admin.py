@@ -366,11 +366,15 @@ def import_archive(cache: KernelCache, archive: Path) -> list[Imported]:
     markers written. An entry already present and valid is left as it is.
 
     Raises:
-        FileNotFoundError: no such file.
+        FileNotFoundError: no such file, or a directory.
         ArchiveError: not a readable tar, an unexpected member (a link, a path outside the layout),
             or an entry that fails verification; nothing becomes visible.
         jitattn.cache.CacheWriteError: the writable root cannot take the entries (where and why).
     """
+    if archive.is_dir():
+        raise FileNotFoundError(f"{archive}: a directory, not an archive (expected the .tar.gz or .tar that "
+                                f"`jitattn cache export` wrote; an unpacked export is itself a cache root: add it "
+                                f"to JITATTN_CACHE_PATH)")
     if not archive.is_file():
         raise FileNotFoundError(f"{archive}: no such file")
     stage = cache.scratch("import")

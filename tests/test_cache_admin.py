@@ -343,3 +343,11 @@ def test_import_verifies_everything_before_anything_is_visible(tmp_path, archive
 def test_import_of_a_missing_file_is_a_usage_error(tmp_path):
     proc = jitattn("cache", "import", str(tmp_path / "nope.tar.gz"), cache=tmp_path / "c")
     assert proc.returncode == 2 and proc.stderr.strip() == f"jitattn: error: {tmp_path / 'nope.tar.gz'}: no such file"
+
+
+def test_import_of_a_directory_says_it_is_one(tmp_path):
+    """`jitattn cache import DIR` said 'DIR: no such file' for a directory that exists."""
+    proc = jitattn("cache", "import", str(tmp_path), cache=tmp_path / "c")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith(f"jitattn: error: {tmp_path}: a directory, not an archive (expected the .tar.gz "
+                                  f"or .tar that `jitattn cache export` wrote"), proc.stderr
