@@ -8,12 +8,14 @@ cache slots hold NaN so a kernel that reads past a sequence's end shows it.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any, Callable, Sequence
 
 import torch
 
+from jitattn.checks import check_spec
 from jitattn.reference import torch_dtype
 from jitattn.spec import AttentionSpec
 
@@ -127,6 +129,13 @@ def _random_source(spec: AttentionSpec, q_lens: Sequence[int], kv_lens: Sequence
     Raises:
         ValueError: lengths of different counts, or a sequence with more queries than keys.
     """
+    for name, lens in (("q_lens", q_lens), ("kv_lens", kv_lens)):
+        try:
+            [operator.index(n) for n in lens]  # noqa: B018 (ints: a float or a bool length is a mistake)
+            if any(isinstance(n, bool) for n in lens) or isinstance(lens, str):
+                raise TypeError
+        except TypeError:
+            raise ValueError(f"{name}={lens!r}: expected a list of ints, one per sequence") from None
     if len(q_lens) != len(kv_lens):
         raise ValueError(f"q_lens has {len(q_lens)} entries, kv_lens {len(kv_lens)}")
     for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
@@ -149,8 +158,12 @@ def random_paged_batch(spec: AttentionSpec, q_lens: Sequence[int], kv_lens: Sequ
     Values are standard normal times ``scale`` (q, k, v), sinks ~ N(0, 1) + 1, ALiBi slopes standard.
 
     Raises:
-        ValueError: lengths of different counts, or a sequence with more queries than keys.
+        ValueError: a ragged spec, lengths of different counts, or a sequence with more queries than keys.
     """
+    check_spec(spec, "random_paged_batch(spec, q_lens, kv_lens, ...)")
+    if spec.ragged:
+        raise ValueError("spec.kv_storage='ragged': random_paged_batch needs a paged spec "
+                         "(random_ragged_batch builds ragged K/V)")
     randn, cpu_gen = _random_source(spec, q_lens, kv_lens, device, seed, scale)
 
     q = randn(sum(q_lens), spec.num_qo_heads, spec.head_dim_qk)
@@ -216,6 +229,7 @@ def random_ragged_batch(spec: AttentionSpec, q_lens: Sequence[int], kv_lens: Seq
     Raises:
         ValueError: a paged spec, lengths of different counts, or a sequence with more queries than keys.
     """
+    check_spec(spec, "random_ragged_batch(spec, q_lens, kv_lens, ...)")
     if not spec.ragged:
         raise ValueError(f"spec.kv_storage={spec.kv_storage!r}: random_ragged_batch needs a ragged spec")
     randn, cpu_gen = _random_source(spec, q_lens, kv_lens, device, seed, scale)

@@ -230,3 +230,19 @@ def test_spec_passed_last_names_the_order():
     b = paged()
     with pytest.raises(ValueError, match=r"spec: expected a jitattn.AttentionSpec, got Tensor; the spec comes first"):
         reference.paged_attention(*b.args(), SPEC)
+
+
+def test_random_batch_helpers_refuse_bad_arguments():
+    """jitattn.testing's batch builders: a ragged spec for the paged builder was a TypeError from inside
+    (int / NoneType page size), a non-spec an AttributeError, an int for the lengths 'has no len()'."""
+    with pytest.raises(ValueError, match=r"spec.kv_storage='ragged': random_paged_batch needs a paged spec"):
+        random_paged_batch(RAGGED, [1], [5])
+    with pytest.raises(ValueError, match=r"spec: expected a jitattn.AttentionSpec, got str.*random_paged_batch"):
+        random_paged_batch("x", [1], [5])
+    with pytest.raises(ValueError, match=r"spec: expected a jitattn.AttentionSpec, got NoneType.*random_ragged_batch"):
+        random_ragged_batch(None, [1], [5])
+    for q_lens, kv_lens, bad in ((1, [5], "q_lens=1"), ([1], [5.0], r"kv_lens=\[5.0\]"),
+                                 ([True], [5], r"q_lens=\[True\]")):
+        with pytest.raises(ValueError, match=rf"{bad}: expected a list of ints, one per sequence"):
+            random_paged_batch(SPEC, q_lens, kv_lens)
+    assert random_paged_batch(SPEC, (1, 2), range(3, 5)).q.shape[0] == 3  # tuples and ranges are fine
