@@ -68,6 +68,8 @@ BASE_FIELDS: tuple[Field, ...] = (
     Field("kv_start_loc", "ptr", "const int*", "ragged: (batch + 1,) cumulative KV lengths"),
     Field("partial_o", "ptr", "float*", "split-KV workspace (num_splits, batch, num_qo_heads, head_dim_vo)"),
     Field("partial_lse", "ptr", "float*", "split-KV workspace (num_splits, batch, num_qo_heads), base 2"),
+    Field("split_counters", "ptr", "int*",
+          "split-KV: zeroed int per (sequence, kv head); the last split merges (null: the merge kernel does)"),
     Field("q_stride_token", "i64", "long long", "elements between consecutive query tokens"),
     Field("q_stride_head", "i64", "long long", "elements between consecutive query heads (prefill)"),
     Field("k_stride_token", "i64", "long long", "ragged: elements between consecutive K tokens"),

@@ -227,6 +227,7 @@ class JitKernel:
         self._decode_blocks_per_sm = 0 if spec.ragged else self._module.blocks_per_sm(
             "decode", self.geometry["decode_threads"], self.geometry["decode_smem"])
         self._default_slopes = default_alibi_slopes(spec, self.device) if spec.alibi else None
+        self._split_counters: dict[int, torch.Tensor] = {}  # stream handle -> fused-merge counters
 
     def max_decode_keys(self, max_pages_per_seq: int) -> int:
         """Most keys one decode row can read: the page table's capacity, or the window if smaller."""
@@ -242,6 +243,20 @@ class JitKernel:
         slots = self._num_sms * self._decode_blocks_per_sm
         max_useful = max(1, max_kv_len // (4 * self.geometry["decode_tile_keys"]))
         return choose_num_splits(blocks, slots, max_useful)
+
+    def split_counters(self, pairs: int) -> torch.Tensor:
+        """Zeroed int32 counters of the fused split-KV merge, at least one per (sequence, kv head).
+
+        One buffer per stream (launches on one stream never overlap). The decode kernel's last split
+        of each pair merges the partial states and resets that pair's counter, so the buffer is zero
+        between launches and needs no memset per call (nor in a captured graph).
+        """
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        buf = self._split_counters.get(stream)
+        if buf is None or buf.numel() < pairs:
+            buf = torch.zeros(max(pairs, 1024), dtype=torch.int32, device=self.device)
+            self._split_counters[stream] = buf
+        return buf
 
     def _launch(self, name: str, grid: tuple[int, int, int], block: int, smem: int, args: bytes) -> None:
         stream = torch.cuda.current_stream(self.device).cuda_stream
@@ -295,8 +310,9 @@ class JitKernel:
         if total_q == 0:
             return (out, lse) if return_lse else out
         splits = self.num_splits(batch, self.max_decode_keys(call.max_pages_per_seq))
-        partial_o = partial_lse = None
+        partial_o = partial_lse = counters = None
         if splits > 1:
+            counters = self.split_counters(batch * spec.num_kv_heads)
             partial_o = torch.empty(splits, batch, spec.num_qo_heads, spec.head_dim_vo, dtype=torch.float32,
                                     device=q.device)
             partial_lse = torch.empty(splits, batch, spec.num_qo_heads, dtype=torch.float32, device=q.device)
@@ -306,15 +322,16 @@ class JitKernel:
             "q": ptr(q), "kv_cache": ptr(kv_cache), "o": ptr(out), "lse": ptr(lse), "block_table": ptr(block_table),
             "seq_lens": ptr(seq_lens), "query_start_loc": ptr(query_start_loc), "sinks": ptr(sinks),
             "alibi_slopes": ptr(alibi_slopes), "partial_o": ptr(partial_o), "partial_lse": ptr(partial_lse),
+            "split_counters": ptr(counters),
             "q_stride_token": q.stride(0), "q_stride_head": q.stride(1), "kv_stride_page": kv_cache.stride(0),
             "kv_stride_kv": kv_cache.stride(1), "block_table_stride": block_table.stride(0), "batch_size": batch,
             "total_q": total_q, "num_pages": call.num_pages, "num_splits": splits, "prefill_skip_decode_rows": 1,
             "k_scale": _scale("k_scale", k_scale), "v_scale": _scale("v_scale", v_scale),
         })
         g = self.geometry
+        # With split_counters set, the last split of each (sequence, kv head) merges the partials
+        # (merge_splits_last_block): no merge launch.
         self._launch("decode", (splits, spec.num_kv_heads, batch), g["decode_threads"], g["decode_smem"], args)
-        if splits > 1:
-            self._launch("merge", (batch, spec.num_qo_heads, 1), _MERGE_THREADS, 0, args)
         if not decode_only:
             tiles = math.ceil(total_q * spec.group_size / g["prefill_block_m"]) + batch
             self._launch("prefill", (tiles, spec.num_kv_heads, 1), g["prefill_threads"], g["prefill_smem"], args)

@@ -4,8 +4,9 @@
 // read of each K/V row. K and V tiles stream into shared memory through cp.async, kStages deep,
 // 16 bytes per thread per load. Threads form a (kBdx, kBdy, kBdz) grid: kBdx lanes along the head
 // dim, kBdy query heads of the group, kBdz key slots. Each (ty, tz) keeps its own online-softmax
-// state; states merge across tz at the end, and across splits in the merge kernel (split-KV,
-// partial states combined by log-sum-exp as in FlashDecoding, Dao et al. 2023).
+// state; states merge across tz at the end, and across splits (split-KV, partial states combined by
+// log-sum-exp as in FlashDecoding, Dao et al. 2023) in the last split block of each (sequence, kv
+// head) to finish (merge_splits_last_block), or in merge_splits_kernel when no counters are given.
 #pragma once
 
 #include "common.cuh"
@@ -127,12 +128,16 @@ __device__ __forceinline__ int kv_length(const Params& p, int batch) {
 }
 
 // load_kv_rows' paged path with the page ids already fetched (KvPages over the same rows).
-template <class S, int kRows, int kRowStride, int kThreads>
+// kSwizzle: 16-byte chunk c of row r lands at chunk c ^ (r % 8) of the row (rows of a multiple of
+// 8 chunks, unpadded): ldmatrix of 8 rows at one logical chunk then hits 8 distinct bank groups,
+// as the padded rows (kRowStride = head_dim + 8) do, without the padding's shared memory.
+template <class S, int kRows, int kRowStride, int kThreads, bool kSwizzle = false>
 __device__ __forceinline__ void load_kv_rows_paged(const Params& p, typename S::DTypeKV* sk, typename S::DTypeKV* sv,
                                                    int kv_head, int start, int end,
                                                    const KvPages<S, kRows, kThreads>& pages, bool& bad) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(typename S::DTypeKV));
   constexpr int kChunks = S::kHeadDimQK / kVec;
+  static_assert(!kSwizzle || (kChunks % 8 == 0 && kRowStride == S::kHeadDimQK), "swizzled rows: 8k chunks, unpadded");
 #pragma unroll
   for (int j = 0; j < KvPages<S, kRows, kThreads>::kIters; ++j) {
     const int c = threadIdx.x + j * kThreads;
@@ -141,8 +146,9 @@ __device__ __forceinline__ void load_kv_rows_paged(const Params& p, typename S::
       const int kv_idx = start + row;
       const bool in = kv_idx < end;
       const auto* k = in ? kv_row_in_page<S>(p, pages.page[j], kv_head, kv_idx, 0, bad) + chunk * kVec : p.kv_cache;
-      cp_async_16(sk + row * kRowStride + chunk * kVec, k, in);
-      cp_async_16(sv + row * kRowStride + chunk * kVec, k + p.kv_stride_kv, in);
+      const int dst = row * kRowStride + (kSwizzle ? (chunk ^ (row % 8)) : chunk) * kVec;
+      cp_async_16(sk + dst, k, in);
+      cp_async_16(sv + dst, k + p.kv_stride_kv, in);
     }
   }
 }
@@ -200,12 +206,110 @@ __device__ __forceinline__ void decode_load_tile(const Params& p, uint8_t* stage
                                                           start, end, bad);
 }
 
+// Two consecutive output elements, in one 4-byte store where `dst` is 4-byte aligned (an `out`
+// tensor may start at any element).
+template <class T>
+__device__ __forceinline__ void store2(T* dst, float a, float b) {
+  if constexpr (sizeof(T) == 2) {
+    if ((reinterpret_cast<uintptr_t>(dst) & 3) == 0) {
+      *reinterpret_cast<uint32_t*>(dst) = pack2<T>(a, b);
+      return;
+    }
+  }
+  dst[0] = from_float<T>(a);
+  dst[1] = from_float<T>(b);
+}
+
+// Upper bound of the split-KV factor (jitattn/runtime.py caps num_splits below it).
+constexpr int kMaxSplits = 64;
+constexpr int kMergeThreads = 128;
+
+// The split-KV merge fused into the decode kernel (used when p.split_counters is set; else the host
+// launches merge_splits_kernel). Every block calls it after writing its partial state; the last of a
+// (sequence, kv head)'s num_splits blocks to count itself in (one int per pair in p.split_counters,
+// zero between launches: that block resets it) merges the partials of the group's heads as
+// merge_splits_kernel does and writes the output and lse. This saves the merge kernel's launch and
+// its wait for the whole decode grid (the "last block" pattern: __threadfence, then an atomic count).
+// `scratch`: the block's merge scratch (free again), kGroupSize * (kMaxSplits + 2) + 1 words. (No static
+// __shared__ here: a kernel whose dynamic shared memory is exactly the 48 KB default limit would not launch.)
+template <class S, int kThreads>
+__device__ __forceinline__ void merge_splits_last_block(const Params& p, float* scratch, int batch, int kv_head,
+                                                        int q_row, int qo_idx) {
+  int& last = reinterpret_cast<int*>(scratch)[S::kGroupSize * (kMaxSplits + 2)];
+  __threadfence();  // this thread's partial writes are visible device-wide before the block counts itself
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* counter = p.split_counters + static_cast<long long>(batch) * S::kNumKvHeads + kv_head;
+    last = atomicAdd(counter, 1) == p.num_splits - 1;
+    if (last) *counter = 0;  // every split has counted: ready for the next launch (graph replays too)
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int n = min(p.num_splits, kMaxSplits);
+  const long long stride = static_cast<long long>(p.batch_size) * S::kNumQoHeads;
+  float* weight = scratch;                              // [kGroupSize][kMaxSplits]
+  float* scale = weight + S::kGroupSize * kMaxSplits;   // [kGroupSize]
+  float* poison = scale + S::kGroupSize;                // [kGroupSize]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // One warp per head: max over the splits' lse (base 2; a NaN one poisons the row), weights, sum.
+  // Partials are read through L2 (__ldcg): other SMs wrote them during this launch.
+  for (int g = warp; g < S::kGroupSize; g += kThreads / 32) {
+    const int qo_head = kv_head * S::kGroupSize + g;
+    const long long base = static_cast<long long>(batch) * S::kNumQoHeads + qo_head;
+    const float l0 = lane < n ? __ldcg(p.partial_lse + lane * stride + base) : kNegInf;
+    const float l1 = lane + 32 < n ? __ldcg(p.partial_lse + (lane + 32) * stride + base) : kNegInf;
+    const bool bad = __any_sync(0xffffffffu, isnan(l0) || isnan(l1));
+    const float m = group_max<32>(fmaxf(l0, l1));
+    const float w0 = S::kSoftmax ? rescale_factor(l0, m) : (lane < n ? 1.f : 0.f);
+    const float w1 = S::kSoftmax ? rescale_factor(l1, m) : (lane + 32 < n ? 1.f : 0.f);
+    weight[g * kMaxSplits + lane] = w0;
+    weight[g * kMaxSplits + lane + 32] = w1;
+    const float d = group_sum<32>(w0 + w1);
+    if (lane == 0) {
+      float lse;
+      scale[g] = finalize_state<S>(p, qo_head, SoftmaxState{m, d}, lse);
+      poison[g] = bad ? __int_as_float(0x7fc00000) : 0.f;
+      if (p.lse != nullptr) p.lse[static_cast<long long>(q_row) * S::kNumQoHeads + qo_head] = lse + poison[g];
+    }
+  }
+  __syncthreads();
+  // Every output element of the group, 4 at a time (head_dim_vo is a multiple of 16).
+  constexpr int kQuads = S::kHeadDimVO / 4;
+  for (int e = threadIdx.x; e < S::kGroupSize * kQuads; e += kThreads) {
+    const int g = e / kQuads, i = (e % kQuads) * 4;
+    const int qo_head = kv_head * S::kGroupSize + g;
+    const long long base = static_cast<long long>(batch) * S::kNumQoHeads + qo_head;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 16
+    for (int s = 0; s < n; ++s) {
+      const float w = weight[g * kMaxSplits + s];
+      const float4 x = __ldcg(reinterpret_cast<const float4*>(p.partial_o + (s * stride + base) * S::kHeadDimVO + i));
+      acc[0] = fmaf(w, x.x, acc[0]);
+      acc[1] = fmaf(w, x.y, acc[1]);
+      acc[2] = fmaf(w, x.z, acc[2]);
+      acc[3] = fmaf(w, x.w, acc[3]);
+    }
+    const long long row_head = static_cast<long long>(q_row) * S::kNumQoHeads + qo_head;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float value = acc[j] * scale[g];
+      bool oob = false;
+      if constexpr (S::kHasOutTransform) value = S::output_transform(p, value, batch, qo_head, qo_idx, i + j, oob);
+      p.o[row_head * S::kHeadDimVO + i + j] =
+          from_float<typename S::DTypeO>(value + poison[g] + (oob ? __int_as_float(0x7fc00000) : 0.f));
+    }
+  }
+}
+
 // Merges the kZ partial states (one per key slot or warp) of every query head of the group and
 // writes the output (or this split's partial state). Scratch `sm_m` (floats, filled by the caller):
 // m[kZ][kSlots], d[kZ][kSlots], o[kZ][kSlots][head_dim_vo], then scale[kSlots]; slot g is group head g.
 template <class S, int kZ, int kSlots, int kThreads>
 __device__ __forceinline__ void decode_finish(const Params& p, float* sm_m, int split, int batch, int kv_head,
                                               int q_row, int qo_idx, float poison) {
+  static_assert(kZ * kSlots * (S::kHeadDimVO + 2) + kSlots >= S::kGroupSize * (kMaxSplits + 2) + 1,
+                "merge_splits_last_block's scratch must fit in the merge scratch");
   float* sm_d = sm_m + kZ * kSlots;
   float* sm_o = sm_d + kZ * kSlots;
   float* sm_scale = sm_o + kZ * kSlots * S::kHeadDimVO;
@@ -234,24 +338,39 @@ __device__ __forceinline__ void decode_finish(const Params& p, float* sm_m, int 
     }
   }
   __syncthreads();
-  // Every output element of the group: consecutive threads write consecutive elements.
-  for (int e = threadIdx.x; e < S::kGroupSize * S::kHeadDimVO; e += kThreads) {
-    const int g = e / S::kHeadDimVO, i = e % S::kHeadDimVO;
-    float acc = 0.f;
+  // Every output element of the group, two at a time (head_dim_vo is even): consecutive threads write
+  // consecutive pairs.
+  constexpr int kPairs = S::kHeadDimVO / 2;
+  for (int e = threadIdx.x; e < S::kGroupSize * kPairs; e += kThreads) {
+    const int g = e / kPairs, i = (e % kPairs) * 2;
+    float acc[2] = {0.f, 0.f};
 #pragma unroll
-    for (int z = 0; z < kZ; ++z) acc += sm_m[z * kSlots + g] * sm_o[(z * kSlots + g) * S::kHeadDimVO + i];
-    float value = acc * sm_scale[g];
+    for (int z = 0; z < kZ; ++z) {
+      const float w = sm_m[z * kSlots + g];
+      const float2 x = *reinterpret_cast<const float2*>(sm_o + (z * kSlots + g) * S::kHeadDimVO + i);
+      acc[0] = fmaf(w, x.x, acc[0]);
+      acc[1] = fmaf(w, x.y, acc[1]);
+    }
     const int qo_head = kv_head * S::kGroupSize + g;
     if (p.num_splits == 1) {
-      bool oob = false;  // a parameter read out of range here poisons this element
-      if constexpr (S::kHasOutTransform) value = S::output_transform(p, value, batch, qo_head, qo_idx, i, oob);
-      p.o[(static_cast<long long>(q_row) * S::kNumQoHeads + qo_head) * S::kHeadDimVO + i] =
-          from_float<typename S::DTypeO>(value + poison + (oob ? __int_as_float(0x7fc00000) : 0.f));
+      float value[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        value[j] = acc[j] * sm_scale[g];
+        bool oob = false;  // a parameter read out of range here poisons this element
+        if constexpr (S::kHasOutTransform) value[j] = S::output_transform(p, value[j], batch, qo_head, qo_idx, i + j, oob);
+        value[j] += poison + (oob ? __int_as_float(0x7fc00000) : 0.f);
+      }
+      store2<typename S::DTypeO>(p.o + (static_cast<long long>(q_row) * S::kNumQoHeads + qo_head) * S::kHeadDimVO + i,
+                                 value[0], value[1]);
     } else {
       const long long part = (static_cast<long long>(split) * p.batch_size + batch) * S::kNumQoHeads + qo_head;
-      p.partial_o[part * S::kHeadDimVO + i] = value + poison;
+      *reinterpret_cast<float2*>(p.partial_o + part * S::kHeadDimVO + i) =
+          make_float2(acc[0] * sm_scale[g] + poison, acc[1] * sm_scale[g] + poison);
     }
   }
+  if (p.num_splits > 1 && p.split_counters != nullptr)
+    merge_splits_last_block<S, kThreads>(p, sm_m, batch, kv_head, q_row, qo_idx);
 }
 
 template <class S>
@@ -262,10 +381,10 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
   extern __shared__ __align__(16) uint8_t smem[];
 
   const int split = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
-  const int q_row = p.query_start_loc[batch];
-  if (p.query_start_loc[batch + 1] - q_row != 1) return;  // not a decode row: the prefill kernel serves it
+  // The metadata reads are issued together, before any branch: one round trip, not two.
+  const int q_row = p.query_start_loc[batch], q_end = p.query_start_loc[batch + 1], kv_len = p.seq_lens[batch];
+  if (q_end - q_row != 1) return;  // not a decode row: the prefill kernel serves it
   if (q_row < 0 || q_row >= p.total_q) return;             // no row of q to read or write
-  const int kv_len = p.seq_lens[batch];
   const int qo_idx = kv_len - 1;
   bool bad = !sequence_ok<S>(p, 1, kv_len);
   int kv_begin, kv_end;
@@ -424,10 +543,6 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
   __syncthreads();
   decode_finish<S, T::kBdz, kSlots, T::kThreads>(p, sm_m, split, batch, kv_head, q_row, qo_idx, poison);
 }
-
-// Upper bound of the split-KV factor (jitattn/runtime.py caps num_splits below it).
-constexpr int kMaxSplits = 64;
-constexpr int kMergeThreads = 128;
 
 // Combines the num_splits partial states of each decode row (grid: batch x num_qo_heads,
 // kMergeThreads threads). The split weights are computed once into shared memory; every thread

@@ -6,7 +6,9 @@
 // (rows past the group are zero), so S = Q K^T and O += P V are a handful of mma.sync per 16 keys
 // and the kernel is left to stream K/V (FlashInfer decodes GQA the same way). Each of the 4 warps
 // takes 16 keys of every 64-key tile and keeps its own online-softmax state; the warps' states merge
-// at the end (decode_finish), and splits merge in merge_splits_kernel.
+// at the end (decode_finish), and splits merge in the last split block (merge_splits_last_block).
+// A window of at most kPipelineStages tiles (gpt-oss sliding layers) is loaded whole, up front
+// (DecodeMmaTraits::kWholeWindow).
 #pragma once
 
 #include "common.cuh"
@@ -23,15 +25,32 @@ struct DecodeMmaTraits {
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kWarpKeys = 16;                  // keys per warp per tile: one k-step of P V
   static constexpr int kTileKeys = kWarps * kWarpKeys;  // keys per pipeline stage
-  static constexpr int kRowStride = kHeadDim + 8;       // padded rows: conflict-free ldmatrix (see prefill.cuh)
   static constexpr int kChunks = kHeadDim / 8;
+  static constexpr int kPipelineStages = kHeadDim <= 128 ? 3 : 2;
+  // Whole-window mode: when the window bounds a decode row to at most kPipelineStages tiles
+  // (window_left + 1 keys; gpt-oss sliding layers: 128), every K/V row of the window is issued at once
+  // (one block_table round trip, one wait, one barrier) instead of through the tile pipeline, the
+  // shared memory holds exactly the window, and more blocks fit on an SM. Such a block reads little
+  // (32 KB for gpt-oss), so its life is mostly fixed latency, and blocks resident per SM set the rate.
+  static constexpr int kWindowTiles = S::kWindowLeft >= 0 ? ceil_div(S::kWindowLeft + 1, kTileKeys) : 0;
+  static constexpr bool kWholeWindow = kWindowTiles > 0 && kWindowTiles <= kPipelineStages;
+  // Whole-window rows are unpadded and XOR-swizzled (load_kv_rows_paged) where a row is 8k chunks.
+  static constexpr bool kSwizzle = kWholeWindow && kChunks % 8 == 0;
+  static constexpr int kRowStride = kSwizzle ? kHeadDim : kHeadDim + 8;  // padded rows: conflict-free ldmatrix
+  static constexpr int kQRowStride = kHeadDim + 8;
   static constexpr int kStageBytes = 2 * kTileKeys * kRowStride * 2;  // K and V of one tile
-  static constexpr int kStages = kHeadDim <= 128 ? 3 : 2;
-  static constexpr int kQBytes = 16 * kRowStride * 2;
+  static constexpr int kStages = kWholeWindow ? kWindowTiles : kPipelineStages;
+  static constexpr int kQBytes = 16 * kQRowStride * 2;
   static constexpr int kMergeBytes = (kWarps * 16 * (kHeadDim + 2) + 16) * 4;
   static constexpr int kSmemBytes = cmax(kQBytes + kStages * kStageBytes, kMergeBytes);
   static constexpr int kDTiles = kHeadDim / 8;
-  static constexpr int kMinBlocksPerSM = 1;
+  // Fragment rows g + 8 (r = 1) hold group heads 8..15: with a group of at most 8 they are padding,
+  // so their softmax, rescaling and accumulators are skipped (fewer registers, fewer instructions).
+  static constexpr int kRowHalves = S::kGroupSize <= 8 ? 1 : 2;
+  // Whole-window blocks are short: ask the compiler for registers that let the shared memory's
+  // count of blocks (227 KB per SM, 1 KB reserved per block) be resident, at most 5 (gpt-oss
+  // sliding, H200, 2026-11-29, one run: 6 blocks at 80 registers spilled and ran 2.07 TB/s, 5 at 96: 2.20).
+  static constexpr int kMinBlocksPerSM = kWholeWindow ? cmax(1, cmin(5, (227 * 1024) / (kSmemBytes + 1024))) : 1;
   static_assert(S::kGroupSize <= 16, "the group's query heads must fit one m16 tile");
   // An FP8 cache stays on the CUDA-core decode: staging raw rows and widening them per tile here
   // measured slower (0.39 ms vs 0.26 ms, H200, decode-hd128-b64x4096-fp8, 2026-11-29).
@@ -45,14 +64,25 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
   extern __shared__ __align__(16) uint8_t smem[];
   DT* sq = reinterpret_cast<DT*>(smem);
   using KV = typename S::DTypeKV;
-  auto stage_k = [&](int s) { return reinterpret_cast<DT*>(smem + T::kQBytes + s * T::kStageBytes); };
-  auto stage_v = [&](int s) { return stage_k(s) + T::kTileKeys * T::kRowStride; };
+  // Pipeline: stage s holds K then V of one tile. Whole window: the K rows of all tiles, then their V rows.
+  auto stage_k = [&](int s) {
+    if constexpr (T::kWholeWindow) return reinterpret_cast<DT*>(smem + T::kQBytes) + s * T::kTileKeys * T::kRowStride;
+    else return reinterpret_cast<DT*>(smem + T::kQBytes + s * T::kStageBytes);
+  };
+  auto stage_v = [&](int s) {
+    if constexpr (T::kWholeWindow) return stage_k(s) + T::kStages * T::kTileKeys * T::kRowStride;
+    else return stage_k(s) + T::kTileKeys * T::kRowStride;
+  };
 
   const int split = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
-  const int q_row = p.query_start_loc[batch];
-  if (p.query_start_loc[batch + 1] - q_row != 1) return;  // not a decode row: the prefill kernel serves it
+  if constexpr (S::kHasSinks && T::kWholeWindow) {  // read in the epilogue (finalize_state): start it now
+    if (threadIdx.x < S::kGroupSize)
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(p.sinks + kv_head * S::kGroupSize + threadIdx.x));
+  }
+  // The metadata reads are issued together, before any branch: one round trip, not two.
+  const int q_row = p.query_start_loc[batch], q_end = p.query_start_loc[batch + 1], kv_len = p.seq_lens[batch];
+  if (q_end - q_row != 1) return;  // not a decode row: the prefill kernel serves it
   if (q_row < 0 || q_row >= p.total_q) return;
-  const int kv_len = p.seq_lens[batch];
   const int qo_idx = kv_len - 1;
   bool bad = !sequence_ok<S>(p, 1, kv_len);
   int kv_begin, kv_end;
@@ -69,31 +99,51 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
         p, reinterpret_cast<KV*>(stage_k(s)), reinterpret_cast<KV*>(stage_v(s)), kv_head, start, hi, pg, bad_ref);
   };
 
-  // Prologue first: kStages - 1 tiles in flight while the query rows are prepared.
+  // Prologue first: kStages - 1 tiles in flight while the query rows are prepared (whole window: all
+  // of it, page ids of every row fetched first in one round trip).
   Pages pages;
-#pragma unroll
-  for (int s = 0; s < T::kStages - 1; ++s) {
-    const int start = lo + s * T::kTileKeys;
-    pages.fetch(p, batch, start, hi);
-    if (start < hi) load_stage(s, start, pages, bad);
+  if constexpr (T::kWholeWindow) {
+    using AllPages = KvPages<S, T::kStages * T::kTileKeys, T::kThreads>;
+    AllPages all;
+    all.fetch(p, batch, lo, hi);
+    load_kv_rows_paged<S, T::kStages * T::kTileKeys, T::kRowStride, T::kThreads, T::kSwizzle>(
+        p, reinterpret_cast<KV*>(stage_k(0)), reinterpret_cast<KV*>(stage_v(0)), kv_head, lo, hi, all, bad);
     cp_async_commit();
+  } else {
+#pragma unroll
+    for (int s = 0; s < T::kStages - 1; ++s) {
+      const int start = lo + s * T::kTileKeys;
+      pages.fetch(p, batch, start, hi);
+      if (start < hi) load_stage(s, start, pages, bad);
+      cp_async_commit();
+    }
+    pages.fetch(p, batch, lo + (T::kStages - 1) * T::kTileKeys, hi);
   }
-  pages.fetch(p, batch, lo + (T::kStages - 1) * T::kTileKeys, hi);
   // Q rows (group heads; rows past the group are 0) -> shared memory, query transform applied.
   const typename S::DTypeQ* q_base = p.q + q_row * p.q_stride_token + kv_head * S::kGroupSize * S::kHeadDimQK;
-  for (int e = threadIdx.x; e < 16 * T::kHeadDim; e += T::kThreads) {
-    const int g = e / T::kHeadDim, dim = e % T::kHeadDim;
-    float x = 0.f;
-    if (g < S::kGroupSize) {
-      x = to_float(q_base[g * S::kHeadDimQK + dim]);
-      if constexpr (S::kHasQTransform) {
-        const int half = T::kHeadDim / 2, partner = dim < half ? dim + half : dim - half;
-        x = S::query_transform(p, x, rotate_half_value(dim, T::kHeadDim, to_float(q_base[g * S::kHeadDimQK + partner])),
-                               batch, kv_head * S::kGroupSize + g, qo_idx, dim, bad);
-      }
+  if constexpr (!S::kHasQTransform) {  // 16-byte chunks copied as they are (q rows are 16-byte aligned)
+    for (int e = threadIdx.x; e < 16 * T::kChunks; e += T::kThreads) {
+      const int g = e / T::kChunks, c = e % T::kChunks;
+      const uint4 raw = g < S::kGroupSize ? *reinterpret_cast<const uint4*>(q_base + g * S::kHeadDimQK + c * 8)
+                                          : make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(sq + g * T::kQRowStride + c * 8) = raw;
     }
-    sq[g * T::kRowStride + dim] = from_float<DT>(x);
+  } else {
+    for (int e = threadIdx.x; e < 16 * T::kHeadDim; e += T::kThreads) {
+      const int g = e / T::kHeadDim, dim = e % T::kHeadDim;
+      float x = 0.f;
+      if (g < S::kGroupSize) {
+        x = to_float(q_base[g * S::kHeadDimQK + dim]);
+        if constexpr (S::kHasQTransform) {
+          const int half = T::kHeadDim / 2, partner = dim < half ? dim + half : dim - half;
+          x = S::query_transform(p, x, rotate_half_value(dim, T::kHeadDim, to_float(q_base[g * S::kHeadDimQK + partner])),
+                                 batch, kv_head * S::kGroupSize + g, qo_idx, dim, bad);
+        }
+      }
+      sq[g * T::kQRowStride + dim] = from_float<DT>(x);
+    }
   }
+  if constexpr (T::kWholeWindow) cp_async_wait<0>();  // the window landed: this barrier covers it too
   __syncthreads();
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -101,7 +151,7 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
   uint32_t qf[T::kHeadDim / 16][4];  // A fragments of Q, loaded once
 #pragma unroll
   for (int kk = 0; kk < T::kHeadDim / 16; ++kk)
-    ldmatrix_x4(qf[kk], sq + (lane % 16) * T::kRowStride + kk * 16 + (lane / 16) * 8);
+    ldmatrix_x4(qf[kk], sq + (lane % 16) * T::kQRowStride + kk * 16 + (lane / 16) * 8);
 
   float o[T::kDTiles][4];
 #pragma unroll
@@ -113,9 +163,9 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
 
   int it = 0;
   for (int start = lo; start < hi; start += T::kTileKeys, ++it) {
-    cp_async_wait<T::kStages - 2>();
-    __syncthreads();
-    {
+    if constexpr (!T::kWholeWindow) {  // (whole window: everything landed before the Q barrier)
+      cp_async_wait<T::kStages - 2>();
+      __syncthreads();
       const int next = start + (T::kStages - 1) * T::kTileKeys;
       const int st_next = (it + T::kStages - 1) % T::kStages;
       if (next < hi) load_stage(st_next, next, pages, bad);
@@ -124,18 +174,20 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
     }
     const DT* sk = stage_k(it % T::kStages) + warp * T::kWarpKeys * T::kRowStride;
     const DT* sv = stage_v(it % T::kStages) + warp * T::kWarpKeys * T::kRowStride;
+    // Rows of a tile start at multiples of 8, so a lane's ldmatrix row r has r % 8 == lane % 8.
+    auto chunk_at = [&](int chunk) { return T::kSwizzle ? chunk ^ (lane % 8) : chunk; };
     const int key0 = start + warp * T::kWarpKeys;
 
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // 16 rows x 16 keys
 #pragma unroll
     for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
       uint32_t b[4];
-      ldmatrix_x4(b, sk + (lane % 8 + (lane / 16) * 8) * T::kRowStride + kk * 16 + ((lane / 8) % 2) * 8);
+      ldmatrix_x4(b, sk + (lane % 8 + (lane / 16) * 8) * T::kRowStride + chunk_at(kk * 2 + (lane / 8) % 2) * 8);
       mma_16816<DT>(s[0], qf[kk], b[0], b[1]);
       mma_16816<DT>(s[1], qf[kk], b[2], b[3]);
     }
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < T::kRowHalves; ++r) {
       const int head = kv_head * S::kGroupSize + min(g + 8 * r, S::kGroupSize - 1);
       float tile_max = kNegInf;
 #pragma unroll
@@ -174,13 +226,16 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
     }
     uint32_t a[4];  // P as the A operand: the two n-tiles' accumulators form one k-step
     a[0] = pack2<DT>(s[0][0], s[0][1]);
-    a[1] = pack2<DT>(s[0][2], s[0][3]);
+    a[1] = T::kRowHalves == 2 ? pack2<DT>(s[0][2], s[0][3]) : 0u;
     a[2] = pack2<DT>(s[1][0], s[1][1]);
-    a[3] = pack2<DT>(s[1][2], s[1][3]);
+    a[3] = T::kRowHalves == 2 ? pack2<DT>(s[1][2], s[1][3]) : 0u;
 #pragma unroll
     for (int d2 = 0; d2 < T::kDTiles / 2; ++d2) {
       uint32_t b[4];
-      ldmatrix_x4_trans(b, sv + (lane % 8 + ((lane / 8) % 2) * 8) * T::kRowStride + d2 * 16 + (lane / 16) * 8);
+      ldmatrix_x4_trans(b, sv + (lane % 8 + ((lane / 8) % 2) * 8) * T::kRowStride + chunk_at(d2 * 2 + lane / 16) * 8);
+      if constexpr (T::kRowHalves == 1) {  // rows g + 8 are padding: their accumulators are scratch
+        o[2 * d2][2] = o[2 * d2][3] = o[2 * d2 + 1][2] = o[2 * d2 + 1][3] = 0.f;
+      }
       mma_16816<DT>(o[2 * d2], a, b[0], b[1]);
       mma_16816<DT>(o[2 * d2 + 1], a, b[2], b[3]);
     }
@@ -193,7 +248,7 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
   float* sm_d = sm_m + T::kWarps * 16;
   float* sm_o = sm_d + T::kWarps * 16;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
+  for (int r = 0; r < T::kRowHalves; ++r) {
     const int row = g + 8 * r, slot = warp * 16 + row;
     const float d = group_sum<4>(st[r].d);
     if (tig == 0) {
