@@ -41,7 +41,9 @@ constexpr bool kPrefillSm90PingPong = false;
 // and the softmax of tile j runs while those P V MMAs run (FlashAttention-3, Shah et al. 2024,
 // sec. 3.2). H200, 2026-11-29, hd128 causal 4x8192: 348 -> 404 TFLOP/s (ping-pong on top: 404, no
 // gain). Specs with a key transform keep the loop without overlap (both warpgroups transform each
-// tile in place between two barriers), and so do two-stage specs (see kOverlap).
+// tile in place between two barriers), and so do two-stage specs (see kOverlap). Tried on top and not
+// kept (same bench): separate K and V barriers with cp.async.mbarrier.arrive arrivals (358 TFLOP/s),
+// no consumer-side proxy fence after the full wait (398: no gain).
 constexpr bool kPrefillSm90Overlap = true;
 
 template <bool B>
