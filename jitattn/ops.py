@@ -126,10 +126,13 @@ def _param_layout(text: str) -> tuple[tuple[str, bool], ...]:
 
 
 @torch.compiler.assume_constant_result
-def _backend_name(text: str, device_type: str, device_index: int, phase: str, need_lse: bool) -> str:
+def _backend_name(text: str, device_type: str, device_index: int, phase: str, need_lse: bool,
+                  backend: str = "") -> str:
     device = torch.device(device_type, device_index) if device_index >= 0 else torch.device(device_type)
     # Under torch.compile this runs once per argument tuple; eager calls find the remembered choice.
-    return select_cached(spec_from_json(text), DeviceInfo.from_torch(device), phase, need_lse=need_lse).name
+    # A backend the caller names is checked against the spec too (the selector's forced path).
+    return select_cached(spec_from_json(text), DeviceInfo.from_torch(device), phase, need_lse=need_lse,
+                         backend=backend or None).name
 
 
 def paged_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -141,9 +144,10 @@ def paged_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor
     """Paged attention through the custom op; contract of :func:`jitattn.reference.paged_attention`.
 
     Args:
-        backend: a backend name; None asks :func:`jitattn.selector.select` (honouring
-            ``JITATTN_BACKEND``), once per (spec, device, phase, return_lse): a constant of a
-            compiled graph, remembered across eager calls.
+        backend: a backend name (checked like ``JITATTN_BACKEND``: one that cannot serve the spec,
+            e.g. sdpa for a soft-cap, raises NoBackendError with the reasons); None asks
+            :func:`jitattn.selector.select` (honouring ``JITATTN_BACKEND``), once per (spec, device,
+            phase, return_lse): a constant of a compiled graph, remembered across eager calls.
         phase: passed to the selector.
         max_query_len: ``1`` promises a pure decode batch (the jit backend then launches only its
             decode kernel).
@@ -161,8 +165,8 @@ def paged_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor
     check_scales(spec, k_scale, v_scale)
     text = spec.canonical_text
     device = q.device
-    name = backend or _backend_name(text, device.type, -1 if device.index is None else device.index, phase,
-                                    return_lse)
+    name = _backend_name(text, device.type, -1 if device.index is None else device.index, phase, return_lse,
+                         backend or "")
     tensors, scalars = _pack_params(_param_layout(text), params)
     out, lse = torch.ops.jitattn.paged_attention(
         q, kv_cache, block_table, seq_lens, query_start_loc, text, name, sinks, alibi_slopes, tensors, scalars,

@@ -146,22 +146,24 @@ def select(spec: AttentionSpec, device: DeviceInfo | str | Any = None, phase: st
 
 
 def select_cached(spec: AttentionSpec, device: DeviceInfo, phase: str = "mixed", *,
-                  need_lse: bool = False) -> Selection:
+                  need_lse: bool = False, backend: str | None = None) -> Selection:
     """:func:`select`, remembered: the per-call path of :func:`jitattn.ops.paged_attention` in eager mode.
 
-    The key is (spec, device, phase, need_lse, ``JITATTN_BACKEND``, the registered backends), so
-    setting the variable or registering a backend takes effect on the next call; :func:`clear_caches`
-    forgets. A failed selection is not remembered (it raises again, with its reasons).
+    The key is (spec, device, phase, need_lse, ``backend``, ``JITATTN_BACKEND``, the registered
+    backends), so setting the variable or registering a backend takes effect on the next call;
+    :func:`clear_caches` forgets. A failed selection is not remembered (it raises again, with its
+    reasons). A ``backend`` named by the caller is checked like any forced one: one that cannot serve
+    the spec raises :class:`NoBackendError` with its reasons.
 
     Raises:
         NoBackendError, ValueError: as :func:`select`.
     """
-    key = (spec, device, phase, need_lse, settings.forced_backend(),
+    key = (spec, device, phase, need_lse, backend, settings.forced_backend(),
            tuple((b.name, id(b)) for b in registered_backends()))
     with _lock:
         sel = _selected.get(key)
     if sel is None:
-        sel = select(spec, device, phase, need_lse=need_lse)
+        sel = select(spec, device, phase, need_lse=need_lse, backend=backend)
         with _lock:
             sel = _selected.setdefault(key, sel)
     return sel

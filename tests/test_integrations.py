@@ -10,6 +10,7 @@ The device version of these tests is tests/test_gpu_integrations.py.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -90,8 +91,25 @@ def test_op_with_forced_backend_name():
     batch = random_paged_batch(spec, Q_LENS, KV_LENS)
     ref = reference.paged_attention(spec, *batch.args())
     assert relative_error(paged_attention(spec, *batch.args(), backend="sdpa"), ref) < 1e-2
-    with pytest.raises(KeyError, match="no attention backend named 'nope'"):
+    with pytest.raises(ValueError, match="backend='nope': no attention backend named 'nope'"):
         paged_attention(spec, *batch.args(), backend="nope")
+
+
+@pytest.mark.parametrize("spec, backend, reason", [
+    (AttentionSpec(8, 2, 64, logits_soft_cap=5.0), "sdpa", "sdpa: logits_soft_cap=5 not supported"),
+    (AttentionSpec(8, 2, 64, window_left=3), "sdpa", "sdpa: sliding window (window_left=3) not supported"),
+    (AttentionSpec(8, 2, 64, q_dtype="float16", kv_dtype="float8_e4m3fn"), "flex",
+     "flex: kv_dtype=float8_e4m3fn not supported"),
+])
+def test_op_refuses_a_named_backend_that_cannot_serve_the_spec(spec, backend, reason):
+    """A backend named in the call was built without asking whether it serves the spec: sdpa dropped
+    the soft-cap and the window, flex the FP8 scales, and the op returned their wrong answers (max abs errors
+    of 0.18, 2.4 and 350 against the reference on these batches). Now it is checked like a forced backend."""
+    batch = random_paged_batch(spec, Q_LENS, KV_LENS)
+    with pytest.raises(selector.NoBackendError, match=rf"(?s)^backend={backend} cannot serve .*{re.escape(reason)}"):
+        paged_attention(spec, *batch.args(), backend=backend, **batch.scales)
+    assert relative_error(paged_attention(spec, *batch.args(), backend="reference", **batch.scales),
+                          reference.paged_attention(spec, *batch.args(), **batch.scales)) == 0
 
 
 # ---- transformers -----------------------------------------------------------------------------------------
