@@ -20,7 +20,8 @@ How the fields map (all models here are decoders: every spec is ``causal=True``)
 - Which layers slide: explicit ``layer_types`` win over every rule; Gemma-2: even layers (layer
   0 slides); Gemma-3 (or any config with ``sliding_window_pattern``): layer ``i`` is global when
   ``(i + 1) % P == 0`` (``P`` default 6); Qwen2 / Qwen3: layers ``i >= max_window_layers`` when
-  ``use_sliding_window`` is true (its default there is false), none otherwise; otherwise
+  ``use_sliding_window`` is true (its default there is false), none otherwise (Qwen2-MoE: the even
+  layers ``i < max_window_layers``); otherwise
   (Mistral, Phi-3, ...) every layer when ``sliding_window`` is not null (and
   ``use_sliding_window`` is not false), none when it is.
 - Features the config has no key for come from the model type (:data:`IMPLIED_FEATURES`):
@@ -287,9 +288,10 @@ def _dtype(raw: Mapping[str, Any], cfg: Mapping[str, Any], override: Any, source
 
 
 # ---- layer kinds -------------------------------------------------------------------------------
-#: Model types whose sliding layers are those from ``max_window_layers`` on (Hugging Face's Qwen2 and
-#: Qwen3 configs: ``layer_types[i] = sliding iff use_sliding_window and i >= max_window_layers``).
-_MAX_WINDOW_LAYERS_TYPES = ("qwen2", "qwen3")
+#: Model types whose sliding layers follow ``use_sliding_window`` (default false) and
+#: ``max_window_layers``, as Hugging Face's configs set ``layer_types``: Qwen2 / Qwen3 slide layers
+#: ``i >= max_window_layers``, Qwen2-MoE the even layers ``i < max_window_layers``.
+_MAX_WINDOW_LAYERS_TYPES = ("qwen2", "qwen3", "qwen2_moe")
 
 
 def _layer_types(cfg: Mapping[str, Any], model_type: str, num_layers: int, source: str) -> list[str]:
@@ -312,6 +314,8 @@ def _layer_types(cfg: Mapping[str, Any], model_type: str, num_layers: int, sourc
         if isinstance(first, bool) or not isinstance(first, int) or first < 0:
             raise ValueError(f"{source}: max_window_layers={first!r}: with use_sliding_window=true, "
                              f"{model_type} needs an int >= 0 (layers from it on slide)")
+        if model_type == "qwen2_moe":  # its own rule: even layers below max_window_layers
+            return [SLIDING if i % 2 == 0 and i < first else FULL for i in range(num_layers)]
         return [SLIDING if i >= first else FULL for i in range(num_layers)]
     slides = _has(cfg, "sliding_window") and cfg.get("use_sliding_window", True) is not False
     return [SLIDING if slides else FULL] * num_layers

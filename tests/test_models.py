@@ -216,6 +216,16 @@ def test_qwen_slides_only_from_max_window_layers(model_type):
         load_model_config({**base, "use_sliding_window": True})
 
 
+def test_qwen2_moe_slides_even_layers_below_max_window_layers():
+    """Hugging Face's Qwen2MoeConfig (transformers 5.24): layer i slides when use_sliding_window and i is
+    even and i < max_window_layers (7 layers, max_window_layers=5: S F S F S F F)."""
+    base = {**read("llama-3-8b"), "model_type": "qwen2_moe", "num_hidden_layers": 7, "sliding_window": 128}
+    model = load_model_config({**base, "use_sliding_window": True, "max_window_layers": 5})
+    assert [(k.name, k.layers) for k in model.layer_kinds] == [("sliding_attention", (0, 2, 4)),
+                                                              ("full_attention", (1, 3, 5, 6))]
+    assert [s.window_left for s in model_specs(base)] == [-1]
+
+
 # ---- model types: unknown and implied features --------------------------------------------------
 def test_unknown_model_type_maps_generically():
     cfg = {"model_type": "brand_new", "hidden_size": 2560, "num_hidden_layers": 3,
