@@ -28,14 +28,13 @@ from jitattn import cuda_driver
 from jitattn.build import archs_for_capability
 from jitattn.cache import CacheEntry, KernelCache
 from jitattn.checks import (check_metadata_values, check_paged_call, check_ragged_call, check_ragged_metadata_values,
-                            check_scale)
+                            check_scales)
 from jitattn.reference import default_alibi_slopes, torch_dtype
 from jitattn.render import KERNEL_NAMES, params_fields, params_layout
 from jitattn.spec import AttentionSpec
 
 _GEOMETRY = ("decode_threads", "decode_smem", "decode_tile_keys", "prefill_threads", "prefill_smem",
              "prefill_block_m", "prefill_block_n", "params_size")
-_MERGE_THREADS = 128  # kMergeThreads in templates/decode.cuh
 MAX_SPLITS = 64  # kMaxSplits in templates/decode.cuh
 _DEFAULT_SMEM_LIMIT = 48 * 1024
 
@@ -302,6 +301,7 @@ class JitKernel:
             alibi_slopes = self._default_slopes  # built once: no copy per call, safe under graph capture
         if return_lse and spec.variant is not None and not spec.variant.softmax:
             raise ValueError(f"return_lse=True: variant {spec.variant.name!r} has no softmax, so there is no lse")
+        scales = check_scales(spec, k_scale, v_scale)  # 1.0 unless the cache is FP8
         total_q, batch = call.total_q, call.batch
         if out is None:
             out = torch.empty(total_q, spec.num_qo_heads, spec.head_dim_vo, dtype=torch_dtype(spec.o_dtype),
@@ -326,7 +326,7 @@ class JitKernel:
             "q_stride_token": q.stride(0), "q_stride_head": q.stride(1), "kv_stride_page": kv_cache.stride(0),
             "kv_stride_kv": kv_cache.stride(1), "block_table_stride": block_table.stride(0), "batch_size": batch,
             "total_q": total_q, "num_pages": call.num_pages, "num_splits": splits, "prefill_skip_decode_rows": 1,
-            "k_scale": _scale("k_scale", k_scale), "v_scale": _scale("v_scale", v_scale),
+            "k_scale": scales[0], "v_scale": scales[1],
         })
         g = self.geometry
         # With split_counters set, the last split of each (sequence, kv head) merges the partials
@@ -415,9 +415,6 @@ class JitKernel:
 
 _KERNELS: dict[tuple[AttentionSpec, int], JitKernel] = {}
 _KERNELS_LOCK = threading.Lock()
-
-
-_scale = check_scale
 
 
 def _cuda_device(device: torch.device | str | int | None) -> torch.device:

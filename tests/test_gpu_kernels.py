@@ -109,3 +109,19 @@ def test_decode_replays_in_cuda_graph(session_cache):
     torch.cuda.synchronize()
     ref = reference.paged_attention(case.spec, *batch.args())
     assert relative_error(out, ref) < 1e-2
+
+
+def test_kernel_refuses_bad_call_arguments_before_launch(session_cache):
+    """k_scale on a 16-bit cache and a misspelled keyword are errors at the call, nothing launched."""
+    from jitattn import AttentionSpec
+
+    spec = AttentionSpec(32, 8, 128)
+    batch = random_paged_batch(spec, [1, 3], [40, 17], device="cuda", seed=SEED)
+    kernel = load_kernel(spec)
+    out = torch.full((4, 32, 128), float("nan"), dtype=batch.q.dtype, device="cuda")
+    with pytest.raises(ValueError, match=r"k_scale=2.0: only an FP8 cache .* must be 1.0"):
+        kernel.paged_attention(*batch.args(), out=out, k_scale=2.0)
+    with pytest.raises(TypeError, match="sink"):
+        kernel.paged_attention(*batch.args(), out=out, sink=None)
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all()  # nothing was written
