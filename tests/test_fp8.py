@@ -7,8 +7,7 @@ import torch
 
 from jitattn import AttentionSpec, reference
 from jitattn.cache import KernelCache
-from jitattn.checks import check_paged_call
-from jitattn.runtime import _scale
+from jitattn.checks import check_paged_call, check_scales
 from jitattn.testing import random_paged_batch
 
 SPEC = AttentionSpec(8, 2, 64, kv_dtype="fp8")
@@ -42,8 +41,12 @@ def test_checks_want_the_fp8_cache_dtype():
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), torch.tensor(1.0), True])
 def test_scales_must_be_positive_python_floats(bad):
+    # check_scales is what every callable runs (JitKernel.paged_attention since f55bb99, which removed
+    # runtime._scale that this test imported: the module failed to collect).
     with pytest.raises(ValueError, match="k_scale=.*positive finite Python float"):
-        _scale("k_scale", bad)
+        check_scales(SPEC, bad, 1.0)
+    with pytest.raises(ValueError, match="v_scale=.*positive finite Python float"):
+        check_scales(SPEC, 1.0, bad)
 
 
 @pytest.mark.slow
