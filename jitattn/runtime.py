@@ -273,7 +273,8 @@ class JitKernel:
         Args:
             max_query_len: optional host-side hint; ``1`` promises a pure decode batch (only the decode
                 kernel is launched; a sequence with another query count is then left unwritten).
-            validate: also check the metadata values (a device sync; not under graph capture).
+            validate: also check the metadata values and the ``max_query_len`` promise (a device sync;
+                not under graph capture).
             k_scale, v_scale: per-tensor dequantisation scales of an FP8 cache (Python floats, so no
                 device sync; 1.0 for a 16-bit cache).
             out: optional preallocated output ``(total_q, num_qo_heads, head_dim_vo)``.
@@ -297,6 +298,11 @@ class JitKernel:
             raise ValueError(f"q: on {q.device}, but this kernel was loaded on {self.device}")
         if validate:
             check_metadata_values(spec, seq_lens, query_start_loc, block_table, call.num_pages, call.total_q)
+            if max_query_len is not None:
+                longest = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if call.batch else 0
+                if longest > max_query_len:
+                    raise ValueError(f"max_query_len={max_query_len}: a sequence brings {longest} queries; "
+                                     f"pass the longest query count (or None)")
         if spec.alibi and alibi_slopes is None:
             alibi_slopes = self._default_slopes  # built once: no copy per call, safe under graph capture
         if return_lse and spec.variant is not None and not spec.variant.softmax:
@@ -424,6 +430,10 @@ def _cuda_device(device: torch.device | str | int | None) -> torch.device:
     dev = torch.device("cuda") if device is None else torch.device(device)
     if dev.type != "cuda":
         raise ValueError(f"device={dev}: jitattn kernels run on CUDA devices; use jitattn.reference on {dev.type}")
+    if not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "torch sees no CUDA device"
+        raise RuntimeError(f"device={dev}: {why}; jitattn kernels need an NVIDIA GPU and torch built with CUDA "
+                           f"(jitattn.reference runs on the CPU; `jitattn warmup` compiles without a GPU)")
     return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
 
 

@@ -112,7 +112,8 @@ def test_decode_replays_in_cuda_graph(session_cache):
 
 
 def test_kernel_refuses_bad_call_arguments_before_launch(session_cache):
-    """k_scale on a 16-bit cache and a misspelled keyword are errors at the call, nothing launched."""
+    """k_scale on a 16-bit cache, a misspelled keyword and a broken max_query_len promise (validate=True)
+    are errors at the call, nothing launched."""
     from jitattn import AttentionSpec
 
     spec = AttentionSpec(32, 8, 128)
@@ -123,5 +124,7 @@ def test_kernel_refuses_bad_call_arguments_before_launch(session_cache):
         kernel.paged_attention(*batch.args(), out=out, k_scale=2.0)
     with pytest.raises(TypeError, match="sink"):
         kernel.paged_attention(*batch.args(), out=out, sink=None)
+    with pytest.raises(ValueError, match=r"max_query_len=1: a sequence brings 3 queries"):
+        kernel.paged_attention(*batch.args(), out=out, max_query_len=1, validate=True)
     torch.cuda.synchronize()
     assert torch.isnan(out).all()  # nothing was written

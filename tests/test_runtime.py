@@ -1,6 +1,7 @@
 """CPU tests of the runtime's host-side decisions (no GPU needed)."""
 
 import pytest
+import torch
 
 from jitattn.runtime import MAX_SPLITS, choose_num_splits
 
@@ -24,3 +25,24 @@ def test_choose_num_splits_wave_fill():
         if s < 64 and blocks * s >= 264:
             waves = -(-blocks * s // 264)
             assert blocks * s / (waves * 264) >= 0.9
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+@pytest.mark.parametrize("device", [None, "cuda", 0, "cuda:1"])
+def test_load_kernel_without_cuda_says_why(device):
+    """On a CPU-only torch, asking for a kernel is a RuntimeError that says what is missing, not torch's
+    'Torch not compiled with CUDA enabled' AssertionError from deep inside."""
+    from jitattn import AttentionSpec
+    from jitattn.runtime import load_kernel
+
+    with pytest.raises(RuntimeError, match=r"device=cuda(:\d)?: (this torch is built without CUDA|torch sees no CUDA "
+                                           r"device); jitattn kernels need an NVIDIA GPU"):
+        load_kernel(AttentionSpec(8, 2, 64), device)
+
+
+def test_load_kernel_on_the_cpu_points_to_the_reference():
+    from jitattn import AttentionSpec
+    from jitattn.runtime import load_kernel
+
+    with pytest.raises(ValueError, match=r"device=cpu: jitattn kernels run on CUDA devices; use jitattn.reference"):
+        load_kernel(AttentionSpec(8, 2, 64), "cpu")
