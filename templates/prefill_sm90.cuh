@@ -45,6 +45,18 @@ constexpr bool kPrefillSm90PingPong = false;
 // kept (same bench): separate K and V barriers with cp.async.mbarrier.arrive arrivals (358 TFLOP/s),
 // no consumer-side proxy fence after the full wait (398: no gain).
 constexpr bool kPrefillSm90Overlap = true;
+// Persistent grid (prefill_sm90_persistent_kernel): one block per SM takes work tiles from a counter and
+// its producer loads the next tile's Q and K/V while the consumers finish the last one; the host launches
+// min(work tiles, SMs) blocks when the geometry table's prefill_persistent is 1. Off: it passed the GPU
+// matrix (H200, 2026-11-29, test_gpu_kernels.py with 2-block grids too: 114 passed) but ran slower than
+// prefill_sm90_kernel in the same call: hd128 causal 4x8192 332.7 vs 399.3 TFLOP/s, Gemma-2 329.6 vs
+// 348.0. Its non-persistent mode ran 317.3, so the loss is in the restructured code, not the schedule
+// (persistence itself gained ~5%). Likely cause, not measured separately: the producer warpgroup
+// spills at 40 registers (scheduler state, Q loads, the K/V tile counter; 72 bytes at hd128, none in
+// the consumers), and in its SASS the page ids prefetched for the next K/V tile go to local memory right
+// after their global loads (an STL waiting on the LDG), which puts that latency back on the producer's
+// path every tile.
+constexpr bool kPrefillSm90Persistent = false;
 
 template <bool B>
 struct BoolConstant {
@@ -63,6 +75,7 @@ struct PrefillSm90Traits {
   // Warp specialisation (FlashAttention-3's layout): warpgroups 0 .. kConsumerWGs - 1 compute, 64 rows
   // each; the last warpgroup only loads K/V (cp.async into the stages) and runs on few registers.
   static constexpr int kConsumerWGs = 2;
+  static constexpr bool kPersistent = kPrefillSm90Persistent;
   static constexpr int kConsumerThreads = 128 * kConsumerWGs;
   static constexpr int kThreads = kConsumerThreads + 128;
   static constexpr int kBlockM = 64 * kConsumerWGs;     // packed query rows per block
@@ -338,6 +351,42 @@ __device__ __forceinline__ void prefill_sm90_transform_rows(const Params& p, typ
     *e0 = from_float<DT>(y0);
     *e1 = from_float<DT>(y1);
   }
+}
+
+// One work tile: the packed query rows [packed0, packed_end) of sequence `batch` for one KV head,
+// and the K/V tiles they see. The producer and the consumers derive it from the same (batch, tile,
+// kv_head), so they agree on num_tiles (the number of stages handed over).
+template <class S>
+struct Sm90Work {
+  using T = PrefillSm90Traits<S>;
+  int q_start, qo_len, kv_len, packed0, packed_end, qo_base, kv_begin, kv_end, n_first, num_tiles;
+  bool bad;
+  __device__ __forceinline__ Sm90Work(const Params& p, int batch, int tile) {
+    q_start = p.query_start_loc[batch];
+    qo_len = p.query_start_loc[batch + 1] - q_start;
+    kv_len = p.seq_lens[batch];
+    packed0 = tile * T::kBlockM;
+    packed_end = min(qo_len * S::kGroupSize, packed0 + T::kBlockM);
+    qo_base = kv_len - qo_len;
+    const int pos_lo = qo_base + packed0 / S::kGroupSize;
+    const int pos_hi = qo_base + (packed_end - 1) / S::kGroupSize;
+    bad = !sequence_ok<S>(p, qo_len, kv_len);
+    visible_kv_range<S>(pos_lo, pos_hi, kv_len, kv_begin, kv_end);
+    if (bad) kv_end = kv_begin;
+    n_first = (kv_begin / T::kBlockN) * T::kBlockN;
+    num_tiles = kv_end > n_first ? ceil_div(kv_end - n_first, T::kBlockN) : 0;
+  }
+};
+
+// bar.red.or on named barrier `id` for `count` threads: true when any of them passes true.
+__device__ __forceinline__ bool named_barrier_or(int id, int count, bool pred) {
+  int r;
+  asm volatile(
+      "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, %2, %3, p;\nselp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(r)
+      : "r"(static_cast<int>(pred)), "r"(id), "r"(count)
+      : "memory");
+  return r != 0;
 }
 
 // Pipeline: stage s of tile j (s = j % kStages) is filled by the producer, which arrives on full[s]
@@ -794,6 +843,549 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
     }
     if (tig == 0 && p.lse != nullptr) p.lse[row_head] = lse + poison;
   }
+#else
+  __trap();  // only the sm_90a cubin dispatches here (PrefillLaunch)
+#endif
+}
+
+// Pipeline: K/V tile number `it` (counted over every work tile of the block) goes to stage
+// s = it % kStages: the producer fills it and arrives on full[s] once its cp.async landed (and fenced
+// for the async proxy); consumers wait on full[s] with parity (it / kStages) & 1, run S = Q K^T, the
+// softmax and O += P V on it, and arrive on empty[s]; the producer waits on empty[s] before refilling
+// it. No block-wide barrier inside the loop, so the two consumer warpgroups drift apart and the
+// tensor cores serve one while the other runs its softmax.
+// Work tiles: linear index w, kv head w / tiles_per_head, prefill block index tiles_per_head - 1 -
+// w % tiles_per_head (the heaviest causal rows of a head first). Without kPersistent a block serves the
+// one work tile of its grid position. With it (PrefillSm90Traits::kPersistent) the grid is at most one
+// block per SM and a block takes work tiles until none is left: its first is blockIdx.x, the next ones
+// come from p.tile_counter (atomicAdd + gridDim.x; the block whose take is the grid's last resets it to
+// 0 for the next launch), so the producer loads the next tile's Q and K/V while the consumers finish the
+// last tile's P V and write O. Producer warp 0 finds each work tile and hands it to everyone through
+// sched[2] (sched_full / sched_empty mbarriers); Q goes through q_full / q_empty (the producer loads Q
+// once the consumers have waited for their last S = Q K^T of the tile before). A page id the producer
+// finds out of range is passed on per stage (stage_bad holds it + 1), and the consumers reduce every
+// thread's bad flag with bar.red.or before the output: the whole work tile is NaN, as before.
+template <class S>
+__device__ __forceinline__ void prefill_sm90_persistent_kernel(const Params& p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = PrefillSm90Traits<S>;
+  using DT = typename T::DT;
+  using Work = Sm90Work<S>;
+  constexpr int kN = T::kBlockN, kD = T::kHeadDim;
+  extern __shared__ __align__(16) uint8_t smem_sm90[];
+  __shared__ uint64_t full_bar[T::kStages], empty_bar[T::kStages];
+  __shared__ uint64_t q_full, q_empty, sched_full[2], sched_empty[2];
+  __shared__ int4 sched[2];  // batch (-1: no more work), tile, kv_head
+  __shared__ int stage_bad[T::kStages];
+  uint8_t* smem = smem_sm90 + ((1024u - (smem_u32(smem_sm90) & 1023u)) & 1023u);
+  DT* sq = reinterpret_cast<DT*>(smem);
+  DT* skv = reinterpret_cast<DT*>(smem + T::kQBytes);  // [stage][K|V][swizzled kBlockN x head_dim]
+  auto stage_k = [&](int s) { return skv + (2 * s) * kN * kD; };
+  auto stage_v = [&](int s) { return skv + (2 * s + 1) * kN * kD; };
+
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < T::kStages; ++s) {
+      mbar_init(&full_bar[s], 128);
+      mbar_init(&empty_bar[s], T::kConsumerThreads);
+      stage_bad[s] = 0;
+    }
+    mbar_init(&q_full, 128);
+    mbar_init(&q_empty, T::kConsumerThreads);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(&sched_full[i], 1);
+      mbar_init(&sched_empty[i], T::kThreads);
+    }
+  }
+  __syncthreads();
+
+  if (threadIdx.x >= T::kConsumerThreads) {  // ---- producer warpgroup ----
+    setmaxnreg_dec<T::kProducerRegs>();
+    const int ptid = threadIdx.x - T::kConsumerThreads, lane = ptid % 32;
+    Sm90KvLoader<S> loader(ptid);
+    const int tiles_per_head =
+        T::kPersistent ? ceil_div(p.total_q * S::kGroupSize, T::kBlockM) + p.batch_size : static_cast<int>(gridDim.x);
+    const int num_work = T::kPersistent ? tiles_per_head * S::kNumKvHeads : static_cast<int>(gridDim.x * gridDim.y);
+    // Persistent: lane 0's atomicAdd result -> the next linear index (uniform over the warp).
+    auto take = [&](int raw) {
+      if (lane == 0 && raw == max(num_work, static_cast<int>(gridDim.x)) - 1) atomicExch(p.tile_counter, 0);
+      return __shfl_sync(0xffffffffu, raw, 0) + static_cast<int>(gridDim.x);
+    };
+    int w = T::kPersistent ? blockIdx.x : blockIdx.x + blockIdx.y * gridDim.x;
+    if (T::kPersistent && ptid < 32 && w >= num_work) w = take(lane == 0 ? atomicAdd(p.tile_counter, 1) : 0);
+    int raw = -1;  // lane 0: a take in flight (persistent), -1: none
+    // K/V tile `pending` (and Q when q_pending) is issued but not yet published; flush() publishes it
+    // before any wait that can block: the consumers may be waiting for exactly that.
+    int it = 0, pending = -1;
+    bool q_pending = false;
+    auto flush = [&]() {
+      if (pending >= 0 || q_pending) {
+        cp_async_wait<0>();
+        fence_proxy_async();
+        if (q_pending) mbar_arrive(&q_full);
+        if (pending >= 0) mbar_arrive(&full_bar[pending % T::kStages]);
+        pending = -1;
+        q_pending = false;
+      }
+    };
+    for (int k = 0;; ++k) {
+      const int slot = k & 1;
+      flush();
+      if (ptid < 32) {  // warp 0 finds the next work tile
+        if (T::kPersistent && raw >= 0) {
+          w = take(raw);
+          raw = -1;
+        }
+        int b = -1, t = 0, h = 0;
+        while (w < num_work) {
+          h = w / tiles_per_head;
+          if (prefill_find_tile_warp<S, T::kBlockM>(p, tiles_per_head - 1 - w % tiles_per_head, lane, b, t)) break;
+          w = T::kPersistent ? take(lane == 0 ? atomicAdd(p.tile_counter, 1) : 0) : num_work;
+        }
+        if (w >= num_work) b = -1;
+        if (lane == 0) {
+          if (k >= 2) mbar_wait(&sched_empty[slot], ((k >> 1) - 1) & 1);
+          sched[slot] = make_int4(b, t, h, 0);
+          mbar_arrive(&sched_full[slot]);
+        }
+        if (w < num_work) {  // the next index, in flight while this tile loads
+          if constexpr (T::kPersistent) {
+            raw = lane == 0 ? atomicAdd(p.tile_counter, 1) : 0;
+          } else {
+            w = num_work;
+          }
+        }
+      }
+      mbar_wait(&sched_full[slot], (k >> 1) & 1);
+      const int4 wk = sched[slot];
+      mbar_arrive(&sched_empty[slot]);
+      if (wk.x < 0) break;
+      const int batch = wk.x, kv_head = wk.z;
+      const Work wt(p, batch, wk.y);
+      // Q tile -> swizzled shared memory (rows past the sequence zero-filled), once the consumers are
+      // done with the last one. Thread ptid copies chunk ptid % kChunks of every (128 / kChunks)-th row.
+      if (k > 0) mbar_wait(&q_empty, (k - 1) & 1);
+      {
+        const int chunk = ptid % T::kChunks;
+#pragma unroll 1
+        for (int row = ptid / T::kChunks; row < T::kBlockM; row += 128 / T::kChunks) {
+          const int packed = wt.packed0 + row;
+          const bool in = packed < wt.packed_end;
+          const int token = packed / S::kGroupSize, qo_head = kv_head * S::kGroupSize + packed % S::kGroupSize;
+          const DT* src = in ? p.q + static_cast<long long>(wt.q_start + token) * p.q_stride_token +
+                                   qo_head * S::kHeadDimQK + chunk * 8
+                             : p.q;
+          cp_async_16(sq + sw128_offset<T::kBlockM>(row, chunk * 8), src, in);
+        }
+        cp_async_commit();
+        q_pending = true;
+      }
+      if (wt.num_tiles > 0) loader.fetch(p, batch, wt.n_first, wt.kv_end);
+      for (int j = 0; j < wt.num_tiles; ++j, ++it) {
+        const int s = it % T::kStages;
+        if (it >= T::kStages) {
+          flush();
+          mbar_wait(&empty_bar[s], ((it / T::kStages) - 1) & 1);
+        }
+        bool tile_bad = false;
+        loader.load(p, stage_k(s), stage_v(s), kv_head, wt.n_first + j * kN, wt.kv_end, tile_bad);
+        cp_async_commit();
+        if (tile_bad) stage_bad[s] = it + 1;  // published with full[s] below
+        if (pending >= 0 || q_pending) {  // what was issued before landed (this tile may still be in flight)
+          cp_async_wait<1>();
+          fence_proxy_async();
+          if (q_pending) mbar_arrive(&q_full);
+          if (pending >= 0) mbar_arrive(&full_bar[pending % T::kStages]);
+          q_pending = false;
+        }
+        pending = it;
+        if (j + 1 < wt.num_tiles) loader.fetch(p, batch, wt.n_first + (j + 1) * kN, wt.kv_end);
+      }
+    }
+    flush();
+    return;
+  }
+
+  // ---- consumer warpgroups ----
+  setmaxnreg_inc<T::kConsumerRegs>();
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, tig = lane % 4;
+  const int wg_row0 = wg * 64;
+  // Descriptors: this warpgroup's 64 Q rows (K-major A); K tiles (K-major B); V tiles (N-major B).
+  const uint64_t q_desc = sw128_desc(sq + wg_row0 * 64, 16, 1024);
+  auto kstep_off = [](int kk, int rows) {  // 16-byte units from a tile's start to k-step kk (16 columns)
+    return static_cast<uint64_t>((((kk * 16) / 64) * rows * 64 + (kk * 16) % 64) * 2 / 16);
+  };
+  constexpr float kScale = q_prescale<S>();
+  int it0 = 0;  // K/V tiles of the work tiles before this one
+  for (int k = 0;; ++k) {
+  const int slot = k & 1;
+  mbar_wait(&sched_full[slot], (k >> 1) & 1);
+  const int4 wk = sched[slot];
+  mbar_arrive(&sched_empty[slot]);
+  if (wk.x < 0) break;
+  const int batch = wk.x, kv_head = wk.z;
+  const Work wt(p, batch, wk.y);
+  const int q_start = wt.q_start, qo_len = wt.qo_len, kv_len = wt.kv_len, packed0 = wt.packed0,
+            packed_end = wt.packed_end, qo_base = wt.qo_base, kv_begin = wt.kv_begin, kv_end = wt.kv_end,
+            n_first = wt.n_first, num_tiles = wt.num_tiles;
+  bool bad = wt.bad;
+  // Positions of this warpgroup's rows (clamped into the block's rows): finer tile skipping and masking.
+  const int wg_lo = qo_base + min(packed0 + wg_row0, packed_end - 1) / S::kGroupSize;
+  const int wg_hi = qo_base + min(packed0 + wg_row0 + 63, packed_end - 1) / S::kGroupSize;
+  int wg_kv_begin, wg_kv_end;
+  visible_kv_range<S>(wg_lo, wg_hi, kv_len, wg_kv_begin, wg_kv_end);
+
+  // The Q tile (loaded by the producer).
+  mbar_wait(&q_full, k & 1);
+  fence_proxy_async();
+  if constexpr (S::kHasQTransform) {
+    prefill_sm90_transform_rows<S, true, T::kBlockM>(p, sq, packed0, packed_end, qo_base, kv_head, batch, bad);
+    fence_proxy_async();
+    named_barrier_sync(1, T::kConsumerThreads);
+  }
+  // This thread has waited for its last S = Q K^T of the work tile: Q may be refilled.
+  auto release_q = [&]() { mbar_arrive(&q_empty); };
+  // Waits for K/V tile j of this work tile; a page id the producer found out of range marks it bad.
+  auto wait_stage = [&](int j) {
+    const int it = it0 + j;
+    mbar_wait(&full_bar[it % T::kStages], (it / T::kStages) & 1);
+    fence_proxy_async();  // the producer fenced its cp.async writes before arriving; this side too
+    if (stage_bad[it % T::kStages] == it + 1) bad = true;
+  };
+
+  const int row0 = packed0 + wg_row0 + warp * 16 + g;  // packed row of accumulator row r: row0 + 8 * r
+  float o[T::kDTiles * 4];
+#pragma unroll
+  for (int i = 0; i < T::kDTiles * 4; ++i) o[i] = 0.f;
+  SoftmaxState st[2];
+  st[0] = st[1] = SoftmaxState{S::kSoftmax ? kNegInf : 0.f, 0.f};
+
+  // Ping-pong (FlashAttention-3): the warpgroups take turns issuing their MMAs (named barriers 3 and
+  // 4), so one runs its softmax while the other's MMAs run. Warpgroup 0 goes first.
+  constexpr bool kPingPong = kPrefillSm90PingPong && !S::kHasKTransform;
+  // Which tiles this warpgroup computes: [j_lo, j_hi), the tiles some of its rows can see (a
+  // contiguous range: causal and window bounds only cut tiles off the ends). It still waits for the
+  // others and releases them, so that every stage is released by all consumer threads in order.
+  // Two stages (head_dim 256) keep the loop without overlap: a warpgroup in round j holds tiles j and
+  // j - 1, which leaves the producer nothing to prefetch into (H200, 2026-11-29: Gemma-2 hd256 307 TFLOP/s
+  // with overlap, 355 without).
+  constexpr bool kOverlap = kPrefillSm90Overlap && !S::kHasKTransform && T::kStages >= 3;
+  if constexpr (kOverlap) {
+    const int j_lo = min(num_tiles, max(0, wg_kv_begin - n_first) / kN);  // num_tiles is 0 for a bad sequence
+    const int j_hi = max(j_lo, min(num_tiles, wg_kv_end > n_first ? ceil_div(wg_kv_end - n_first, kN) : 0));
+    // Online softmax of the S tile at keys n0 .. n0 + kN - 1, in place (s becomes P, unnormalised).
+    // A raised running max asks for O to be rescaled by alpha[r] (1: no rescale): the caller applies
+    // it once no O += P V is in flight. When the logit is the scaled dot product itself (no logits
+    // transform), the scale is applied inside exp2 (one FFMA per element) and to the row max.
+    constexpr bool kFoldScale = !S::kLogitsNatural && S::kSoftmax && kScale > 0.f;
+    auto softmax_rows = [&](float (&s)[T::kNTiles * 4], int n0, float (&alpha)[2], auto masked) {
+      constexpr bool kMasked = decltype(masked)::value;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        alpha[r] = 1.f;
+        const PrefillRow row = prefill_row<S>(row0 + 8 * r, packed_end, qo_base, kv_head);
+        // Row max and sum in 4 independent chains (n odd/even x e), not one dependent chain of kBlockN / 4.
+        float part[4] = {kNegInf, kNegInf, kNegInf, kNegInf};
+#pragma unroll
+        for (int n = 0; n < T::kNTiles; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int kv_idx = n0 + n * 8 + 2 * tig + e;
+            float v = s[n * 4 + 2 * r + e];
+            if constexpr (!kFoldScale)
+              v = transform_logit<S>(p, v * kScale, batch, row.head, kv_head, row.pos, kv_idx, qo_len, kv_len, bad);
+            if constexpr (kMasked) {
+              const bool ok = kv_idx < kv_end && kv_idx >= kv_begin && structurally_visible<S>(row.pos, kv_idx) &&
+                              custom_visible<S>(p, batch, row.head, kv_head, row.pos, kv_idx, qo_len, kv_len, bad);
+              v = ok ? v : (S::kSoftmax ? kNegInf : 0.f);
+            }
+            s[n * 4 + 2 * r + e] = v;
+            part[(n % 2) * 2 + e] = fmaxf(part[(n % 2) * 2 + e], v);
+          }
+        if constexpr (!S::kSoftmax) continue;
+        float tile_max = group_max<4>(fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3])));
+        if constexpr (kFoldScale) tile_max *= kScale;  // -inf stays -inf
+        if (tile_max > st[r].m + T::kRescaleThreshold) {
+          alpha[r] = rescale_factor(st[r].m, tile_max);
+          st[r].m = tile_max;
+          st[r].d *= alpha[r];
+        }
+        const float m_use = st[r].m == kNegInf ? 0.f : st[r].m;
+        part[0] = part[1] = part[2] = part[3] = 0.f;
+#pragma unroll
+        for (int n = 0; n < T::kNTiles; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float x = s[n * 4 + 2 * r + e];
+            const float pe = fast_exp2(kFoldScale ? fmaf(x, kScale, -m_use) : x - m_use);
+            s[n * 4 + 2 * r + e] = pe;
+            part[(n % 2) * 2 + e] += pe;
+          }
+        st[r].d += (part[0] + part[1]) + (part[2] + part[3]);
+      }
+    };
+    // Elements are masked on boundary tiles only: one branch per tile, not one per element.
+    auto softmax_tile = [&](float (&s)[T::kNTiles * 4], int n0, float (&alpha)[2]) {
+      const bool full_tile = !S::kHasMask && n0 + kN <= kv_len && (!S::kCausal || n0 + kN - 1 <= wg_lo) &&
+                             (S::kWindowLeft < 0 || n0 >= wg_hi - S::kWindowLeft) &&
+                             (S::kWindowRight < 0 || n0 + kN - 1 <= wg_lo + S::kWindowRight);
+      if (full_tile) {
+        softmax_rows(s, n0, alpha, BoolConstant<false>{});
+      } else {
+        softmax_rows(s, n0, alpha, BoolConstant<true>{});
+      }
+    };
+    // Round j issues S(j) = Q K_j^T and then O += P(j-1) V_{j-1} (the tensor cores run them in order),
+    // waits for S(j) only, runs the softmax of tile j while the P V MMAs run, then waits for those,
+    // releases stage j - 1 and applies tile j's O rescale; P(j) waits in registers (bf16 A fragments)
+    // for the next round. The MMAs sit in straight-line code (a prologue round with S only, a steady
+    // loop, an epilogue with P V only): under a branch that ptxas cannot prove uniform it serialises
+    // every wgmma (warning C7520). Ping-pong: the warpgroups take turns issuing a round's MMAs, and
+    // every warpgroup takes num_tiles + 1 turns (idle ones for the tiles it skips).
+    float s[T::kNTiles * 4];
+    uint32_t a[kN / 16][4];
+    int turn = 0;
+    auto turn_begin = [&]() {
+      if constexpr (kPingPong) named_barrier_sync(3 + wg, 256);  // this warpgroup's turn to issue
+    };
+    auto turn_end = [&]() {  // the other warpgroup's turn (warpgroup 1 skips its last: nobody waits)
+      if constexpr (kPingPong) {
+        if (wg == 0 || turn < num_tiles) named_barrier_arrive(3 + (1 - wg), 256);
+        ++turn;
+      }
+    };
+    if constexpr (kPingPong) {
+      if (wg == 1 && num_tiles > 0) named_barrier_arrive(3, 256);
+    }
+    auto wait_full = [&](int j) { wait_stage(j); };
+    auto skip_tile = [&](int j) {  // no row of this warpgroup sees tile j
+      wait_full(j);
+      mbar_arrive(&empty_bar[(it0 + j) % T::kStages]);
+      turn_begin();
+      turn_end();
+    };
+    auto issue_s = [&](int j) {
+      const uint64_t k_desc = sw128_desc(stage_k((it0 + j) % T::kStages), 16, 1024);
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk)
+        wgmma_ss<kN, DT>(s, q_desc + kstep_off(kk, T::kBlockM), k_desc + kstep_off(kk, kN), kk > 0 ? 1 : 0);
+      wgmma_commit();
+    };
+    auto issue_pv = [&](int j) {
+      const uint64_t v_desc = sw128_desc(stage_v((it0 + j) % T::kStages), kN * 64 * 2, 1024);
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk)
+        wgmma_rs<kD, DT>(o, a[kk], v_desc + static_cast<uint64_t>(kk * 16 * 64 * 2 / 16), 1);
+      wgmma_commit();
+    };
+    auto rescale_and_pack = [&](const float (&alpha)[2]) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (alpha[r] != 1.f) {
+#pragma unroll
+          for (int d = 0; d < T::kDTiles; ++d) {
+            o[d * 4 + 2 * r] *= alpha[r];
+            o[d * 4 + 2 * r + 1] *= alpha[r];
+          }
+        }
+      }
+      // P as register A fragments of O += P V (n8 groups 2kk, 2kk + 1 = k-step kk).
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk) {
+        a[kk][0] = pack2<DT>(s[(2 * kk) * 4 + 0], s[(2 * kk) * 4 + 1]);
+        a[kk][1] = pack2<DT>(s[(2 * kk) * 4 + 2], s[(2 * kk) * 4 + 3]);
+        a[kk][2] = pack2<DT>(s[(2 * kk + 1) * 4 + 0], s[(2 * kk + 1) * 4 + 1]);
+        a[kk][3] = pack2<DT>(s[(2 * kk + 1) * 4 + 2], s[(2 * kk + 1) * 4 + 3]);
+      }
+    };
+
+    for (int j = 0; j < j_lo; ++j) skip_tile(j);
+    if (j_lo < j_hi) {
+      {  // prologue: S(j_lo) alone
+        float alpha[2];
+        wait_full(j_lo);
+        turn_begin();
+        wgmma_fence();
+        issue_s(j_lo);
+        turn_end();
+        wgmma_wait<0>();
+        wgmma_fence_operands(s);
+        softmax_tile(s, n_first + j_lo * kN, alpha);
+        rescale_and_pack(alpha);
+      }
+      for (int j = j_lo + 1; j < j_hi; ++j) {
+        float alpha[2];
+        wait_full(j);
+        turn_begin();
+        wgmma_fence_operands(o);
+        wgmma_fence();  // o (rescaled) and a (packed) were written by ordinary instructions
+        issue_s(j);
+        issue_pv(j - 1);
+        turn_end();
+        wgmma_wait<1>();  // S(j) done; the P V MMAs may still run
+        wgmma_fence_operands(s);
+        softmax_tile(s, n_first + j * kN, alpha);
+        wgmma_wait<0>();
+        wgmma_fence_operands(o);
+        mbar_arrive(&empty_bar[(it0 + j - 1) % T::kStages]);  // this thread is done with stage j - 1
+        rescale_and_pack(alpha);
+      }
+      {  // epilogue: O += P V of the last tile
+        release_q();
+        turn_begin();
+        wgmma_fence_operands(o);
+        wgmma_fence();
+        issue_pv(j_hi - 1);
+        turn_end();
+        wgmma_wait<0>();
+        wgmma_fence_operands(o);
+        mbar_arrive(&empty_bar[(it0 + j_hi - 1) % T::kStages]);
+      }
+    } else {
+      release_q();
+      if (num_tiles > 0) {
+        turn_begin();  // the turn a warpgroup with tiles spends on its last P V
+        turn_end();
+      }
+    }
+    for (int j = j_hi; j < num_tiles; ++j) skip_tile(j);
+  } else {
+  if constexpr (kPingPong) {
+    if (wg == 1 && num_tiles > 0) named_barrier_arrive(3, 256);
+  }
+  for (int j = 0; j < num_tiles; ++j) {
+    const int n0 = n_first + j * kN;
+    const int stage = (it0 + j) % T::kStages;
+    wait_stage(j);
+    if constexpr (S::kHasKTransform) {  // the cache holds raw keys: both warpgroups transform the tile
+      named_barrier_sync(1, T::kConsumerThreads);
+      prefill_sm90_transform_rows<S, false, kN>(p, stage_k(stage), n0, kv_end, 0, kv_head, batch, bad);
+      fence_proxy_async();
+      named_barrier_sync(1, T::kConsumerThreads);
+    }
+    // A tile none of this warpgroup's rows can see (causal / window): skip it (uniform per warpgroup).
+    const bool skip = n0 >= wg_kv_end || n0 + kN <= wg_kv_begin;
+
+    // S = Q K^T: head_dim / 16 wgmma, 64 x kBlockN per warpgroup.
+    float s[T::kNTiles * 4];
+    if constexpr (kPingPong) named_barrier_sync(3 + wg, 256);  // this warpgroup's turn to issue
+    if (!skip) {
+      const uint64_t k_desc = sw128_desc(stage_k(stage), 16, 1024);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk)
+        wgmma_ss<kN, DT>(s, q_desc + kstep_off(kk, T::kBlockM), k_desc + kstep_off(kk, kN), kk > 0 ? 1 : 0);
+      wgmma_commit();
+    }
+    if constexpr (kPingPong) {  // the other warpgroup's turn (warpgroup 1 skips its last: nobody waits)
+      if (wg == 0 || j + 1 < num_tiles) named_barrier_arrive(3 + (1 - wg), 256);
+    }
+    if (skip) {
+      mbar_arrive(&empty_bar[stage]);
+      continue;
+    }
+    wgmma_wait<0>();
+    wgmma_fence_operands(s);
+    const bool full_tile = !S::kHasMask && n0 + kN <= kv_len && (!S::kCausal || n0 + kN - 1 <= wg_lo) &&
+                           (S::kWindowLeft < 0 || n0 >= wg_hi - S::kWindowLeft) &&
+                           (S::kWindowRight < 0 || n0 + kN - 1 <= wg_lo + S::kWindowRight);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const PrefillRow row = prefill_row<S>(row0 + 8 * r, packed_end, qo_base, kv_head);
+      float tile_max = kNegInf;
+#pragma unroll
+      for (int n = 0; n < T::kNTiles; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int kv_idx = n0 + n * 8 + 2 * tig + e;
+          float v = transform_logit<S>(p, s[n * 4 + 2 * r + e] * kScale, batch, row.head, kv_head, row.pos, kv_idx,
+                                       qo_len, kv_len, bad);
+          if (!full_tile) {
+            const bool ok = kv_idx < kv_end && kv_idx >= kv_begin && structurally_visible<S>(row.pos, kv_idx) &&
+                            custom_visible<S>(p, batch, row.head, kv_head, row.pos, kv_idx, qo_len, kv_len, bad);
+            v = ok ? v : (S::kSoftmax ? kNegInf : 0.f);
+          }
+          s[n * 4 + 2 * r + e] = v;
+          tile_max = fmaxf(tile_max, v);
+        }
+      if constexpr (!S::kSoftmax) continue;
+      tile_max = group_max<4>(tile_max);
+      if (tile_max > st[r].m + T::kRescaleThreshold) {
+        const float alpha = rescale_factor(st[r].m, tile_max);
+        st[r].m = tile_max;
+        st[r].d *= alpha;
+#pragma unroll
+        for (int d = 0; d < T::kDTiles; ++d) {
+          o[d * 4 + 2 * r] *= alpha;
+          o[d * 4 + 2 * r + 1] *= alpha;
+        }
+      }
+      const float m_use = st[r].m == kNegInf ? 0.f : st[r].m;
+#pragma unroll
+      for (int n = 0; n < T::kNTiles; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pe = fast_exp2(s[n * 4 + 2 * r + e] - m_use);
+          s[n * 4 + 2 * r + e] = pe;
+          st[r].d += pe;
+        }
+    }
+
+    // O += P V: P from the S accumulators as register A fragments (n8 groups 2kk, 2kk + 1 = k-step kk).
+    {
+      const uint64_t v_desc = sw128_desc(stage_v(stage), kN * 64 * 2, 1024);
+      uint32_t a[kN / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk) {
+        a[kk][0] = pack2<DT>(s[(2 * kk) * 4 + 0], s[(2 * kk) * 4 + 1]);
+        a[kk][1] = pack2<DT>(s[(2 * kk) * 4 + 2], s[(2 * kk) * 4 + 3]);
+        a[kk][2] = pack2<DT>(s[(2 * kk + 1) * 4 + 0], s[(2 * kk + 1) * 4 + 1]);
+        a[kk][3] = pack2<DT>(s[(2 * kk + 1) * 4 + 2], s[(2 * kk + 1) * 4 + 3]);
+      }
+      wgmma_fence_operands(o);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk)
+        wgmma_rs<kD, DT>(o, a[kk], v_desc + static_cast<uint64_t>(kk * 16 * 64 * 2 / 16), 1);
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_operands(o);
+    }
+    mbar_arrive(&empty_bar[stage]);  // this thread is done with the stage
+  }
+  release_q();
+  }  // kOverlap
+  // Every consumer thread's bad flag (the producer's page lookups came with the stages).
+  const float poison = named_barrier_or(2, T::kConsumerThreads, bad) ? __int_as_float(0x7fc00000) : 0.f;
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int packed = row0 + 8 * r;
+    const PrefillRow row = prefill_row<S>(packed, packed_end, qo_base, kv_head);
+    st[r].d = group_sum<4>(st[r].d);
+    float lse;
+    const float scale = finalize_state<S>(p, row.head, st[r], lse);
+    if (!row.valid) continue;
+    const long long row_head = static_cast<long long>(q_start + packed / S::kGroupSize) * S::kNumQoHeads + row.head;
+    typename S::DTypeO* out = p.o + row_head * S::kHeadDimVO;
+#pragma unroll
+    for (int d = 0; d < T::kDTiles; ++d) {
+      float v0 = o[d * 4 + 2 * r] * scale, v1 = o[d * 4 + 2 * r + 1] * scale;
+      if constexpr (S::kHasOutTransform) {
+        bool oob = false;
+        const int dim = d * 8 + 2 * tig;
+        v0 = S::output_transform(p, v0, batch, row.head, row.pos, dim, oob);
+        v1 = S::output_transform(p, v1, batch, row.head, row.pos, dim + 1, oob);
+        if (oob) v0 = v1 = __int_as_float(0x7fc00000);
+      }
+      *reinterpret_cast<uint32_t*>(out + d * 8 + 2 * tig) = pack2<typename S::DTypeO>(v0 + poison, v1 + poison);
+    }
+    if (tig == 0 && p.lse != nullptr) p.lse[row_head] = lse + poison;
+  }
+  it0 += num_tiles;
+  }  // work tiles
 #else
   __trap();  // only the sm_90a cubin dispatches here (PrefillLaunch)
 #endif
