@@ -55,7 +55,11 @@ constexpr bool kPrefillSm90Overlap = true;
 // spills at 40 registers (scheduler state, Q loads, the K/V tile counter; 72 bytes at hd128, none in
 // the consumers), and in its SASS the page ids prefetched for the next K/V tile go to local memory right
 // after their global loads (an STL waiting on the LDG), which puts that latency back on the producer's
-// path every tile.
+// path every tile. Since then (compiled, not run on a GPU): the producer keeps its next work index in
+// shared memory and takes it from the counter once a tile's loads are issued, and recomputes the work
+// counts from Params: at hd128 its spills fall from 72 to 40 bytes and no page id is spilled after its
+// load. The consumers spill nothing at hd128 / Gemma-2 9B; Gemma-2 27B sliding (hd128, soft-cap,
+// window), which spills in the default kernel too, has 103 consumer spill instructions here vs 74.
 constexpr bool kPrefillSm90Persistent = false;
 
 template <bool B>
@@ -877,6 +881,7 @@ __device__ __forceinline__ void prefill_sm90_persistent_kernel(const Params& p) 
   __shared__ uint64_t q_full, q_empty, sched_full[2], sched_empty[2];
   __shared__ int4 sched[2];  // batch (-1: no more work), tile, kv_head
   __shared__ int stage_bad[T::kStages];
+  __shared__ int next_w;  // producer warp 0's next candidate work index (-1: not taken yet)
   uint8_t* smem = smem_sm90 + ((1024u - (smem_u32(smem_sm90) & 1023u)) & 1023u);
   DT* sq = reinterpret_cast<DT*>(smem);
   DT* skv = reinterpret_cast<DT*>(smem + T::kQBytes);  // [stage][K|V][swizzled kBlockN x head_dim]
@@ -904,17 +909,27 @@ __device__ __forceinline__ void prefill_sm90_persistent_kernel(const Params& p) 
     setmaxnreg_dec<T::kProducerRegs>();
     const int ptid = threadIdx.x - T::kConsumerThreads, lane = ptid % 32;
     Sm90KvLoader<S> loader(ptid);
-    const int tiles_per_head =
-        T::kPersistent ? ceil_div(p.total_q * S::kGroupSize, T::kBlockM) + p.batch_size : static_cast<int>(gridDim.x);
-    const int num_work = T::kPersistent ? tiles_per_head * S::kNumKvHeads : static_cast<int>(gridDim.x * gridDim.y);
-    // Persistent: lane 0's atomicAdd result -> the next linear index (uniform over the warp).
-    auto take = [&](int raw) {
-      if (lane == 0 && raw == max(num_work, static_cast<int>(gridDim.x)) - 1) atomicExch(p.tile_counter, 0);
-      return __shfl_sync(0xffffffffu, raw, 0) + static_cast<int>(gridDim.x);
+    // Linear work indices: tiles_per_head per kv head. Recomputed where used (constant-bank reads):
+    // the producer runs on 40 registers.
+    auto tiles_per_head = [&]() {
+      return T::kPersistent ? ceil_div(p.total_q * S::kGroupSize, T::kBlockM) + p.batch_size
+                            : static_cast<int>(gridDim.x);
     };
-    int w = T::kPersistent ? blockIdx.x : blockIdx.x + blockIdx.y * gridDim.x;
-    if (T::kPersistent && ptid < 32 && w >= num_work) w = take(lane == 0 ? atomicAdd(p.tile_counter, 1) : 0);
-    int raw = -1;  // lane 0: a take in flight (persistent), -1: none
+    auto num_work = [&]() {
+      return T::kPersistent ? tiles_per_head() * S::kNumKvHeads : static_cast<int>(gridDim.x * gridDim.y);
+    };
+    // Persistent: the next linear index from the counter (lane 0 of warp 0; the block whose take is
+    // the grid's last resets the counter for the next launch).
+    auto take = [&]() {
+      const int raw = atomicAdd(p.tile_counter, 1);
+      if (raw == max(num_work(), static_cast<int>(gridDim.x)) - 1) atomicExch(p.tile_counter, 0);
+      return raw + static_cast<int>(gridDim.x);
+    };
+    if (ptid == 0) {  // next_w: the block's next candidate index, kept in shared memory (registers are few)
+      int w = T::kPersistent ? blockIdx.x : blockIdx.x + blockIdx.y * gridDim.x;
+      if (T::kPersistent && w >= num_work()) w = take();
+      next_w = w;
+    }
     // K/V tile `pending` (and Q when q_pending) is issued but not yet published; flush() publishes it
     // before any wait that can block: the consumers may be waiting for exactly that.
     int it = 0, pending = -1;
@@ -933,28 +948,26 @@ __device__ __forceinline__ void prefill_sm90_persistent_kernel(const Params& p) 
       const int slot = k & 1;
       flush();
       if (ptid < 32) {  // warp 0 finds the next work tile
-        if (T::kPersistent && raw >= 0) {
-          w = take(raw);
-          raw = -1;
-        }
+        __syncwarp();
+        int w = next_w;
+        const int nw = num_work(), tph = tiles_per_head();
         int b = -1, t = 0, h = 0;
-        while (w < num_work) {
-          h = w / tiles_per_head;
-          if (prefill_find_tile_warp<S, T::kBlockM>(p, tiles_per_head - 1 - w % tiles_per_head, lane, b, t)) break;
-          w = T::kPersistent ? take(lane == 0 ? atomicAdd(p.tile_counter, 1) : 0) : num_work;
+        while (w < nw) {
+          h = w / tph;
+          if (prefill_find_tile_warp<S, T::kBlockM>(p, tph - 1 - w % tph, lane, b, t)) break;
+          if constexpr (T::kPersistent) {
+            w = lane == 0 ? take() : 0;
+            w = __shfl_sync(0xffffffffu, w, 0);
+          } else {
+            w = nw;
+          }
         }
-        if (w >= num_work) b = -1;
+        if (w >= nw) b = -1;
         if (lane == 0) {
           if (k >= 2) mbar_wait(&sched_empty[slot], ((k >> 1) - 1) & 1);
           sched[slot] = make_int4(b, t, h, 0);
           mbar_arrive(&sched_full[slot]);
-        }
-        if (w < num_work) {  // the next index, in flight while this tile loads
-          if constexpr (T::kPersistent) {
-            raw = lane == 0 ? atomicAdd(p.tile_counter, 1) : 0;
-          } else {
-            w = num_work;
-          }
+          next_w = w < nw ? (T::kPersistent ? -1 : nw) : w;  // -1: take the next one after this tile's loads
         }
       }
       mbar_wait(&sched_full[slot], (k >> 1) & 1);
@@ -1002,6 +1015,9 @@ __device__ __forceinline__ void prefill_sm90_persistent_kernel(const Params& p) 
         pending = it;
         if (j + 1 < wt.num_tiles) loader.fetch(p, batch, wt.n_first + (j + 1) * kN, wt.kv_end);
       }
+      // The next index, taken once this tile's loads are issued (the atomic's round trip stalls warp 0
+      // only, while the stages are full or the consumers still need this tile).
+      if (T::kPersistent && ptid == 0 && next_w < 0) next_w = take();
     }
     flush();
     return;
