@@ -8,7 +8,8 @@
 // takes 16 keys of every 64-key tile and keeps its own online-softmax state; the warps' states merge
 // at the end (decode_finish), and splits merge in the last split block (merge_splits_last_block).
 // A window of at most kPipelineStages tiles (gpt-oss sliding layers) is loaded whole, up front
-// (DecodeMmaTraits::kWholeWindow).
+// (DecodeMmaTraits::kWholeWindow); there, for head dims 64/128/192/256, the warps split the head dims
+// instead of the keys (kSplitDims, decode_mma_split_dims) and no merge is needed.
 #pragma once
 
 #include "common.cuh"
@@ -16,6 +17,13 @@
 #include "variant.cuh"
 
 namespace jitattn {
+
+// Resident blocks per SM the split-dims whole-window kernel asks registers for (the shared memory
+// allows 6 for gpt-oss: 35 KB per block). H200, decode-gpt-oss-sliding-b256x8192, 2026-11-29, one
+// run: 6 (80 registers, no spill) 2.55 TB/s, 5: 2.36, the key-split kernel at 5 (96 registers): 2.41.
+#ifndef JITATTN_SPLIT_DIMS_BLOCKS
+#define JITATTN_SPLIT_DIMS_BLOCKS 6
+#endif
 
 template <class S>
 struct DecodeMmaTraits {
@@ -41,21 +49,187 @@ struct DecodeMmaTraits {
   static constexpr int kStageBytes = 2 * kTileKeys * kRowStride * 2;  // K and V of one tile
   static constexpr int kStages = kWholeWindow ? kWindowTiles : kPipelineStages;
   static constexpr int kQBytes = 16 * kQRowStride * 2;
-  static constexpr int kMergeBytes = (kWarps * 16 * (kHeadDim + 2) + 16) * 4;
-  static constexpr int kSmemBytes = cmax(kQBytes + kStages * kStageBytes, kMergeBytes);
   static constexpr int kDTiles = kHeadDim / 8;
+  // Whole window, head dims split over the warps: each warp computes the scores of every key of the
+  // window itself (the 4 warps repeat S = Q K^T) and P V for its kDTiles / 4 d-tiles only, so the
+  // warps' softmax states are equal and need no merge: no merge scratch, no decode_finish, one
+  // barrier after the loads. Needs an even count of d-tiles per warp (ldmatrix_x4_trans reads two):
+  // head dims 64, 128, 192, 256.
+  static constexpr bool kSplitDims = kWholeWindow && kDTiles % (2 * kWarps) == 0;
+  static constexpr int kWarpDTiles = kSplitDims ? kDTiles / kWarps : kDTiles;
+  static constexpr int kChunkKeys = 32;  // split dims: keys per online-softmax step (s: 16 registers)
+  // Split dims: scratch only for merge_splits_last_block (num_splits > 1).
+  static constexpr int kMergeBytes = kSplitDims ? (S::kGroupSize * (kMaxSplits + 2) + 1) * 4
+                                                : (kWarps * 16 * (kHeadDim + 2) + 16) * 4;
+  static constexpr int kSmemBytes = cmax(kQBytes + kStages * kStageBytes, kMergeBytes);
   // Fragment rows g + 8 (r = 1) hold group heads 8..15: with a group of at most 8 they are padding,
   // so their softmax, rescaling and accumulators are skipped (fewer registers, fewer instructions).
   static constexpr int kRowHalves = S::kGroupSize <= 8 ? 1 : 2;
   // Whole-window blocks are short: ask the compiler for registers that let the shared memory's
-  // count of blocks (227 KB per SM, 1 KB reserved per block) be resident, at most 5 (gpt-oss
-  // sliding, H200, 2026-11-29, one run: 6 blocks at 80 registers spilled and ran 2.07 TB/s, 5 at 96: 2.20).
-  static constexpr int kMinBlocksPerSM = kWholeWindow ? cmax(1, cmin(5, (227 * 1024) / (kSmemBytes + 1024))) : 1;
+  // count of blocks (227 KB per SM, 1 KB reserved per block) be resident, at most 5 for the key-split
+  // kernel (gpt-oss sliding, H200, 2026-11-29, one run: 6 blocks at 80 registers spilled and ran
+  // 2.07 TB/s, 5 at 96: 2.20) and JITATTN_SPLIT_DIMS_BLOCKS for the split-dims one (its o is a quarter
+  // as large: 80 registers without spills).
+  static constexpr int kMaxWholeWindowBlocks = kSplitDims ? JITATTN_SPLIT_DIMS_BLOCKS : 5;
+  static constexpr int kMinBlocksPerSM =
+      kWholeWindow ? cmax(1, cmin(kMaxWholeWindowBlocks, (227 * 1024) / (kSmemBytes + 1024))) : 1;
   static_assert(S::kGroupSize <= 16, "the group's query heads must fit one m16 tile");
   // An FP8 cache stays on the CUDA-core decode: staging raw rows and widening them per tile here
   // measured slower (0.39 ms vs 0.26 ms, H200, decode-hd128-b64x4096-fp8, 2026-11-29).
   static_assert(sizeof(typename S::DTypeKV) == 2, "tensor-core decode reads a 16-bit cache");
 };
+
+// The whole-window kernel's compute and epilogue when the head dims are split over the warps
+// (DecodeMmaTraits::kSplitDims): keys [lo, hi) are rows 0.. of sk / sv (swizzled when T::kSwizzle),
+// all landed; qf holds Q's A fragments.
+template <class S>
+__device__ __forceinline__ void decode_mma_split_dims(const Params& p, const uint32_t (&qf)[S::kHeadDimQK / 16][4],
+                                                      const typename S::DTypeQ* sk, const typename S::DTypeQ* sv,
+                                                      int batch, int kv_head, int split, int q_row, int qo_idx,
+                                                      int kv_len, int lo, int hi, bool bad) {
+  using T = DecodeMmaTraits<S>;
+  using DT = typename T::DT;
+  constexpr int kN = T::kChunkKeys / 8;  // n-tiles of 8 keys per step
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, tig = lane % 4;
+  auto chunk_at = [&](int chunk) { return T::kSwizzle ? chunk ^ (lane % 8) : chunk; };
+  constexpr float kScale = q_prescale<S>();
+
+  float o[T::kWarpDTiles][4];
+#pragma unroll
+  for (int d = 0; d < T::kWarpDTiles; ++d)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o[d][i] = 0.f;
+  SoftmaxState st[2] = {{S::kSoftmax ? kNegInf : 0.f, 0.f}, {S::kSoftmax ? kNegInf : 0.f, 0.f}};
+
+#pragma unroll
+  for (int c0 = 0; c0 < T::kStages * T::kTileKeys; c0 += T::kChunkKeys) {
+    if (lo + c0 >= hi) break;
+    float s[kN][4];
+#pragma unroll
+    for (int n = 0; n < kN; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[n][i] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < T::kHeadDim / 16; ++kk)
+#pragma unroll
+      for (int j = 0; j < kN / 2; ++j) {  // 16 keys: rows c0 + 16 j .. (multiples of 8: row % 8 == lane % 8)
+        uint32_t b[4];
+        ldmatrix_x4(b, sk + (c0 + 16 * j + lane % 8 + (lane / 16) * 8) * T::kRowStride +
+                           chunk_at(kk * 2 + (lane / 8) % 2) * 8);
+        mma_16816<DT>(s[2 * j], qf[kk], b[0], b[1]);
+        mma_16816<DT>(s[2 * j + 1], qf[kk], b[2], b[3]);
+      }
+#pragma unroll
+    for (int r = 0; r < T::kRowHalves; ++r) {
+      const int head = kv_head * S::kGroupSize + min(g + 8 * r, S::kGroupSize - 1);
+      float tile_max = kNegInf;
+#pragma unroll
+      for (int n = 0; n < kN; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int kv_idx = lo + c0 + n * 8 + 2 * tig + e;
+          float v = transform_logit<S>(p, s[n][2 * r + e] * kScale, batch, head, kv_head, qo_idx, kv_idx, 1, kv_len,
+                                       bad);
+          const bool ok = kv_idx < hi && custom_visible<S>(p, batch, head, kv_head, qo_idx, kv_idx, 1, kv_len, bad);
+          v = ok ? v : (S::kSoftmax ? kNegInf : 0.f);
+          s[n][2 * r + e] = v;
+          tile_max = fmaxf(tile_max, v);
+        }
+      if constexpr (S::kSoftmax) {
+        tile_max = group_max<4>(tile_max);
+        const float m_new = fmaxf(st[r].m, tile_max);
+        const float m_use = m_new == kNegInf ? 0.f : m_new;
+        const float alpha = rescale_factor(st[r].m, m_use);
+        st[r].m = m_new;
+        st[r].d *= alpha;
+#pragma unroll
+        for (int d = 0; d < T::kWarpDTiles; ++d) {
+          o[d][2 * r] *= alpha;
+          o[d][2 * r + 1] *= alpha;
+        }
+#pragma unroll
+        for (int n = 0; n < kN; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pe = fast_exp2(s[n][2 * r + e] - m_use);
+            s[n][2 * r + e] = pe;
+            st[r].d += pe;
+          }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kN / 2; ++j) {  // P of 16 keys as the A operand of one k-step
+      uint32_t a[4];
+      a[0] = pack2<DT>(s[2 * j][0], s[2 * j][1]);
+      a[1] = T::kRowHalves == 2 ? pack2<DT>(s[2 * j][2], s[2 * j][3]) : 0u;
+      a[2] = pack2<DT>(s[2 * j + 1][0], s[2 * j + 1][1]);
+      a[3] = T::kRowHalves == 2 ? pack2<DT>(s[2 * j + 1][2], s[2 * j + 1][3]) : 0u;
+#pragma unroll
+      for (int d2 = 0; d2 < T::kWarpDTiles / 2; ++d2) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, sv + (c0 + 16 * j + lane % 8 + ((lane / 8) % 2) * 8) * T::kRowStride +
+                                 chunk_at(warp * T::kWarpDTiles + d2 * 2 + lane / 16) * 8);
+        if constexpr (T::kRowHalves == 1) {  // rows g + 8 are padding: their accumulators are scratch
+          o[2 * d2][2] = o[2 * d2][3] = o[2 * d2 + 1][2] = o[2 * d2 + 1][3] = 0.f;
+        }
+        mma_16816<DT>(o[2 * d2], a, b[0], b[1]);
+        mma_16816<DT>(o[2 * d2 + 1], a, b[2], b[3]);
+      }
+    }
+  }
+  // Any thread's bad metadata (a page id out of range, seen by the thread that loaded the row) poisons
+  // every output of the block.
+  const float poison = __syncthreads_or(bad) ? __int_as_float(0x7fc00000) : 0.f;
+#pragma unroll
+  for (int r = 0; r < T::kRowHalves; ++r) {
+    const int row = g + 8 * r;
+    const float d = group_sum<4>(st[r].d);  // every lane of the quad holds the row's sum
+    if (row >= S::kGroupSize) continue;
+    const int qo_head = kv_head * S::kGroupSize + row;
+    float scale;
+    if (p.num_splits == 1) {
+      float lse;
+      scale = finalize_state<S>(p, qo_head, SoftmaxState{st[r].m, d}, lse) * p.v_scale;
+      if (warp == 0 && tig == 0 && p.lse != nullptr)
+        p.lse[static_cast<long long>(q_row) * S::kNumQoHeads + qo_head] = lse + poison;
+#pragma unroll
+      for (int dt = 0; dt < T::kWarpDTiles; ++dt) {
+        const int dim = (warp * T::kWarpDTiles + dt) * 8 + 2 * tig;
+        float value[2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          value[j] = o[dt][2 * r + j] * scale;
+          bool oob = false;  // a parameter read out of range here poisons this element
+          if constexpr (S::kHasOutTransform)
+            value[j] = S::output_transform(p, value[j], batch, qo_head, qo_idx, dim + j, oob);
+          value[j] += poison + (oob ? __int_as_float(0x7fc00000) : 0.f);
+        }
+        store2<typename S::DTypeO>(p.o + (static_cast<long long>(q_row) * S::kNumQoHeads + qo_head) * S::kHeadDimVO + dim,
+                                   value[0], value[1]);
+      }
+    } else {  // this split's partial state (normalised, base 2), merged below by the pair's last split block
+      const long long part = (static_cast<long long>(split) * p.batch_size + batch) * S::kNumQoHeads + qo_head;
+      if constexpr (S::kSoftmax) {
+        scale = d > 0.f ? p.v_scale / d : 0.f;
+        if (warp == 0 && tig == 0) p.partial_lse[part] = (d > 0.f ? st[r].m + __log2f(d) : kNegInf) + poison;
+      } else {
+        scale = p.v_scale;
+        if (warp == 0 && tig == 0) p.partial_lse[part] = poison;
+      }
+#pragma unroll
+      for (int dt = 0; dt < T::kWarpDTiles; ++dt) {
+        const int dim = (warp * T::kWarpDTiles + dt) * 8 + 2 * tig;
+        *reinterpret_cast<float2*>(p.partial_o + part * S::kHeadDimVO + dim) =
+            make_float2(o[dt][2 * r] * scale + poison, o[dt][2 * r + 1] * scale + poison);
+      }
+    }
+  }
+  if (p.num_splits > 1 && p.split_counters != nullptr) {
+    extern __shared__ __align__(16) uint8_t smem[];  // K/V no longer read after merge_splits_last_block's barrier
+    merge_splits_last_block<S, T::kThreads>(p, reinterpret_cast<float*>(smem), batch, kv_head, q_row, qo_idx);
+  }
+}
 
 template <class S>
 __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
@@ -152,6 +326,12 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
 #pragma unroll
   for (int kk = 0; kk < T::kHeadDim / 16; ++kk)
     ldmatrix_x4(qf[kk], sq + (lane % 16) * T::kQRowStride + kk * 16 + (lane / 16) * 8);
+
+  if constexpr (T::kSplitDims) {
+    decode_mma_split_dims<S>(p, qf, stage_k(0), stage_v(0), batch, kv_head, split, q_row, qo_idx, kv_len, lo, hi,
+                             bad);
+    return;
+  }
 
   float o[T::kDTiles][4];
 #pragma unroll

@@ -186,8 +186,25 @@ def fp8_cases() -> list[Case]:
     ]
 
 
+def whole_window_cases() -> list[Case]:
+    """The tensor-core decode's whole-window mode with the head dims split over the warps
+    (decode_mma.cuh, kSplitDims) beyond gpt-oss: a group of 16 (fragment rows 8..15 used), of 12
+    (rows 12..15 padding), an output transform with sinks, fp16, HND, page 7, hd 192, no softmax."""
+    q, kv = [1, 50, 1, 20, 3, 1, 1], [100, 50, 2049, 300, 3, 9000, 151]
+    return [
+        Case("whole-window-group16-fp16-hnd-page7-output-gate-sinks",
+             AttentionSpec(32, 2, 128, q_dtype="float16", kv_layout="HND", page_size=7, window_left=150, sinks=True,
+                           variant=OUTPUT_GATE), q, kv,
+             lambda d: {"gate": torch.linspace(0.5, 2.0, 32, device=d)}),
+        Case("whole-window-group12-hd192-sigmoid", AttentionSpec(24, 2, 192, window_left=100,
+                                                                 variant=sigmoid_attention()), q, kv,
+             lambda d: {"bias": -4.0}),
+    ]
+
+
 def all_cases() -> list[Case]:
-    return model_cases() + head_dim_cases() + feature_cases() + decode_cases() + variant_cases() + fp8_cases()
+    return (model_cases() + head_dim_cases() + feature_cases() + decode_cases() + variant_cases() + fp8_cases() +
+            whole_window_cases())
 
 
 # ---- ragged (contiguous varlen) K/V: tests/test_gpu_ragged.py -------------------------------------
