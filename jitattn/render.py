@@ -70,8 +70,6 @@ BASE_FIELDS: tuple[Field, ...] = (
     Field("partial_lse", "ptr", "float*", "split-KV workspace (num_splits, batch, num_qo_heads), base 2"),
     Field("split_counters", "ptr", "int*",
           "split-KV: zeroed int per (sequence, kv head); the last split merges (null: the merge kernel does)"),
-    Field("tile_counter", "ptr", "int*",
-          "persistent prefill: a zeroed int the blocks take work tiles from (the last take resets it)"),
     Field("q_stride_token", "i64", "long long", "elements between consecutive query tokens"),
     Field("q_stride_head", "i64", "long long", "elements between consecutive query heads (prefill)"),
     Field("k_stride_token", "i64", "long long", "ragged: elements between consecutive K tokens"),

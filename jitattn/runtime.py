@@ -34,7 +34,7 @@ from jitattn.render import KERNEL_NAMES, params_fields, params_layout
 from jitattn.spec import AttentionSpec
 
 _GEOMETRY = ("decode_threads", "decode_smem", "decode_tile_keys", "prefill_threads", "prefill_smem",
-             "prefill_block_m", "prefill_block_n", "params_size", "prefill_persistent")
+             "prefill_block_m", "prefill_block_n", "params_size")
 MAX_SPLITS = 64  # kMaxSplits in templates/decode.cuh
 _DEFAULT_SMEM_LIMIT = 48 * 1024
 
@@ -227,10 +227,6 @@ class JitKernel:
             "decode", self.geometry["decode_threads"], self.geometry["decode_smem"])
         self._default_slopes = default_alibi_slopes(spec, self.device) if spec.alibi else None
         self._split_counters: dict[int, torch.Tensor] = {}  # stream handle -> fused-merge counters
-        self._tile_counters: dict[int, torch.Tensor] = {}  # stream handle -> persistent prefill counter
-        #: Most blocks of a persistent prefill launch (None: one per SM). Tests set it low, so that each
-        #: block serves many work tiles.
-        self.prefill_max_blocks: int | None = None
 
     def max_decode_keys(self, max_pages_per_seq: int) -> int:
         """Most keys one decode row can read: the page table's capacity, or the window if smaller."""
@@ -260,27 +256,6 @@ class JitKernel:
             buf = torch.zeros(max(pairs, 1024), dtype=torch.int32, device=self.device)
             self._split_counters[stream] = buf
         return buf
-
-    def _launch_prefill(self, total_q: int, batch: int, fields: dict[str, Any], params: Mapping[str, Any]) -> None:
-        """Launch the prefill kernel over ``total_q`` query rows of ``batch`` sequences.
-
-        One block per (upper bound on the) m-tile and kv head; a persistent kernel (geometry
-        ``prefill_persistent``, prefill_sm90.cuh) gets at most one block per SM and a zeroed counter it
-        takes the work tiles from (one int per stream; the kernel's last take resets it to 0, so it
-        needs no memset per call, nor in a captured graph).
-        """
-        g, spec = self.geometry, self.spec
-        tiles = math.ceil(total_q * spec.group_size / g["prefill_block_m"]) + batch
-        grid = (tiles, spec.num_kv_heads, 1)
-        if g["prefill_persistent"]:
-            stream = torch.cuda.current_stream(self.device).cuda_stream
-            counter = self._tile_counters.get(stream)
-            if counter is None:
-                counter = self._tile_counters[stream] = torch.zeros(1, dtype=torch.int32, device=self.device)
-            fields = dict(fields, tile_counter=counter.data_ptr())
-            grid = (min(tiles * spec.num_kv_heads, self.prefill_max_blocks or self._num_sms), 1, 1)
-        args = self._pack(params, fields)
-        self._launch("prefill", grid, g["prefill_threads"], g["prefill_smem"], args)
 
     def _launch(self, name: str, grid: tuple[int, int, int], block: int, smem: int, args: bytes) -> None:
         stream = torch.cuda.current_stream(self.device).cuda_stream
@@ -349,7 +324,7 @@ class JitKernel:
             partial_lse = torch.empty(splits, batch, spec.num_qo_heads, dtype=torch.float32, device=q.device)
         decode_only = max_query_len == 1
         ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-        fields = {
+        args = self._pack(params, {
             "q": ptr(q), "kv_cache": ptr(kv_cache), "o": ptr(out), "lse": ptr(lse), "block_table": ptr(block_table),
             "seq_lens": ptr(seq_lens), "query_start_loc": ptr(query_start_loc), "sinks": ptr(sinks),
             "alibi_slopes": ptr(alibi_slopes), "partial_o": ptr(partial_o), "partial_lse": ptr(partial_lse),
@@ -358,14 +333,14 @@ class JitKernel:
             "kv_stride_kv": kv_cache.stride(1), "block_table_stride": block_table.stride(0), "batch_size": batch,
             "total_q": total_q, "num_pages": call.num_pages, "num_splits": splits, "prefill_skip_decode_rows": 1,
             "k_scale": scales[0], "v_scale": scales[1],
-        }
-        args = self._pack(params, fields)
+        })
         g = self.geometry
         # With split_counters set, the last split of each (sequence, kv head) merges the partials
         # (merge_splits_last_block): no merge launch.
         self._launch("decode", (splits, spec.num_kv_heads, batch), g["decode_threads"], g["decode_smem"], args)
         if not decode_only:
-            self._launch_prefill(total_q, batch, fields, params)
+            tiles = math.ceil(total_q * spec.group_size / g["prefill_block_m"]) + batch
+            self._launch("prefill", (tiles, spec.num_kv_heads, 1), g["prefill_threads"], g["prefill_smem"], args)
         return (out, lse) if return_lse else out
 
     def _pack(self, params: Mapping[str, Any], fields: dict[str, Any]) -> bytes:
@@ -430,15 +405,17 @@ class JitKernel:
         if total_q == 0:
             return (out, lse) if return_lse else out
         ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-        fields = {
+        args = self._pack(params, {
             "q": ptr(q), "k": ptr(k), "v": ptr(v), "o": ptr(out), "lse": ptr(lse), "kv_start_loc": ptr(kv_start_loc),
             "query_start_loc": ptr(query_start_loc), "sinks": ptr(sinks), "alibi_slopes": ptr(alibi_slopes),
             "q_stride_token": q.stride(0), "q_stride_head": q.stride(1), "k_stride_token": k.stride(0),
             "k_stride_head": k.stride(1), "v_stride_token": v.stride(0), "v_stride_head": v.stride(1),
             "batch_size": batch, "total_q": total_q, "total_kv": call.total_kv, "num_splits": 1,
             "prefill_skip_decode_rows": 0, "k_scale": 1.0, "v_scale": 1.0,
-        }
-        self._launch_prefill(total_q, batch, fields, params)
+        })
+        g = self.geometry
+        tiles = math.ceil(total_q * spec.group_size / g["prefill_block_m"]) + batch
+        self._launch("prefill", (tiles, spec.num_kv_heads, 1), g["prefill_threads"], g["prefill_smem"], args)
         return (out, lse) if return_lse else out
 
 

@@ -63,51 +63,40 @@ struct PrefillTraits {
   static_assert(!kKvFp8 || kHeadDim == kHeadDimVO, "FP8 staging is for the paged cache (one K/V row width)");
 };
 
-// Finds the (sequence, m-tile) of prefill block index `block`, scanning query_start_loc 32 sequences at
-// a time with the 32 lanes of the calling warp (every lane gets the answer). Sequences with one query
-// are skipped when the decode kernel serves them (p.prefill_skip_decode_rows). Returns false when the
-// index is past the last tile (grids are an upper bound on the tile count).
-template <class S, int kBlockM>
-__device__ __forceinline__ bool prefill_find_tile_warp(const Params& p, int block, int lane, int& seq, int& tile) {
-  int base = 0, res_seq = -1, res_tile = 0;
-  for (int b0 = 0; b0 < p.batch_size && res_seq < 0; b0 += 32) {
-    const int b = b0 + lane;
-    int tiles = 0;
-    if (b < p.batch_size) {
-      const int q0 = p.query_start_loc[b], q1 = p.query_start_loc[b + 1];
-      const bool rows_exist = 0 <= q0 && q0 <= q1 && q1 <= p.total_q;  // else there is nothing to write
-      if (rows_exist && !(p.prefill_skip_decode_rows && q1 - q0 == 1))
-        tiles = ceil_div((q1 - q0) * S::kGroupSize, kBlockM);
-    }
-    int incl = tiles;
-#pragma unroll
-    for (int off = 1; off < 32; off *= 2) {
-      const int n = __shfl_up_sync(0xffffffffu, incl, off);
-      if (lane >= off) incl += n;
-    }
-    const unsigned hit = __ballot_sync(0xffffffffu, base + incl > block);
-    if (hit) {
-      const int l = __ffs(hit) - 1;
-      res_seq = b0 + l;
-      res_tile = block - base - __shfl_sync(0xffffffffu, incl - tiles, l);
-    }
-    base += __shfl_sync(0xffffffffu, incl, 31);
-  }
-  seq = res_seq;
-  tile = res_tile;
-  return res_seq >= 0;
-}
-
-// Finds the (sequence, m-tile) this block serves (prefill_find_tile_warp run by warp 0, shared with the
-// block). Returns false when the block has no work.
+// Finds the (sequence, m-tile) this block serves. Sequences with one query are skipped when the
+// decode kernel serves them (p.prefill_skip_decode_rows). Warp 0 scans query_start_loc 32 sequences
+// at a time. Returns false when the block has no work (the grid is an upper bound on tile count).
 // kBlockM: packed rows per block of the calling kernel (prefill_sm90.cuh passes its own).
 template <class S, int kBlockM = PrefillTraits<S>::kBlockM>
 __device__ __forceinline__ bool prefill_find_tile(const Params& p, int block, int& seq, int& tile) {
   __shared__ int found[2];
   if (threadIdx.x < 32) {
-    int res_seq, res_tile;
-    prefill_find_tile_warp<S, kBlockM>(p, block, threadIdx.x, res_seq, res_tile);
-    if (threadIdx.x == 0) {
+    const int lane = threadIdx.x;
+    int base = 0, res_seq = -1, res_tile = 0;
+    for (int b0 = 0; b0 < p.batch_size && res_seq < 0; b0 += 32) {
+      const int b = b0 + lane;
+      int tiles = 0;
+      if (b < p.batch_size) {
+        const int q0 = p.query_start_loc[b], q1 = p.query_start_loc[b + 1];
+        const bool rows_exist = 0 <= q0 && q0 <= q1 && q1 <= p.total_q;  // else there is nothing to write
+        if (rows_exist && !(p.prefill_skip_decode_rows && q1 - q0 == 1))
+          tiles = ceil_div((q1 - q0) * S::kGroupSize, kBlockM);
+      }
+      int incl = tiles;
+#pragma unroll
+      for (int off = 1; off < 32; off *= 2) {
+        const int n = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += n;
+      }
+      const unsigned hit = __ballot_sync(0xffffffffu, base + incl > block);
+      if (hit) {
+        const int l = __ffs(hit) - 1;
+        res_seq = b0 + l;
+        res_tile = block - base - __shfl_sync(0xffffffffu, incl - tiles, l);
+      }
+      base += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    if (lane == 0) {
       found[0] = res_seq;
       found[1] = res_tile;
     }

@@ -43,33 +43,13 @@ def _check(case, out, lse, ref_out, ref_lse, record):
     assert lse_err < 2e-2, f"{case.name}: lse error {lse_err:.3e}"
 
 
-@pytest.fixture
-def few_blocks():
-    """Runs a persistent prefill kernel on 2 blocks (each serves many work tiles); skips other kernels."""
-    kernels = []
-
-    def use(kernel):
-        if not kernel.geometry["prefill_persistent"]:
-            pytest.skip("this spec's prefill kernel is not persistent")
-        kernel.prefill_max_blocks = 2
-        kernels.append(kernel)
-        return kernel
-
-    yield use
-    for kernel in kernels:
-        kernel.prefill_max_blocks = None
-
-
-@pytest.mark.parametrize("blocks", ["all", "2"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_kernel_matches_reference(case, blocks, few_blocks, session_cache, record):
+def test_kernel_matches_reference(case, session_cache, record):
     device = "cuda"
     batch = random_paged_batch(case.spec, case.q_lens, case.kv_lens, device=device,
                                seed=SEED + zlib.crc32(case.name.encode()) % 1000, params=case.params(device))
     record(seed=SEED)
     kernel = load_kernel(case.spec)
-    if blocks == "2":
-        few_blocks(kernel)
     out = torch.full((sum(case.q_lens), case.spec.num_qo_heads, case.spec.head_dim_vo), float("nan"),
                      dtype=batch.q.dtype, device=device)
     softmax = case.spec.variant is None or case.spec.variant.softmax  # a variant without softmax has no lse
@@ -94,18 +74,14 @@ def test_empty_rows_are_zero_with_neg_inf_lse(session_cache):
     assert torch.all(torch.isfinite(lse[:, :3]))
 
 
-@pytest.mark.parametrize("blocks", ["all", "2"])
-def test_invalid_metadata_gives_nan_rows_not_a_crash(blocks, few_blocks, session_cache):
+def test_invalid_metadata_gives_nan_rows_not_a_crash(session_cache):
     case = next(c for c in CASES if c.name == "odd-lengths")
     batch = random_paged_batch(case.spec, case.q_lens, case.kv_lens, device="cuda")
     seq_lens = batch.seq_lens.clone()
     seq_lens[1] = batch.block_table.shape[1] * case.spec.page_size + 1  # longer than its page table row
     table = batch.block_table.clone()
     table[4, 0] = batch.kv_cache.shape[0] + 5  # a page id outside the cache
-    kernel = load_kernel(case.spec)
-    if blocks == "2":  # bad and good work tiles in one block: the NaN must stay with the bad ones
-        few_blocks(kernel)
-    out = kernel.paged_attention(batch.q, batch.kv_cache, table, seq_lens, batch.query_start_loc)
+    out = load_kernel(case.spec).paged_attention(batch.q, batch.kv_cache, table, seq_lens, batch.query_start_loc)
     torch.cuda.synchronize()
     rows = batch.query_start_loc.tolist()
     assert torch.isnan(out[rows[1]:rows[2]]).all() and torch.isnan(out[rows[4]:rows[5]]).all()
