@@ -227,6 +227,7 @@ class JitKernel:
             "decode", self.geometry["decode_threads"], self.geometry["decode_smem"])
         self._default_slopes = default_alibi_slopes(spec, self.device) if spec.alibi else None
         self._split_counters: dict[int, torch.Tensor] = {}  # stream handle -> fused-merge counters
+        self._retired_counters: list[torch.Tensor] = []  # outgrown buffers that captured graphs may still use
 
     def max_decode_keys(self, max_pages_per_seq: int) -> int:
         """Most keys one decode row can read: the page table's capacity, or the window if smaller."""
@@ -248,11 +249,16 @@ class JitKernel:
 
         One buffer per stream (launches on one stream never overlap). The decode kernel's last split
         of each pair merges the partial states and resets that pair's counter, so the buffer is zero
-        between launches and needs no memset per call (nor in a captured graph).
+        between launches and needs no memset per call (nor in a captured graph). A larger batch gets a
+        larger buffer, but the smaller ones are kept alive: a CUDA graph captured earlier holds their
+        address, and freeing them would let its replays count in memory that is no longer zeroed.
+        (One graph replayed on two streams at once would share one buffer: not supported.)
         """
         stream = torch.cuda.current_stream(self.device).cuda_stream
         buf = self._split_counters.get(stream)
         if buf is None or buf.numel() < pairs:
+            if buf is not None:
+                self._retired_counters.append(buf)
             buf = torch.zeros(max(pairs, 1024), dtype=torch.int32, device=self.device)
             self._split_counters[stream] = buf
         return buf

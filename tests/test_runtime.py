@@ -46,3 +46,23 @@ def test_load_kernel_on_the_cpu_points_to_the_reference():
 
     with pytest.raises(ValueError, match=r"device=cpu: jitattn kernels run on CUDA devices; use jitattn.reference"):
         load_kernel(AttentionSpec(8, 2, 64), "cpu")
+
+
+def test_outgrown_split_counters_stay_alive(monkeypatch):
+    """A CUDA graph captured with a small batch keeps the address of the fused-merge counters it used;
+    when a larger batch needs a larger buffer, the old one must not be freed (its memory could be
+    reused and no longer be zero when the graph replays)."""
+    from types import SimpleNamespace
+
+    from jitattn.runtime import JitKernel
+
+    kernel = object.__new__(JitKernel)  # the buffer policy only: no cubin, no GPU
+    kernel.device, kernel._split_counters, kernel._retired_counters = torch.device("cpu"), {}, []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=7))
+    small = kernel.split_counters(64)
+    assert small.numel() >= 64 and not small.any()
+    assert kernel.split_counters(512) is small  # fits: reused, no new allocation
+    large = kernel.split_counters(5000)
+    assert large.numel() >= 5000 and large is not small
+    assert any(t is small for t in kernel._retired_counters)  # still referenced, so never freed
+    assert kernel.split_counters(64) is large
