@@ -85,6 +85,7 @@ class Selection:
         backend: the chosen backend.
         forced: chosen by ``JITATTN_BACKEND`` / ``backend=`` rather than by priority.
         passed_over: every other registered backend, in priority order, with its reasons.
+        forced_by: what forced it: ``"backend"`` (the argument) or ``"JITATTN_BACKEND"``; ``""`` when not forced.
     """
 
     spec: AttentionSpec
@@ -94,6 +95,7 @@ class Selection:
     backend: Backend
     forced: bool
     passed_over: tuple[Rejection, ...]
+    forced_by: str = ""
 
     @property
     def name(self) -> str:
@@ -104,7 +106,7 @@ class Selection:
         return _build_cached(self.backend, self.spec, self.device)
 
     def explain(self) -> str:
-        how = f"forced by JITATTN_BACKEND={self.name}" if self.forced else "by priority"
+        how = f"forced by {self.forced_by or 'JITATTN_BACKEND'}={self.name}" if self.forced else "by priority"
         lines = [f"{self.spec.describe()} on {self.device.describe()}, phase {self.phase}: "
                  f"backend {self.name} ({how})"]
         lines += [f"  {line}" for r in self.passed_over for line in r.lines()]
@@ -140,7 +142,8 @@ def select(spec: AttentionSpec, device: DeviceInfo | str | Any = None, phase: st
                                  tuple(Rejection(b.name, r) for b, r in verdicts))
     note = f"could serve; {chosen.name} forced" if forced else f"could serve; lower priority than {chosen.name}"
     passed = tuple(Rejection(b.name, r, "" if r else note) for b, r in verdicts if b is not chosen)
-    selection = Selection(spec, device, phase, req, chosen, bool(forced), passed)
+    forced_by = ("backend" if backend else "JITATTN_BACKEND") if forced else ""
+    selection = Selection(spec, device, phase, req, chosen, bool(forced), passed, forced_by)
     _log_once(selection)
     return selection
 

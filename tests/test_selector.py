@@ -350,3 +350,12 @@ def test_eager_op_selects_once(monkeypatch):
     second = ops.paged_attention(spec, *b.args())
     assert len(calls) == 1
     torch.testing.assert_close(first, second)
+
+
+def test_explain_names_what_forced_the_backend():
+    assert "backend reference (forced by backend=reference)" in select(GEMMA2, "h100", backend="reference").explain()
+    with settings.scope(JITATTN_BACKEND="reference"):
+        sel = select(GEMMA2, "h100")
+    assert sel.forced_by == "JITATTN_BACKEND" and "(forced by JITATTN_BACKEND=reference)" in sel.explain()
+    auto = select(GEMMA2, "h100")
+    assert auto.forced_by == "" and "(by priority)" in auto.explain()
