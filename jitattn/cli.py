@@ -394,11 +394,25 @@ def cache_rows(cache: KernelCache) -> list[dict]:
                                        r["name"], r["arch"]))
 
 
+def _open_cache() -> KernelCache:
+    """The cache the ``jitattn cache`` commands act on.
+
+    Raises:
+        UsageError: the root (``JITATTN_CACHE_DIR``) or a layer (``JITATTN_CACHE_PATH``) exists but is
+            not a directory (a cache there would read as empty and every command would report nothing).
+    """
+    cache = KernelCache()
+    for name, path in (("JITATTN_CACHE_DIR", cache.root), *(("JITATTN_CACHE_PATH", p) for p in cache.layers)):
+        if path.exists() and not path.is_dir():
+            raise UsageError(f"{name}: {path} is a file, not a cache directory")
+    return cache
+
+
 @cache_app.command("ls")
 def cache_ls(as_json: Annotated[bool, typer.Option("--json", help="One JSON list, for scripts.")] = False) -> None:
     """List every entry of every cache layer: key, spec, arch, size, build time, layer, status (verified)."""
     with _usage_errors():
-        cache = KernelCache()
+        cache = _open_cache()
     rows = cache_rows(cache)
     if as_json:
         typer.echo(json.dumps(rows, indent=1))
@@ -442,7 +456,7 @@ def cache_verify(
     from jitattn import cache_admin
 
     with _usage_errors():
-        findings = cache_admin.verify(KernelCache(), quarantine=not no_quarantine)
+        findings = cache_admin.verify(_open_cache(), quarantine=not no_quarantine)
     bad = [f for f in findings if f.problem]
     if as_json:
         typer.echo(json.dumps([f.to_json() for f in findings], indent=1))
@@ -483,7 +497,7 @@ def cache_prune(
     from jitattn import cache_admin
 
     with _usage_errors():
-        cache = KernelCache()
+        cache = _open_cache()
         try:
             removals = cache_admin.prune(cache, dry_run=dry_run)
         except OSError as exc:
@@ -504,7 +518,7 @@ def cache_clear(
     from jitattn import cache_admin
 
     with _usage_errors():
-        cache = KernelCache()
+        cache = _open_cache()
         if not yes and not dry_run:
             planned = cache_admin.clear(cache, dry_run=True)
             count = sum(r.reason == "cleared" for r in planned)
@@ -555,7 +569,7 @@ def cache_export(
             raise UsageError("nothing to export: pass --model CONFIG.json and/or --spec JSON_OR_FILE")
         targets = collect_targets(model or [], spec or [], dtype=dtype, page_size=page_size, kv_layout=kv_layout)
         archs = resolve_archs(arch or [])
-        cache = KernelCache()
+        cache = _open_cache()
         wanted = cache_admin.needed(((t.spec, t.sources) for t in targets), archs)
         try:
             entries = cache_admin.export_entries(cache, wanted, output)
@@ -587,7 +601,7 @@ def cache_import(
     from jitattn import cache_admin
 
     with _usage_errors():
-        cache = KernelCache()
+        cache = _open_cache()
         try:
             results = cache_admin.import_archive(cache, archive)
         except cache_admin.ArchiveError as exc:

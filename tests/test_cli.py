@@ -224,6 +224,18 @@ def test_warmup_runs_at_most_j_compiles_at_once(tmp_path, jobs, specs):
 
 
 # ---- cache ls ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", [("ls",), ("verify",), ("prune", "--dry-run")])
+@pytest.mark.parametrize("variable", ["JITATTN_CACHE_DIR", "JITATTN_CACHE_PATH"])
+def test_cache_commands_refuse_a_file_as_the_cache(tmp_path, command, variable):
+    """A root or layer that is a file read as an empty cache ('no cache entries', exit 0)."""
+    afile = tmp_path / "not-a-cache.tar"
+    afile.write_bytes(b"x")
+    env = {variable: str(afile)}
+    proc = jitattn("cache", *command, cache=afile if variable == "JITATTN_CACHE_DIR" else tmp_path / "c", env=env)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert proc.stderr.strip() == f"jitattn: error: {variable}: {afile} is a file, not a cache directory"
+
+
 @pytest.mark.slow
 def test_cache_ls_lists_every_layer_with_status(tmp_path):
     rw, ro = tmp_path / "rw", tmp_path / "ro"
