@@ -15,7 +15,18 @@ __all__ = ["AttentionSpec", "Param", "Variant", "__version__", "paged_attention"
            "merge_state", "merge_state_in_place", "merge_states"]
 
 
+# Submodules reachable as attributes (``jitattn.testing.random_paged_batch``) without importing them
+# first; loaded on first use, so ``import jitattn`` stays light (and torch-free).
+_SUBMODULES = frozenset({"backends", "bench", "build", "cache", "cache_admin", "checks", "cli", "cuda_driver",
+                         "integrations", "merge", "merge_module", "models", "ops", "reference", "render", "runtime",
+                         "selector", "settings", "spec", "testing", "trace", "variant"})
+
+
 def __getattr__(name: str):
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"jitattn.{name}")
     # Torch-dependent entry points load lazily so a build box without torch can import jitattn.
     if name in ("paged_attention", "ragged_attention", "load_kernel"):
         from jitattn import runtime

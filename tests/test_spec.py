@@ -332,3 +332,17 @@ def test_alibi_slopes_bad_count(bad):
 def test_from_json_bad_text_is_a_value_error(text, match):
     with pytest.raises(ValueError, match=match):
         AttentionSpec.from_json(text)
+
+
+def test_submodules_are_attributes_of_the_package_without_importing_them_first():
+    """``jitattn.testing.random_paged_batch`` works after a plain ``import jitattn``; the package itself
+    stays torch-free (the submodules load on first use)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, jitattn; assert 'torch' not in sys.modules and 'jitattn.testing' not in sys.modules; "
+            "print(jitattn.testing.random_paged_batch.__name__, jitattn.cuda_driver.CudaDriver.__name__)\n"
+            "try:\n    jitattn.nope\nexcept AttributeError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["random_paged_batch CudaDriver", "module 'jitattn' has no attribute 'nope'"]
