@@ -241,3 +241,13 @@ def test_flashinfer_page_metadata():
     assert indptr.tolist() == [0, 3, 4, 6]
     assert indices.tolist() == [7, 3, 9, 2, 5, 6]
     assert last.tolist() == [1, 4, 1]
+
+
+@pytest.mark.parametrize("text, described", [
+    ("7.0", "compute capability 7.0 (cuda)"),    # named by its capability: said once
+    ("sm_90", "sm_90 (cuda, 9.0)"),
+    ("h100", "h100 (cuda, 9.0)"),
+    ("cpu", "cpu"),
+])
+def test_device_describe(text, described):
+    assert DeviceInfo.parse(text).describe() == described

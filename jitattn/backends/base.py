@@ -165,6 +165,8 @@ class DeviceInfo:
         if self.type != "cuda":
             return self.name
         cap = f"{self.capability[0]}.{self.capability[1]}" if self.capability else "capability unknown"
+        if self.name == cap:  # named by its capability ("--device 7.0"): say it once
+            return f"compute capability {cap} (cuda)"
         return f"{self.name} (cuda, {cap})"
 
 
