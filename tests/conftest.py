@@ -86,6 +86,28 @@ def precompile(specs, root: Path) -> None:
         list(pool.map(lambda s: cache.get_or_build(s, arch), list(dict.fromkeys(specs))))
 
 
+def build_in_parallel(root: Path, work) -> dict:
+    """Build every ``(spec, arch)`` of ``work`` into a fresh cache at ``root``, in parallel (nvcc only).
+
+    Returns ``(spec, arch) -> CacheEntry``, or the exception its build raised, so that each test
+    reports its own (spec, arch) instead of the whole module failing on the first error.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from jitattn.cache import KernelCache
+
+    cache = KernelCache(root=root, layers=())
+
+    def build(item):
+        try:
+            return item, cache.get_or_build(*item)[0]
+        except Exception as exc:  # noqa: BLE001 - reported by the test of that (spec, arch)
+            return item, exc
+
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        return dict(pool.map(build, list(dict.fromkeys(work))))
+
+
 @pytest.fixture
 def record(request):
     """Call ``record(key=value, ...)`` to attach numbers to this test's line in the GPU results file."""

@@ -8,17 +8,16 @@ model, layer kind and arch, and carries nvcc's message.
 
 from __future__ import annotations
 
-import os
 import re
 import struct
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from jitattn.cache import CacheEntry, KernelCache, verify_entry
+from jitattn.cache import CacheEntry, verify_entry
 from jitattn.models import load_model_config
 from jitattn.render import KERNEL_NAMES
+from tests.conftest import build_in_parallel
 from tests.gpu_cases import all_cases
 
 pytestmark = pytest.mark.slow
@@ -33,18 +32,8 @@ MATRIX_KERNELS = {c.name: c.spec for c in all_cases() if c.spec not in MODEL_KER
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> dict:
     """(spec, arch) -> CacheEntry, or the exception its build raised."""
-    cache = KernelCache(root=tmp_path_factory.mktemp("compile-all"), layers=())
     specs = list(dict.fromkeys([*MODEL_KERNELS.values(), *MATRIX_KERNELS.values()]))
-    work = [(s, a) for s in specs for a in ARCHS]
-
-    def build(item):
-        try:
-            return item, cache.get_or_build(*item)[0]
-        except Exception as exc:  # noqa: BLE001 - reported by the test of that (spec, arch)
-            return item, exc
-
-    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        return dict(pool.map(build, work))
+    return build_in_parallel(tmp_path_factory.mktemp("compile-all"), [(s, a) for s in specs for a in ARCHS])
 
 
 def check(result: CacheEntry | Exception, arch: str) -> None:

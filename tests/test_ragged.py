@@ -4,21 +4,19 @@ checks, rendering, backends and the selector, and real nvcc compilation of ragge
 
 from __future__ import annotations
 
-import os
 import re
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from jitattn import AttentionSpec, reference
-from jitattn.backends import DeviceInfo, Requirements, get_backend
-from jitattn.cache import KernelCache
+from jitattn.backends import DeviceInfo, get_backend
 from jitattn.checks import _check_rows_16b, check_paged_call, check_ragged_call, check_ragged_metadata_values
 from jitattn.render import KERNEL_NAMES, render
 from jitattn.testing import random_paged_batch, random_ragged_batch, relative_error
 from jitattn.variant import rotary_embedding, sigmoid_attention
+from tests.conftest import build_in_parallel
 from tests.gpu_cases import DOC_MASK, HIDE_HEAD, OUTPUT_GATE, REL_BIAS, _doc_params, ragged_cases
 
 R = dict(kv_storage="ragged")
@@ -252,17 +250,8 @@ ARCHS = ("sm_80", "sm_90a")
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> dict:
-    cache = KernelCache(root=tmp_path_factory.mktemp("ragged-compile"), layers=())
-    work = [(s, a) for s in dict.fromkeys(COMPILED.values()) for a in ARCHS]
-
-    def build(item):
-        try:
-            return item, cache.get_or_build(*item)[0]
-        except Exception as exc:  # noqa: BLE001 - reported by the test of that (spec, arch)
-            return item, exc
-
-    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        return dict(pool.map(build, work))
+    return build_in_parallel(tmp_path_factory.mktemp("ragged-compile"),
+                             [(s, a) for s in dict.fromkeys(COMPILED.values()) for a in ARCHS])
 
 
 @pytest.mark.slow
