@@ -300,8 +300,7 @@ class JitKernel:
         params = dict(params or {})
         call = check_paged_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc, sinks=sinks,
                                 alibi_slopes=alibi_slopes, params=params, out=out, for_kernel=True)
-        if q.device != self.device:
-            raise ValueError(f"q: on {q.device}, but this kernel was loaded on {self.device}")
+        self._check_device(q)
         if validate:
             check_metadata_values(spec, seq_lens, query_start_loc, block_table, call.num_pages, call.total_q)
             if max_query_len is not None:
@@ -309,16 +308,9 @@ class JitKernel:
                 if longest > max_query_len:
                     raise ValueError(f"max_query_len={max_query_len}: a sequence brings {longest} queries; "
                                      f"pass the longest query count (or None)")
-        if spec.alibi and alibi_slopes is None:
-            alibi_slopes = self._default_slopes  # built once: no copy per call, safe under graph capture
-        if return_lse and spec.variant is not None and not spec.variant.softmax:
-            raise ValueError(f"return_lse=True: variant {spec.variant.name!r} has no softmax, so there is no lse")
         scales = check_scales(spec, k_scale, v_scale)  # 1.0 unless the cache is FP8
         total_q, batch = call.total_q, call.batch
-        if out is None:
-            out = torch.empty(total_q, spec.num_qo_heads, spec.head_dim_vo, dtype=torch_dtype(spec.o_dtype),
-                              device=q.device)
-        lse = torch.empty(total_q, spec.num_qo_heads, dtype=torch.float32, device=q.device) if return_lse else None
+        alibi_slopes, out, lse = self._outputs(q, total_q, alibi_slopes, return_lse, out)
         if total_q == 0:
             return (out, lse) if return_lse else out
         splits = self.num_splits(batch, self.max_decode_keys(call.max_pages_per_seq))
@@ -348,6 +340,31 @@ class JitKernel:
             tiles = math.ceil(total_q * spec.group_size / g["prefill_block_m"]) + batch
             self._launch("prefill", (tiles, spec.num_kv_heads, 1), g["prefill_threads"], g["prefill_smem"], args)
         return (out, lse) if return_lse else out
+
+    def _check_device(self, q: torch.Tensor) -> None:
+        if q.device != self.device:
+            raise ValueError(f"q: on {q.device}, but this kernel was loaded on {self.device}")
+
+    def _outputs(self, q: torch.Tensor, total_q: int, alibi_slopes: torch.Tensor | None, return_lse: bool,
+                 out: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """What the paged and the ragged call share once their inputs are checked: the ALiBi slopes
+        (the spec's defaults, built once: no copy per call, safe under graph capture), ``out`` (given or
+        new, ``(total_q, num_qo_heads, head_dim_vo)``) and the float32 lse ``(total_q, num_qo_heads)``
+        when asked for.
+
+        Raises:
+            ValueError: ``return_lse`` for a variant without softmax (there is no lse).
+        """
+        spec = self.spec
+        if return_lse and spec.variant is not None and not spec.variant.softmax:
+            raise ValueError(f"return_lse=True: variant {spec.variant.name!r} has no softmax, so there is no lse")
+        if spec.alibi and alibi_slopes is None:
+            alibi_slopes = self._default_slopes
+        if out is None:
+            out = torch.empty(total_q, spec.num_qo_heads, spec.head_dim_vo, dtype=torch_dtype(spec.o_dtype),
+                              device=q.device)
+        lse = torch.empty(total_q, spec.num_qo_heads, dtype=torch.float32, device=q.device) if return_lse else None
+        return alibi_slopes, out, lse
 
     def _pack(self, params: Mapping[str, Any], fields: dict[str, Any]) -> bytes:
         """The packed Params bytes: ``fields`` plus the variant's parameters; fields not given are 0."""
@@ -395,19 +412,11 @@ class JitKernel:
         params = dict(params or {})
         call = check_ragged_call(spec, q, k, v, query_start_loc, kv_start_loc, sinks=sinks, alibi_slopes=alibi_slopes,
                                  params=params, out=out, for_kernel=True)
-        if q.device != self.device:
-            raise ValueError(f"q: on {q.device}, but this kernel was loaded on {self.device}")
+        self._check_device(q)
         if validate:
             check_ragged_metadata_values(query_start_loc, kv_start_loc, call.total_q, call.total_kv)
-        if spec.alibi and alibi_slopes is None:
-            alibi_slopes = self._default_slopes
-        if return_lse and spec.variant is not None and not spec.variant.softmax:
-            raise ValueError(f"return_lse=True: variant {spec.variant.name!r} has no softmax, so there is no lse")
         total_q, batch = call.total_q, call.batch
-        if out is None:
-            out = torch.empty(total_q, spec.num_qo_heads, spec.head_dim_vo, dtype=torch_dtype(spec.o_dtype),
-                              device=q.device)
-        lse = torch.empty(total_q, spec.num_qo_heads, dtype=torch.float32, device=q.device) if return_lse else None
+        alibi_slopes, out, lse = self._outputs(q, total_q, alibi_slopes, return_lse, out)
         if total_q == 0:
             return (out, lse) if return_lse else out
         ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731

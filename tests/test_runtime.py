@@ -66,3 +66,74 @@ def test_outgrown_split_counters_stay_alive(monkeypatch):
     assert large.numel() >= 5000 and large is not small
     assert any(t is small for t in kernel._retired_counters)  # still referenced, so never freed
     assert kernel.split_counters(64) is large
+
+
+def _dry_kernel(spec, monkeypatch):
+    """A JitKernel on the CPU whose module records its launches instead of running them: the host side
+    of a call (checks, outputs, Params packing, grids) runs for real, no GPU needed."""
+    from types import SimpleNamespace
+
+    from jitattn import runtime
+    from jitattn.reference import default_alibi_slopes
+
+    real_paged, real_ragged = runtime.check_paged_call, runtime.check_ragged_call
+    monkeypatch.setattr(runtime, "check_paged_call", lambda *a, **kw: real_paged(*a, **{**kw, "for_kernel": False}))
+    monkeypatch.setattr(runtime, "check_ragged_call", lambda *a, **kw: real_ragged(*a, **{**kw, "for_kernel": False}))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=7))
+    kernel = object.__new__(runtime.JitKernel)
+    kernel.spec, kernel.device = spec, torch.device("cpu")
+    kernel._packer, kernel._field_order = runtime.params_packer(spec)
+    kernel.geometry = {"decode_threads": 128, "decode_smem": 0, "decode_tile_keys": 64, "prefill_threads": 384,
+                       "prefill_smem": 0, "prefill_block_m": 128, "prefill_block_n": 128,
+                       "params_size": kernel._packer.size}
+    kernel._num_sms, kernel._decode_blocks_per_sm = 132, 2
+    kernel._default_slopes = default_alibi_slopes(spec, "cpu") if spec.alibi else None
+    kernel._split_counters, kernel._retired_counters = {}, []
+    launches = []
+    kernel._module = SimpleNamespace(launch=lambda name, grid, block, smem, args, stream: launches.append(
+        (name, grid, block, dict(zip(kernel._field_order, kernel._packer.unpack(args))))))
+    return kernel, launches
+
+
+def test_paged_call_host_side(monkeypatch):
+    from jitattn import AttentionSpec
+    from jitattn.testing import random_paged_batch
+
+    spec = AttentionSpec(8, 2, 64, alibi=True)
+    kernel, launches = _dry_kernel(spec, monkeypatch)
+    b = random_paged_batch(spec, [1, 5, 1], [30, 40, 17])
+    out, lse = kernel.paged_attention(*b.args(), return_lse=True)
+    assert out.shape == (7, 8, 64) and out.dtype == torch.bfloat16 and lse.shape == (7, 8)
+    assert [name for name, *_ in launches] == ["decode", "prefill"]
+    assert launches[0][1][1:] == (2, 3)  # (splits, kv heads, batch)
+    decode, prefill = launches[0][3], launches[1][3]
+    assert decode == prefill  # one Params for both kernels
+    assert decode["o"] == out.data_ptr() and decode["lse"] == lse.data_ptr() and decode["total_q"] == 7
+    assert decode["alibi_slopes"] == kernel._default_slopes.data_ptr()  # the spec's slopes, no copy per call
+    assert launches[1][1] == (1 + 3, 2, 1)  # ceil(7 rows x group 4 / 128) + batch tiles, kv heads
+    launches.clear()
+    given = torch.empty(7, 8, 64, dtype=torch.bfloat16)
+    assert kernel.paged_attention(*b.args(), out=given, max_query_len=5) is given
+    assert launches[0][3]["lse"] == 0 and launches[0][3]["o"] == given.data_ptr()
+
+
+def test_ragged_call_host_side(monkeypatch):
+    from jitattn import AttentionSpec
+    from jitattn.testing import random_ragged_batch
+    from jitattn.variant import sigmoid_attention
+
+    spec = AttentionSpec(8, 2, 64, head_dim_vo=32, kv_storage="ragged")
+    kernel, launches = _dry_kernel(spec, monkeypatch)
+    r = random_ragged_batch(spec, [1, 9], [20, 37])
+    out = kernel.ragged_attention(r.q, r.k, r.v, r.query_start_loc, r.kv_start_loc)
+    assert out.shape == (10, 8, 32)
+    [(name, grid, _, fields)] = launches
+    assert name == "prefill" and grid == (1 + 2, 2, 1) and fields["lse"] == 0 and fields["o"] == out.data_ptr()
+    assert fields["total_kv"] == 57 and fields["batch_size"] == 2
+    no_softmax = AttentionSpec(8, 2, 64, kv_storage="ragged", variant=sigmoid_attention())
+    kernel, launches = _dry_kernel(no_softmax, monkeypatch)
+    r = random_ragged_batch(no_softmax, [1, 9], [20, 37])
+    with pytest.raises(ValueError, match="has no softmax, so there is no lse"):
+        kernel.ragged_attention(r.q, r.k, r.v, r.query_start_loc, r.kv_start_loc, params={"bias": -2.0},
+                                return_lse=True)
+    assert launches == []
