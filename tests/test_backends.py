@@ -7,6 +7,7 @@ tests/test_gpu_integrations.py runs them.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -251,3 +252,20 @@ def test_flashinfer_page_metadata():
 ])
 def test_device_describe(text, described):
     assert DeviceInfo.parse(text).describe() == described
+
+
+@pytest.mark.parametrize("backend, change, match", [
+    ("sdpa", dict(logits_soft_cap=50.0, window_left=7), r"sdpa: sliding window \(window_left=7\) not supported.*; "
+                                                         r"sdpa: logits_soft_cap=50 not supported"),
+    ("flex", dict(kv_dtype="float8_e4m3fn"), r"flex: kv_dtype=float8_e4m3fn not supported"),
+])
+def test_build_called_directly_refuses_a_spec_the_backend_cannot_serve(backend, change, match):
+    """``get_backend(name).build(spec, device)`` without the selector: a spec the backend cannot serve is
+    a ValueError naming the reasons, not a callable that drops a soft-cap or a window or reads FP8
+    without its scales (a silent wrong answer)."""
+    spec = dataclasses.replace(PLAIN, **change)
+    with pytest.raises(ValueError, match=rf"backend '{backend}' cannot serve this spec on sm_90 \(cuda, 9.0\): {match}"):
+        get_backend(backend).build(spec, DeviceInfo.parse("sm_90"))
+    with pytest.raises(ValueError, match=rf"backend '{backend}' cannot serve this spec on cpu: {match}"):
+        get_backend(backend).build(spec, CPU)
+    assert callable(get_backend(backend).build(PLAIN, CPU))  # what it serves still builds

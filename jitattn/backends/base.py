@@ -211,6 +211,34 @@ class Backend(ABC):
     supports_lse: ClassVar[bool] = True
     description: ClassVar[str] = ""
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Guard each subclass's :meth:`build`: a spec the backend refuses is a ValueError there too.
+
+        The selector builds only what :meth:`reasons` accepted, but ``get_backend("sdpa").build(spec,
+        device)`` called directly would otherwise return a callable that drops what it cannot do
+        (a soft-cap, a window): a silent wrong answer.
+        """
+        super().__init_subclass__(**kwargs)
+        build = cls.__dict__.get("build")
+        if build is None or getattr(build, "_refuses_unserved_specs", False):
+            return
+
+        @functools.wraps(build)
+        def checked_build(self: "Backend", spec: AttentionSpec, device: "DeviceInfo | str") -> PagedAttentionFn:
+            device = DeviceInfo.parse(device)
+            # The spec's features are judged on a CUDA device: off CUDA a torch backend may be refused
+            # for selection only ("runs on CUDA devices only") and still compute right on the CPU.
+            judged = device if device.type == "cuda" else DeviceInfo("sm_90", "cuda", (9, 0))
+            # Refused only when no phase is served (a backend may serve decode but not prefill).
+            refused = [self.spec_reasons(spec, judged, phase) for phase in PHASES]
+            if all(refused):
+                raise ValueError(f"backend {self.name!r} cannot serve this spec on {device.describe()}: "
+                                 + "; ".join(refused[PHASES.index("mixed")] or refused[0]))
+            return build(self, spec, device)
+
+        checked_build._refuses_unserved_specs = True  # type: ignore[attr-defined]
+        cls.build = checked_build  # type: ignore[method-assign]
+
     @abstractmethod
     def spec_reasons(self, spec: AttentionSpec, device: DeviceInfo, phase: str) -> list[str]:
         """Reasons specific to this backend (each a full sentence starting with ``"{name}: "``)."""
@@ -219,7 +247,8 @@ class Backend(ABC):
     def build(self, spec: AttentionSpec, device: DeviceInfo) -> PagedAttentionFn:
         """The callable serving ``spec`` on ``device`` (module doc: signature).
 
-        Only called after :meth:`reasons` returned nothing. May load or compile kernels.
+        May load or compile kernels. Raises ValueError (naming the reasons) for a spec that
+        :meth:`spec_reasons` refuses in every phase: subclasses' ``build`` is wrapped to check.
         """
 
     def reasons(self, spec: AttentionSpec, device: "DeviceInfo | str", phase: str = "mixed",
