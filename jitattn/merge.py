@@ -40,12 +40,12 @@ graph (a value requires grad: only the torch path is differentiable); ``impl="to
 from __future__ import annotations
 
 import struct
-import threading
 from typing import Any
 
 import torch
 
 from jitattn import merge_module as _mm
+from jitattn.runtime import LoadedOnce, _cuda_device
 
 __all__ = ["merge_state", "merge_state_in_place", "merge_states"]
 
@@ -253,8 +253,9 @@ def launch_fields(kernel: str, vec_elems: int, *, v_a, s_a, v_b, s_b, v_out, s_o
     return fields, -(-rows * heads * group // _mm.THREADS)
 
 
-_KERNELS: dict[tuple[str, int], MergeKernel] = {}
-_KERNELS_LOCK = threading.Lock()
+
+
+_KERNELS = LoadedOnce()
 
 
 def load_merge_kernel(dtype: torch.dtype | str, device: torch.device | str | int | None = None) -> MergeKernel:
@@ -264,19 +265,11 @@ def load_merge_kernel(dtype: torch.dtype | str, device: torch.device | str | int
         ValueError: an unsupported dtype or a non-CUDA device.
         MissingKernelError: not cached and JITATTN_DISABLE_JIT=1.
     """
-    from jitattn.runtime import _cuda_device
-
     name = _DTYPES.get(dtype) if isinstance(dtype, torch.dtype) else _mm.normalize_merge_dtype(dtype)
     if name is None:
         _fail(f"dtype={dtype}: expected torch.float16, torch.bfloat16 or torch.float32")
     dev = _cuda_device(device)
-    key = (name, dev.index)
-    kernel = _KERNELS.get(key)
-    if kernel is None:
-        fresh = MergeKernel(name, dev)
-        with _KERNELS_LOCK:
-            kernel = _KERNELS.setdefault(key, fresh)
-    return kernel
+    return _KERNELS.get((name, dev.index), lambda: MergeKernel(name, dev))
 
 
 # ---- public API ----------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import math
 import struct
 import threading
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -434,8 +434,28 @@ class JitKernel:
         return (out, lse) if return_lse else out
 
 
-_KERNELS: dict[tuple[AttentionSpec, int], JitKernel] = {}
-_KERNELS_LOCK = threading.Lock()
+class LoadedOnce:
+    """Objects loaded once per process and key, then reused (the kernels of :func:`load_kernel` and
+    :func:`jitattn.merge.load_merge_kernel`).
+
+    Threads loading different keys do not wait for each other; two threads racing for the same key
+    both load (the disk cache builds once) and one result is kept.
+    """
+
+    def __init__(self) -> None:
+        self._loaded: dict[Any, Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: Any, load: Callable[[], Any]) -> Any:
+        found = self._loaded.get(key)
+        if found is None:
+            fresh = load()
+            with self._lock:
+                found = self._loaded.setdefault(key, fresh)
+        return found
+
+
+_KERNELS = LoadedOnce()
 
 
 def _cuda_device(device: torch.device | str | int | None) -> torch.device:
@@ -455,17 +475,10 @@ def _cuda_device(device: torch.device | str | int | None) -> torch.device:
 def load_kernel(spec: AttentionSpec, device: torch.device | str | int | None = None) -> JitKernel:
     """The :class:`JitKernel` of ``spec`` on ``device`` (built or loaded once per process, then reused).
 
-    Threads loading different kernels do not wait for each other; two threads racing for the same
-    kernel both load it (the disk cache builds it once) and one result is kept.
+    Threads loading different kernels do not wait for each other (:class:`LoadedOnce`).
     """
     dev = _cuda_device(device)
-    key = (spec, dev.index)
-    kernel = _KERNELS.get(key)
-    if kernel is None:
-        fresh = JitKernel(spec, dev)
-        with _KERNELS_LOCK:
-            kernel = _KERNELS.setdefault(key, fresh)
-    return kernel
+    return _KERNELS.get((spec, dev.index), lambda: JitKernel(spec, dev))
 
 
 def paged_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
