@@ -58,9 +58,7 @@ class SdpaBackend(Backend):
         def sdpa_paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, *, out=None,
                                  return_lse: bool = False, max_query_len: int | None = None, validate: bool = True,
                                  **kwargs: Any):
-            if return_lse:
-                raise NotImplementedError("sdpa: cannot return the lse (torch SDPA does not expose it); "
-                                          "select a backend with need_lse=True")
+            _refuse_lse(return_lse)
             # It reads the metadata on the host anyway, so it always checks the values (validate is moot).
             check_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc, {**kwargs, "out": out}, values=True)
             result = new_out(spec, q, None)
@@ -80,9 +78,7 @@ class SdpaBackend(Backend):
 def _ragged_fn(spec: AttentionSpec) -> PagedAttentionFn:
     def sdpa_ragged_attention(q, k, v, query_start_loc, kv_start_loc, *, out=None, return_lse: bool = False,
                               max_query_len: int | None = None, validate: bool = True, **kwargs: Any):
-        if return_lse:
-            raise NotImplementedError("sdpa: cannot return the lse (torch SDPA does not expose it); "
-                                      "select a backend with need_lse=True")
+        _refuse_lse(return_lse)
         check_ragged(spec, q, k, v, query_start_loc, kv_start_loc, {**kwargs, "out": out}, values=True)
         result = new_out(spec, q, None)
         qsl, ksl = query_start_loc.tolist(), kv_start_loc.tolist()
@@ -95,6 +91,12 @@ def _ragged_fn(spec: AttentionSpec) -> PagedAttentionFn:
         return finish(result, None, out, False)
 
     return sdpa_ragged_attention
+
+
+def _refuse_lse(return_lse: bool) -> None:
+    if return_lse:
+        raise NotImplementedError("sdpa: cannot return the lse (torch SDPA does not expose it); "
+                                  "select a backend with need_lse=True")
 
 
 def _one_sequence(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
