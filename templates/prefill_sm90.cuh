@@ -12,9 +12,9 @@
 // when the head dim is a multiple of 64, 64-byte rows for the other multiples of 32 such as 96,
 // 32-byte rows for the odd multiples of 16); inside a block, row r's 16-byte chunks are permuted by
 // an XOR with r's phase in its 8-row group (swizzled_offset), and every 8-row group is one swizzle
-// atom. Warp specialisation: a third warpgroup only gathers the paged K/V rows into kStages stages
+// atom. Warp specialisation: a last warpgroup only gathers the paged K/V rows into kStages stages
 // with cp.async and hands them over through mbarriers (prefill_sm90_kernel says how); setmaxnreg
-// moves its registers to the two consumer warpgroups. Served here (PrefillLaunch in attention.cu.j2
+// moves its registers to the two (three at head dims 32, 48, 80, 96, 112) consumer warpgroups. Served here (PrefillLaunch in attention.cu.j2
 // picks this kernel in the sm_90a cubin only): 16-bit q/KV/o, head_dim_qk == head_dim_vo, any
 // multiple of 16 from 32 to 256, paged K/V. FP8 caches and ragged K/V keep prefill_kernel.
 //
@@ -69,21 +69,26 @@ struct PrefillSm90Traits {
   static constexpr int kSwizzle = kHeadDim % 64 == 0 ? 64 : kHeadDim % 32 == 0 ? 32 : 16;
   // Warp specialisation (FlashAttention-3's layout): warpgroups 0 .. kConsumerWGs - 1 compute, 64 rows
   // each; the last warpgroup only loads K/V (cp.async into the stages) and runs on few registers.
-  static constexpr int kConsumerWGs = 2;
+  // Three consumer warpgroups (192 rows, 96-key tiles, as FlashAttention-3 at head dim 96) for the
+  // head dims up to 112 that are not multiples of 64, two otherwise. H200, 2026-11-29, Phi-3 hd96
+  // causal 4 x 8192: 349 TFLOP/s with two (128 x 128 tiles), 387 with three.
+  static constexpr int kConsumerWGs = kHeadDim % 64 != 0 && kHeadDim <= 112 ? 3 : 2;
   static constexpr int kConsumerThreads = 128 * kConsumerWGs;
   static constexpr int kThreads = kConsumerThreads + 128;
   static constexpr int kBlockM = 64 * kConsumerWGs;     // packed query rows per block
-  // Keys per tile: S (kBlockN / 2 floats per thread) and O (kHeadDim / 2) share the registers.
-  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
+  // Keys per tile: S (kBlockN / 2 floats per thread) and O (kHeadDim / 2) share the registers (at
+  // three consumer warpgroups, 160 each: 128-key tiles spilled 164 bytes at hd96, 96-key tiles 28).
+  static constexpr int kBlockN = kConsumerWGs == 3 ? 96 : kHeadDim <= 128 ? 128 : 64;
   // K/V stages in flight: three where they fit beside Q (up to head_dim 224; 230 KB at 128), else
   // two (head dims 240, 256).
   static constexpr int kSmemLimit = 227 * 1024 - 256;
   static constexpr int kMaxStages = (kSmemLimit - 1024 - kBlockM * kHeadDim * 2) / (4 * kBlockN * kHeadDim);
   static constexpr int kStages = kMaxStages < 3 ? 2 : 3;
   // setmaxnreg: 384 threads start at 168 registers; the producer gives most of its share to the
-  // consumers (40 x 128 + 232 x 256 = 168 x 384; at 24 the producer's page walk spilled).
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 232;
+  // consumers (40 x 128 + 232 x 256 = 168 x 384; at 24 the producer's page walk spilled). 512 threads
+  // (three consumer warpgroups) start at 128: 32 x 128 + 160 x 384 = 128 x 512.
+  static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : 40;
+  static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : 232;
   static constexpr int kChunks = kHeadDim / 8;          // 16-byte chunks per row (a multiple of 2)
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kTileBytes = kBlockN * kHeadDim * 2;  // one of K or V
