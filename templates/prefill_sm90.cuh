@@ -15,8 +15,8 @@
 // atom. Warp specialisation: a last warpgroup only gathers the paged K/V rows into kStages stages
 // with cp.async and hands them over through mbarriers (prefill_sm90_kernel says how); setmaxnreg
 // moves its registers to the two (three at head dims 32, 48, 80, 96, 112) consumer warpgroups. Served here (PrefillLaunch in attention.cu.j2
-// picks this kernel in the sm_90a cubin only): 16-bit q/KV/o, head_dim_qk == head_dim_vo, any
-// multiple of 16 from 32 to 256, paged K/V. FP8 caches and ragged K/V keep prefill_kernel.
+// picks this kernel in the sm_90a cubin only): 16-bit q/KV/o, head dims any multiple of 16 from 32
+// to 256, paged or ragged K/V (kPrefillSm90Ragged). FP8 caches keep prefill_kernel.
 //
 // The wgmma m64nN fp32 accumulator of a warpgroup is, per warp, N/8 mma.sync m16n8 C fragments
 // (warp w owns rows 16w .. 16w + 15), and the register A operand of m64k16 is, per warp, an m16k16
@@ -34,6 +34,10 @@ namespace jitattn {
 // Dispatch switch read by PrefillLaunch (attention.cu.j2). On since this version passed the GPU test
 // matrix on the H200 (GPU_TESTS.md, 2026-11-29) and ran faster than prefill_kernel (BENCHMARKS.md).
 constexpr bool kPrefillSm90Enabled = true;
+// Ragged (contiguous varlen) K/V on this kernel too: the producer reads k / v rows through
+// kv_start_loc and the token / head strides instead of the page table; head_dim_qk may differ from
+// head_dim_vo (e.g. 192 / 128).
+constexpr bool kPrefillSm90Ragged = true;
 // Consumer warpgroups take turns issuing their MMAs (see prefill_sm90_kernel). Off: it passed the GPU
 // matrix but was slower without the overlap below (H200, 2026-11-29: hd128 causal 4x8192 305 vs 349
 // TFLOP/s, Gemma-2 310 vs 352: with a wait right after each MMA there is no softmax/MMA overlap inside
@@ -56,17 +60,22 @@ struct BoolConstant {
 template <class S>
 struct PrefillSm90Traits {
   using DT = typename S::DTypeQ;
-  static constexpr int kHeadDim = S::kHeadDimQK;
-  // Specs this kernel serves (the rest keep prefill_kernel): 16-bit q and KV of one type, equal
-  // q/k and v head dims, a multiple of 16 from 32 to 256 (what AttentionSpec allows; the paged cache
-  // holds K and V at one head dim).
+  // Q and K rows are kHeadDimQK wide, V and O rows kHeadDimVO (they differ only for ragged specs, e.g.
+  // 192 / 128); tile shapes and warpgroup counts follow the wider of the two (kHeadDim).
+  static constexpr int kHeadDimQK = S::kHeadDimQK, kHeadDimVO = S::kHeadDimVO;
+  static constexpr int kHeadDim = kHeadDimQK > kHeadDimVO ? kHeadDimQK : kHeadDimVO;
+  // Specs this kernel serves (the rest keep prefill_kernel): 16-bit q and KV of one type, head dims
+  // that are multiples of 16 from 32 to 256 (what AttentionSpec allows).
   static constexpr bool kSupported = sizeof(DT) == 2 && sizeof(typename S::DTypeKV) == 2 &&
-                                     sizeof(typename S::DTypeO) == 2 && S::kHeadDimQK == S::kHeadDimVO &&
-                                     kHeadDim % 16 == 0 && kHeadDim >= 32 && kHeadDim <= 256;
+                                     sizeof(typename S::DTypeO) == 2 && kHeadDimQK % 16 == 0 && kHeadDimQK >= 32 &&
+                                     kHeadDimQK <= 256 && kHeadDimVO % 16 == 0 && kHeadDimVO >= 32 && kHeadDimVO <= 256;
   // Swizzle width in elements: the widest wgmma layout (128, 64 or 32 bytes per row of a column
   // block) whose rows tile the head dim. 64 (128-byte swizzle) for head dims 64, 128, 192, 256; 32
   // (64-byte) for 32, 96, 160, 224; 16 (32-byte) for the odd multiples of 16 (48, 80, ...).
-  static constexpr int kSwizzle = kHeadDim % 64 == 0 ? 64 : kHeadDim % 32 == 0 ? 32 : 16;
+  // kSwizzle: Q and K tiles; kSwizzleVO: V tiles.
+  static constexpr int swizzle_for(int d) { return d % 64 == 0 ? 64 : d % 32 == 0 ? 32 : 16; }
+  static constexpr int kSwizzle = swizzle_for(kHeadDimQK);
+  static constexpr int kSwizzleVO = swizzle_for(kHeadDimVO);
   // Warp specialisation (FlashAttention-3's layout): warpgroups 0 .. kConsumerWGs - 1 compute, 64 rows
   // each; the last warpgroup only loads K/V (cp.async into the stages) and runs on few registers.
   // Three consumer warpgroups (192 rows, 96-key tiles, as FlashAttention-3 at head dim 96) for the
@@ -82,23 +91,26 @@ struct PrefillSm90Traits {
   // K/V stages in flight: three where they fit beside Q (up to head_dim 224; 230 KB at 128), else
   // two (head dims 240, 256).
   static constexpr int kSmemLimit = 227 * 1024 - 256;
-  static constexpr int kMaxStages = (kSmemLimit - 1024 - kBlockM * kHeadDim * 2) / (4 * kBlockN * kHeadDim);
+  static constexpr int kMaxStages =
+      (kSmemLimit - 1024 - kBlockM * kHeadDimQK * 2) / (2 * kBlockN * (kHeadDimQK + kHeadDimVO));
   static constexpr int kStages = kMaxStages < 3 ? 2 : 3;
   // setmaxnreg: 384 threads start at 168 registers; the producer gives most of its share to the
   // consumers (40 x 128 + 232 x 256 = 168 x 384; at 24 the producer's page walk spilled). 512 threads
   // (three consumer warpgroups) start at 128: 32 x 128 + 160 x 384 = 128 x 512.
   static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : 40;
   static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : 232;
-  static constexpr int kChunks = kHeadDim / 8;          // 16-byte chunks per row (a multiple of 2)
-  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
-  static constexpr int kTileBytes = kBlockN * kHeadDim * 2;  // one of K or V
+  static constexpr int kChunks = kHeadDimQK / 8;    // 16-byte chunks per Q / K row (a multiple of 2)
+  static constexpr int kChunksVO = kHeadDimVO / 8;  // per V row
+  static constexpr int kQBytes = kBlockM * kHeadDimQK * 2;
+  static constexpr int kStageBytes = kBlockN * (kHeadDimQK + kHeadDimVO) * 2;  // a K tile and a V tile
   // +1024: the dynamic shared memory base is aligned up to a swizzle atom by hand.
-  static constexpr int kSmemBytes = kQBytes + kStages * 2 * kTileBytes + 1024;
+  static constexpr int kSmemBytes = kQBytes + kStages * kStageBytes + 1024;
   static_assert(!kSupported || kSmemBytes <= kSmemLimit, "stages exceed the shared memory of one SM");
   static constexpr int kNTiles = kBlockN / 8;   // n8 column groups of S
-  static constexpr int kDTiles = kHeadDim / 8;  // n8 column groups of O
+  static constexpr int kDTiles = kHeadDimVO / 8;  // n8 column groups of O
   static constexpr float kRescaleThreshold = 8.0f;
-  static_assert(!kSupported || (kHeadDim % kSwizzle == 0 && kBlockN % 32 == 0), "tiles are whole swizzle columns");
+  static_assert(!kSupported || (kHeadDimQK % kSwizzle == 0 && kHeadDimVO % kSwizzleVO == 0 && kBlockN % 32 == 0),
+                "tiles are whole swizzle columns");
 };
 
 // ---- wgmma (PTX ISA 9.7.15, sm_90a) ---------------------------------------------------------------
@@ -202,8 +214,11 @@ struct Sm90KvLoader {
   using KV = typename S::DTypeKV;
   static constexpr int kPasses = T::kBlockN / 32;
   static constexpr int kChunksPerThread = (T::kChunks + 3) / 4;  // the last one partial at 48, 80, ...
+  static constexpr int kChunksPerThreadVO = (T::kChunksVO + 3) / 4;
   int row0;  // row of pass 0
   int sub;   // first chunk
+  // Paged: the page of each pass's row. Ragged: page[0] is the row of k / v holding key `start` (a
+  // separate member for it changed the paged SASS: register allocation at hd256).
   int page[kPasses];
   __device__ __forceinline__ explicit Sm90KvLoader(int tid) {
     const int q = tid / 4;
@@ -211,28 +226,51 @@ struct Sm90KvLoader {
     sub = tid % 4;
   }
   __device__ __forceinline__ void fetch(const Params& p, int batch, int start, int end) {
+    if constexpr (S::kRagged) {
+      page[0] = p.kv_start_loc[batch] + start;
+    } else {
 #pragma unroll
-    for (int i = 0; i < kPasses; ++i) {
-      const int kv_idx = start + i * 32 + row0;
-      page[i] = kv_idx < end ? page_of<S>(p, batch, kv_idx) : 0;
+      for (int i = 0; i < kPasses; ++i) {
+        const int kv_idx = start + i * 32 + row0;
+        page[i] = kv_idx < end ? page_of<S>(p, batch, kv_idx) : 0;
+      }
     }
   }
   // cp.async of keys [start, start + kBlockN) (K and V) into two swizzled tiles; keys at or past `end`
-  // are zero-filled. `page` must hold fetch(start, end).
+  // are zero-filled. `page` must hold fetch(start, end). Ragged rows: k / v row page[0] + row,
+  // token and head strides from Params (the sequence's bounds were checked by sequence_ok).
   __device__ __forceinline__ void load(const Params& p, KV* sk, KV* sv, int kv_head, int start, int end,
                                       bool& bad) const {
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const int row = i * 32 + row0, kv_idx = start + row;
       const bool in = kv_idx < end;
-      const KV* base = in ? kv_row_in_page<S>(p, page[i], kv_head, kv_idx, 0, bad) : p.kv_cache;
+      if constexpr (S::kRagged) {
+        const long long r = page[0] + row;
+        const KV* kb = in ? p.k + r * p.k_stride_token + kv_head * p.k_stride_head : p.k;
+        const KV* vb = in ? p.v + r * p.v_stride_token + kv_head * p.v_stride_head : p.v;
+#pragma unroll 2
+        for (int m = 0; m < kChunksPerThread; ++m) {
+          const int chunk = sub + 4 * m;
+          if (T::kChunks % 4 != 0 && chunk >= T::kChunks) break;
+          cp_async_16(sk + swizzled_offset<T::kBlockN, T::kSwizzle>(row, chunk * 8), in ? kb + chunk * 8 : p.k, in);
+        }
+#pragma unroll 2
+        for (int m = 0; m < kChunksPerThreadVO; ++m) {
+          const int chunk = sub + 4 * m;
+          if (T::kChunksVO % 4 != 0 && chunk >= T::kChunksVO) break;
+          cp_async_16(sv + swizzled_offset<T::kBlockN, T::kSwizzleVO>(row, chunk * 8), in ? vb + chunk * 8 : p.v, in);
+        }
+      } else {
+        const KV* base = in ? kv_row_in_page<S>(p, page[i], kv_head, kv_idx, 0, bad) : p.kv_cache;
 #pragma unroll 2  // fully unrolled, the hoisted 64-bit addresses spill at the producer's 40 registers
-      for (int m = 0; m < kChunksPerThread; ++m) {
-        const int chunk = sub + 4 * m;
-        if (T::kChunks % 4 != 0 && chunk >= T::kChunks) break;
-        const int off = swizzled_offset<T::kBlockN, T::kSwizzle>(row, chunk * 8);
-        cp_async_16(sk + off, in ? base + chunk * 8 : p.kv_cache, in);
-        cp_async_16(sv + off, in ? base + chunk * 8 + p.kv_stride_kv : p.kv_cache, in);
+        for (int m = 0; m < kChunksPerThread; ++m) {
+          const int chunk = sub + 4 * m;
+          if (T::kChunks % 4 != 0 && chunk >= T::kChunks) break;
+          const int off = swizzled_offset<T::kBlockN, T::kSwizzle>(row, chunk * 8);
+          cp_async_16(sk + off, in ? base + chunk * 8 : p.kv_cache, in);
+          cp_async_16(sv + off, in ? base + chunk * 8 + p.kv_stride_kv : p.kv_cache, in);
+        }
       }
     }
   }
@@ -246,7 +284,7 @@ __device__ __forceinline__ void prefill_sm90_transform_rows(const Params& p, typ
                                                             int end, int qo_base, int kv_head, int batch, bool& oob) {
   using T = PrefillSm90Traits<S>;
   using DT = typename T::DT;
-  constexpr int kHalf = T::kHeadDim / 2;
+  constexpr int kHalf = T::kHeadDimQK / 2;
   for (int i = threadIdx.x; i < kRows * kHalf; i += T::kConsumerThreads) {
     const int r = i / kHalf, d = i % kHalf;
     if (first + r >= end) continue;
@@ -277,28 +315,40 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T = PrefillSm90Traits<S>;
   using DT = typename T::DT;
-  constexpr int kN = T::kBlockN, kD = T::kHeadDim;
+  constexpr int kN = T::kBlockN, kDQK = T::kHeadDimQK, kDVO = T::kHeadDimVO;
   extern __shared__ __align__(16) uint8_t smem_sm90[];
   __shared__ uint64_t full_bar[T::kStages], empty_bar[T::kStages];
   __shared__ int bad_flag;
   uint8_t* smem = smem_sm90 + ((1024u - (smem_u32(smem_sm90) & 1023u)) & 1023u);
   DT* sq = reinterpret_cast<DT*>(smem);
-  DT* skv = reinterpret_cast<DT*>(smem + T::kQBytes);  // [stage][K|V][swizzled kBlockN x head_dim]
-  auto stage_k = [&](int s) { return skv + (2 * s) * kN * kD; };
-  auto stage_v = [&](int s) { return skv + (2 * s + 1) * kN * kD; };
+  DT* skv = reinterpret_cast<DT*>(smem + T::kQBytes);  // [stage][K (kN x QK) | V (kN x VO)], swizzled
+  auto stage_k = [&](int s) {
+    if constexpr (kDQK == kDVO) {
+      return skv + (2 * s) * kN * kDQK;
+    } else {
+      return skv + s * kN * (kDQK + kDVO);
+    }
+  };
+  auto stage_v = [&](int s) {
+    if constexpr (kDQK == kDVO) {
+      return skv + (2 * s + 1) * kN * kDQK;
+    } else {
+      return skv + s * kN * (kDQK + kDVO) + kN * kDQK;
+    }
+  };
 
   int batch, tile;
   if (!prefill_find_tile<S, T::kBlockM>(p, gridDim.x - 1 - blockIdx.x, batch, tile)) return;
   const int kv_head = blockIdx.y;
   const int q_start = p.query_start_loc[batch];
   const int qo_len = p.query_start_loc[batch + 1] - q_start;
-  const int kv_len = p.seq_lens[batch];
+  const int kv_len = kv_length<S>(p, batch);
   const int packed0 = tile * T::kBlockM;
   const int packed_end = min(qo_len * S::kGroupSize, packed0 + T::kBlockM);
   const int qo_base = kv_len - qo_len;
   const int pos_lo = qo_base + packed0 / S::kGroupSize;
   const int pos_hi = qo_base + (packed_end - 1) / S::kGroupSize;
-  bool bad = !sequence_ok<S>(p, qo_len, kv_len);
+  bool bad = !sequence_ok<S>(p, batch, qo_len, kv_len);
   int kv_begin, kv_end;
   visible_kv_range<S>(pos_lo, pos_hi, kv_len, kv_begin, kv_end);
   if (bad) kv_end = kv_begin;
@@ -364,7 +414,15 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
   int wg_kv_begin, wg_kv_end;
   visible_kv_range<S>(wg_lo, wg_hi, kv_len, wg_kv_begin, wg_kv_end);
 
-  // Q tile -> swizzled shared memory (rows past the sequence zero-filled), by the consumers.
+  // Q tile -> swizzled shared memory (rows past the sequence zero-filled), by the consumers. The paged
+  // call checks that q's heads are contiguous (stride head_dim_qk); a ragged q may be a padded view.
+  auto q_head_offset = [&](int qo_head) {
+    if constexpr (S::kRagged) {
+      return static_cast<long long>(qo_head) * p.q_stride_head;
+    } else {
+      return qo_head * S::kHeadDimQK;
+    }
+  };
 #pragma unroll
   for (int c = threadIdx.x; c < T::kBlockM * T::kChunks; c += T::kConsumerThreads) {
     const int row = c / T::kChunks, chunk = c % T::kChunks;
@@ -372,7 +430,7 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
     const bool in = packed < packed_end;
     const int token = packed / S::kGroupSize, qo_head = kv_head * S::kGroupSize + packed % S::kGroupSize;
     const DT* src = in ? p.q + static_cast<long long>(q_start + token) * p.q_stride_token +
-                             qo_head * S::kHeadDimQK + chunk * 8
+                             q_head_offset(qo_head) + chunk * 8
                        : p.q;
     cp_async_16(sq + swizzled_offset<T::kBlockM, T::kSwizzle>(row, chunk * 8), src, in);
   }
@@ -386,7 +444,7 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
   named_barrier_sync(1, T::kConsumerThreads);
 
   // Descriptors: this warpgroup's 64 Q rows (K-major A); K tiles (K-major B); V tiles (N-major B).
-  constexpr int kW = T::kSwizzle;
+  constexpr int kW = T::kSwizzle, kWV = T::kSwizzleVO;
   const uint64_t q_desc = swizzled_desc<kW>(sq + wg_row0 * kW, 16);
   auto kstep_off = [](int kk, int rows) {  // 16-byte units from a tile's start to k-step kk (16 columns)
     return static_cast<uint64_t>((((kk * 16) / kW) * rows * kW + (kk * 16) % kW) * 2 / 16);
@@ -510,15 +568,15 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
     auto issue_s = [&](int j) {
       const uint64_t k_desc = swizzled_desc<kW>(stage_k(j % T::kStages), 16);
 #pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk)
+      for (int kk = 0; kk < kDQK / 16; ++kk)
         wgmma_ss<kN, DT>(s, q_desc + kstep_off(kk, T::kBlockM), k_desc + kstep_off(kk, kN), kk > 0 ? 1 : 0);
       wgmma_commit();
     };
     auto issue_pv = [&](int j) {
-      const uint64_t v_desc = swizzled_desc<kW>(stage_v(j % T::kStages), kN * kW * 2);
+      const uint64_t v_desc = swizzled_desc<kWV>(stage_v(j % T::kStages), kN * kWV * 2);
 #pragma unroll
       for (int kk = 0; kk < kN / 16; ++kk)
-        wgmma_rs<kD, DT>(o, a[kk], v_desc + static_cast<uint64_t>(kk * 16 * kW * 2 / 16), 1);
+        wgmma_rs<kDVO, DT>(o, a[kk], v_desc + static_cast<uint64_t>(kk * 16 * kWV * 2 / 16), 1);
       wgmma_commit();
     };
     auto rescale_and_pack = [&](const float (&alpha)[2]) {
@@ -613,7 +671,7 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
       const uint64_t k_desc = swizzled_desc<kW>(stage_k(stage), 16);
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk)
+      for (int kk = 0; kk < kDQK / 16; ++kk)
         wgmma_ss<kN, DT>(s, q_desc + kstep_off(kk, T::kBlockM), k_desc + kstep_off(kk, kN), kk > 0 ? 1 : 0);
       wgmma_commit();
     }
@@ -673,7 +731,7 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
 
     // O += P V: P from the S accumulators as register A fragments (n8 groups 2kk, 2kk + 1 = k-step kk).
     {
-      const uint64_t v_desc = swizzled_desc<kW>(stage_v(stage), kN * kW * 2);
+      const uint64_t v_desc = swizzled_desc<kWV>(stage_v(stage), kN * kWV * 2);
       uint32_t a[kN / 16][4];
 #pragma unroll
       for (int kk = 0; kk < kN / 16; ++kk) {
@@ -686,7 +744,7 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kN / 16; ++kk)
-        wgmma_rs<kD, DT>(o, a[kk], v_desc + static_cast<uint64_t>(kk * 16 * kW * 2 / 16), 1);
+        wgmma_rs<kDVO, DT>(o, a[kk], v_desc + static_cast<uint64_t>(kk * 16 * kWV * 2 / 16), 1);
       wgmma_commit();
       wgmma_wait<0>();
       wgmma_fence_operands(o);
