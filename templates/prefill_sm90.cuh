@@ -1,4 +1,4 @@
-// jitattn: prefill / append over the paged KV cache on Hopper warpgroup MMA (sm_90a only).
+// jitattn: prefill / append over the paged KV cache or ragged K/V on Hopper warpgroup MMA (sm_90a only).
 //
 // Same contract and features as prefill_kernel (prefill.cuh): a block owns kBlockM packed query rows
 // of one KV head (GQA heads packed into rows), walks the visible K/V tiles, skips tiles outside the
@@ -12,11 +12,12 @@
 // when the head dim is a multiple of 64, 64-byte rows for the other multiples of 32 such as 96,
 // 32-byte rows for the odd multiples of 16); inside a block, row r's 16-byte chunks are permuted by
 // an XOR with r's phase in its 8-row group (swizzled_offset), and every 8-row group is one swizzle
-// atom. Warp specialisation: a last warpgroup only gathers the paged K/V rows into kStages stages
-// with cp.async and hands them over through mbarriers (prefill_sm90_kernel says how); setmaxnreg
-// moves its registers to the two (three at head dims 32, 48, 80, 96, 112) consumer warpgroups. Served here (PrefillLaunch in attention.cu.j2
-// picks this kernel in the sm_90a cubin only): 16-bit q/KV/o, head dims any multiple of 16 from 32
-// to 256, paged or ragged K/V (kPrefillSm90Ragged). FP8 caches keep prefill_kernel.
+// atom. Warp specialisation: a last warpgroup only gathers the K/V rows (paged or ragged) into
+// kStages stages with cp.async and hands them over through mbarriers (prefill_sm90_kernel says how);
+// setmaxnreg moves its registers to the two (three at paged head dims 32, 48, 80, 96, 112) consumer
+// warpgroups. Served here (PrefillLaunch in attention.cu.j2 picks this kernel in the sm_90a cubin
+// only): 16-bit q/KV/o, head dims any multiple of 16 from 32 to 256, paged or ragged K/V
+// (kPrefillSm90Ragged). FP8 caches keep prefill_kernel.
 //
 // The wgmma m64nN fp32 accumulator of a warpgroup is, per warp, N/8 mma.sync m16n8 C fragments
 // (warp w owns rows 16w .. 16w + 15), and the register A operand of m64k16 is, per warp, an m16k16
@@ -79,9 +80,11 @@ struct PrefillSm90Traits {
   // Warp specialisation (FlashAttention-3's layout): warpgroups 0 .. kConsumerWGs - 1 compute, 64 rows
   // each; the last warpgroup only loads K/V (cp.async into the stages) and runs on few registers.
   // Three consumer warpgroups (192 rows, 96-key tiles, as FlashAttention-3 at head dim 96) for the
-  // head dims up to 112 that are not multiples of 64, two otherwise. H200, 2026-11-29, Phi-3 hd96
-  // causal 4 x 8192: 349 TFLOP/s with two (128 x 128 tiles), 387 with three.
-  static constexpr int kConsumerWGs = kHeadDim % 64 != 0 && kHeadDim <= 112 ? 3 : 2;
+  // paged specs of head dims up to 112 that are not multiples of 64, two otherwise. H200, 2026-11-29,
+  // Phi-3 hd96 causal 4 x 8192: 349 TFLOP/s with two (128 x 128 tiles), 387 with three. At three, 160
+  // registers per consumer thread: hd96 spills 12-28 bytes (plain) to 108 (ALiBi + windows); ragged
+  // specs keep two, where tests/test_ragged.py asks for no spills.
+  static constexpr int kConsumerWGs = !S::kRagged && kHeadDim % 64 != 0 && kHeadDim <= 112 ? 3 : 2;
   static constexpr int kConsumerThreads = 128 * kConsumerWGs;
   static constexpr int kThreads = kConsumerThreads + 128;
   static constexpr int kBlockM = 64 * kConsumerWGs;     // packed query rows per block
