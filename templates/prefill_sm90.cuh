@@ -1,4 +1,4 @@
-// jitattn: prefill / append over the paged KV cache on Hopper warpgroup MMA (sm_90a only).
+// jitattn: prefill / append over the paged KV cache or ragged K/V on Hopper warpgroup MMA (sm_90a only).
 //
 // Same contract and features as prefill_kernel (prefill.cuh): a block owns kBlockM packed query rows
 // of one KV head (GQA heads packed into rows), walks the visible K/V tiles, skips tiles outside the
@@ -7,15 +7,17 @@
 // matrix engine: each consumer warpgroup (4 warps, 64 rows) computes S = Q K^T with
 // wgmma.mma_async m64nNk16 reading Q and K from shared memory through matrix descriptors, and
 // O += P V with P in registers (the A operand) and V from shared memory as an N-major B operand.
-// Q, K and V tiles are kept in the 128-byte swizzled layout wgmma reads (PTX ISA, "Asynchronous
-// Warpgroup Level Matrix Shared Memory Layout"): a tile is stored as column blocks of 64 elements
-// (128 bytes per row); inside a block, row r's 16-byte chunk c sits at chunk position c ^ (r % 8),
-// and every 8-row group is one 1024-byte swizzle atom. Warp specialisation: a third warpgroup only
-// gathers the paged K/V rows into kStages stages with cp.async and hands them over through mbarriers
-// (prefill_sm90_kernel says how); setmaxnreg moves its registers to the two consumer warpgroups.
-// Served here (PrefillLaunch in attention.cu.j2 picks this kernel in the sm_90a cubin only): 16-bit
-// q/KV/o, head_dim_qk == head_dim_vo in {64, 128, 256}, paged K/V. FP8 caches, other head dims and
-// ragged K/V keep prefill_kernel.
+// Q, K and V tiles are kept in a swizzled layout wgmma reads (PTX ISA, "Asynchronous Warpgroup Level
+// Matrix Shared Memory Layout"): a tile is stored as column blocks of kSwizzle elements (128-byte rows
+// when the head dim is a multiple of 64, 64-byte rows for the other multiples of 32 such as 96,
+// 32-byte rows for the odd multiples of 16); inside a block, row r's 16-byte chunks are permuted by
+// an XOR with r's phase in its 8-row group (swizzled_offset), and every 8-row group is one swizzle
+// atom. Warp specialisation: a last warpgroup only gathers the K/V rows (paged or ragged) into
+// kStages stages with cp.async and hands them over through mbarriers (prefill_sm90_kernel says how);
+// setmaxnreg moves its registers to the two (three at paged head dims 32, 48, 80, 96, 112) consumer
+// warpgroups. Served here (PrefillLaunch in attention.cu.j2 picks this kernel in the sm_90a cubin
+// only): 16-bit q/KV/o, head dims any multiple of 16 from 32 to 256, paged or ragged K/V
+// (kPrefillSm90Ragged). FP8 caches keep prefill_kernel.
 //
 // The wgmma m64nN fp32 accumulator of a warpgroup is, per warp, N/8 mma.sync m16n8 C fragments
 // (warp w owns rows 16w .. 16w + 15), and the register A operand of m64k16 is, per warp, an m16k16
@@ -26,12 +28,17 @@
 #include "decode.cuh"
 #include "prefill.cuh"
 #include "variant.cuh"
+#include "wgmma_sm90.cuh"
 
 namespace jitattn {
 
 // Dispatch switch read by PrefillLaunch (attention.cu.j2). On since this version passed the GPU test
 // matrix on the H200 (GPU_TESTS.md, 2026-11-29) and ran faster than prefill_kernel (BENCHMARKS.md).
 constexpr bool kPrefillSm90Enabled = true;
+// Ragged (contiguous varlen) K/V on this kernel too: the producer reads k / v rows through
+// kv_start_loc and the token / head strides instead of the page table; head_dim_qk may differ from
+// head_dim_vo (e.g. 192 / 128).
+constexpr bool kPrefillSm90Ragged = true;
 // Consumer warpgroups take turns issuing their MMAs (see prefill_sm90_kernel). Off: it passed the GPU
 // matrix but was slower without the overlap below (H200, 2026-11-29: hd128 causal 4x8192 305 vs 349
 // TFLOP/s, Gemma-2 310 vs 352: with a wait right after each MMA there is no softmax/MMA overlap inside
@@ -54,53 +61,85 @@ struct BoolConstant {
 template <class S>
 struct PrefillSm90Traits {
   using DT = typename S::DTypeQ;
-  static constexpr int kHeadDim = S::kHeadDimQK;
-  // Specs this kernel serves (the rest keep prefill_kernel): 16-bit q and KV of one type, equal
-  // q/k and v head dims of 64, 128 or 256.
+  // Q and K rows are kHeadDimQK wide, V and O rows kHeadDimVO (they differ only for ragged specs, e.g.
+  // 192 / 128); tile shapes and warpgroup counts follow the wider of the two (kHeadDim).
+  static constexpr int kHeadDimQK = S::kHeadDimQK, kHeadDimVO = S::kHeadDimVO;
+  static constexpr int kHeadDim = kHeadDimQK > kHeadDimVO ? kHeadDimQK : kHeadDimVO;
+  // Specs this kernel serves (the rest keep prefill_kernel): 16-bit q and KV of one type, head dims
+  // that are multiples of 16 from 32 to 256 (what AttentionSpec allows).
   static constexpr bool kSupported = sizeof(DT) == 2 && sizeof(typename S::DTypeKV) == 2 &&
-                                     sizeof(typename S::DTypeO) == 2 && S::kHeadDimQK == S::kHeadDimVO &&
-                                     (kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256);
+                                     sizeof(typename S::DTypeO) == 2 && kHeadDimQK % 16 == 0 && kHeadDimQK >= 32 &&
+                                     kHeadDimQK <= 256 && kHeadDimVO % 16 == 0 && kHeadDimVO >= 32 && kHeadDimVO <= 256;
+  // Swizzle width in elements: the widest wgmma layout (128, 64 or 32 bytes per row of a column
+  // block) whose rows tile the head dim. 64 (128-byte swizzle) for head dims 64, 128, 192, 256; 32
+  // (64-byte) for 32, 96, 160, 224; 16 (32-byte) for the odd multiples of 16 (48, 80, ...).
+  // kSwizzle: Q and K tiles; kSwizzleVO: V tiles.
+  static constexpr int swizzle_for(int d) { return d % 64 == 0 ? 64 : d % 32 == 0 ? 32 : 16; }
+  static constexpr int kSwizzle = swizzle_for(kHeadDimQK);
+  static constexpr int kSwizzleVO = swizzle_for(kHeadDimVO);
   // Warp specialisation (FlashAttention-3's layout): warpgroups 0 .. kConsumerWGs - 1 compute, 64 rows
   // each; the last warpgroup only loads K/V (cp.async into the stages) and runs on few registers.
-  static constexpr int kConsumerWGs = 2;
+  // Three consumer warpgroups (192 rows, 96-key tiles, as FlashAttention-3 at head dim 96) for the
+  // paged specs of head dims up to 112 that are not multiples of 64, two otherwise. H200, 2026-11-29,
+  // Phi-3 hd96 causal 4 x 8192: 349 TFLOP/s with two (128 x 128 tiles), 387 with three. At three, 160
+  // registers per consumer thread: hd96 spills 12-28 bytes (plain) to 108 (ALiBi + windows); ragged
+  // specs keep two, where tests/test_ragged.py asks for no spills.
+  static constexpr int kConsumerWGs = !S::kRagged && kHeadDim % 64 != 0 && kHeadDim <= 112 ? 3 : 2;
   static constexpr int kConsumerThreads = 128 * kConsumerWGs;
   static constexpr int kThreads = kConsumerThreads + 128;
   static constexpr int kBlockM = 64 * kConsumerWGs;     // packed query rows per block
-  // Keys per tile: S (kBlockN / 2 floats per thread) and O (kHeadDim / 2) share the registers.
-  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
-  // K/V stages in flight: three fit beside Q up to head_dim 128 (230 KB at 128), two at 256.
-  static constexpr int kStages = kHeadDim <= 128 ? 3 : 2;
+  // Keys per tile: S (kBlockN / 2 floats per thread) and O (kHeadDim / 2) share the registers (at
+  // three consumer warpgroups, 160 each: 128-key tiles spilled 164 bytes at hd96, 96-key tiles 28).
+  static constexpr int kBlockN = kConsumerWGs == 3 ? 96 : kHeadDim <= 128 ? 128 : 64;
+  // K/V stages in flight: three where they fit beside Q (up to head_dim 224; 230 KB at 128), else
+  // two (head dims 240, 256).
+  static constexpr int kSmemLimit = 227 * 1024 - 256;
+  static constexpr int kMaxStages =
+      (kSmemLimit - 1024 - kBlockM * kHeadDimQK * 2) / (2 * kBlockN * (kHeadDimQK + kHeadDimVO));
+  static constexpr int kStages = kMaxStages < 3 ? 2 : 3;
   // setmaxnreg: 384 threads start at 168 registers; the producer gives most of its share to the
-  // consumers (40 x 128 + 232 x 256 = 168 x 384; at 24 the producer's page walk spilled).
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 232;
-  static constexpr int kChunks = kHeadDim / 8;          // 16-byte chunks per row (a multiple of 4)
-  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
-  static constexpr int kTileBytes = kBlockN * kHeadDim * 2;  // one of K or V
+  // consumers (40 x 128 + 232 x 256 = 168 x 384; at 24 the producer's page walk spilled). 512 threads
+  // (three consumer warpgroups) start at 128: 32 x 128 + 160 x 384 = 128 x 512.
+  static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : 40;
+  static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : 232;
+  static constexpr int kChunks = kHeadDimQK / 8;    // 16-byte chunks per Q / K row (a multiple of 2)
+  static constexpr int kChunksVO = kHeadDimVO / 8;  // per V row
+  static constexpr int kQBytes = kBlockM * kHeadDimQK * 2;
+  static constexpr int kStageBytes = kBlockN * (kHeadDimQK + kHeadDimVO) * 2;  // a K tile and a V tile
   // +1024: the dynamic shared memory base is aligned up to a swizzle atom by hand.
-  static constexpr int kSmemBytes = kQBytes + kStages * 2 * kTileBytes + 1024;
-  static_assert(!kSupported || kSmemBytes <= 227 * 1024 - 256, "stages exceed the shared memory of one SM");
+  static constexpr int kSmemBytes = kQBytes + kStages * kStageBytes + 1024;
+  static_assert(!kSupported || kSmemBytes <= kSmemLimit, "stages exceed the shared memory of one SM");
   static constexpr int kNTiles = kBlockN / 8;   // n8 column groups of S
-  static constexpr int kDTiles = kHeadDim / 8;  // n8 column groups of O
+  static constexpr int kDTiles = kHeadDimVO / 8;  // n8 column groups of O
   static constexpr float kRescaleThreshold = 8.0f;
-  static_assert(!kSupported || (kHeadDim % 64 == 0 && kBlockN % 64 == 0), "tiles are whole 128-byte swizzle columns");
+  static_assert(!kSupported || (kHeadDimQK % kSwizzle == 0 && kHeadDimVO % kSwizzleVO == 0 && kBlockN % 32 == 0),
+                "tiles are whole swizzle columns");
 };
 
 // ---- wgmma (PTX ISA 9.7.15, sm_90a) ---------------------------------------------------------------
-// Element offset of (row, col) in a swizzled tile of kRows rows: column blocks of 64 elements,
-// 128-byte rows, 16-byte chunk index XOR (row % 8). `col` % 8 keeps its place inside the chunk.
-template <int kRows>
-__device__ __forceinline__ int sw128_offset(int row, int col) {
-  return (col / 64) * kRows * 64 + row * 64 + ((((col % 64) / 8) ^ (row % 8)) * 8) + (col % 8);
+// Element offset of (row, col) in a swizzled tile of kRows rows (16-bit elements): column blocks of
+// kW elements (rows of 2 * kW bytes: 128, 64 or 32), an 8-row group of a block is one swizzle atom
+// (1024, 512 or 256 bytes), and row r's 16-byte chunk c sits at chunk position c ^ phase(r), phase =
+// r % 8 (128-byte), (r % 8) / 2 (64-byte), (r % 8) / 4 (32-byte): the address bits 4.. XOR bits 7..
+// of the swizzle modes (CUTLASS Swizzle<3,4,3>, <2,4,3>, <1,4,3>). `col` % 8 keeps its place.
+template <int kRows, int kW>
+__device__ __forceinline__ int swizzled_offset(int row, int col) {
+  constexpr int kShift = kW == 64 ? 0 : kW == 32 ? 1 : 2;
+  static_assert(kW == 64 || kW == 32 || kW == 16, "swizzle widths: 128, 64 or 32 bytes");
+  return (col / kW) * kRows * kW + row * kW + ((((col % kW) / 8) ^ ((row % 8) >> kShift)) * 8) + (col % 8);
 }
 
-// Shared-memory matrix descriptor, 128-byte swizzle: start address, leading and stride byte offsets
-// (all >> 4), layout type 1 in bits 62-63. K-major operands ignore the leading offset; for an N-major
-// B it is the distance between 64-element column blocks. The stride offset is between 8-row groups.
-__device__ __forceinline__ uint64_t sw128_desc(const void* smem_ptr, uint32_t lead_bytes, uint32_t stride_bytes) {
+// Shared-memory matrix descriptor for a tile swizzled kW elements wide: start address, leading and
+// stride byte offsets (all >> 4), layout type in bits 62-63 (1: 128-byte, 2: 64-byte, 3: 32-byte
+// swizzle). K-major operands ignore the leading offset; for an N-major B it is the distance between
+// column blocks. The stride offset is between 8-row groups (one atom: 16 * kW bytes).
+template <int kW>
+__device__ __forceinline__ uint64_t swizzled_desc(const void* smem_ptr, uint32_t lead_bytes) {
+  constexpr uint64_t kLayout = kW == 64 ? 1 : kW == 32 ? 2 : 3;
+  constexpr uint32_t kStrideBytes = 16 * kW;
   const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem_ptr));
   return static_cast<uint64_t>((a & 0x3FFFF) >> 4) | (static_cast<uint64_t>((lead_bytes >> 4) & 0x3FFF) << 16) |
-         (static_cast<uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32) | (1ull << 62);
+         (static_cast<uint64_t>((kStrideBytes >> 4) & 0x3FFF) << 32) | (kLayout << 62);
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -120,12 +159,7 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[N]) {
 // results and in-place transforms. Each writing thread fences before the barrier.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// D(64 x N) (+)= A(64 x 16, smem, K-major) * B(16 x N, smem, K-major); scale_d = 0 overwrites D.
-template <int N, class DT>
-__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t da, uint64_t db, int scale_d);
-// D(64 x N) (+)= A(64 x 16, registers) * B(16 x N, smem, N-major).
-template <int N, class DT>
-__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db, int scale_d);
+// wgmma_ss<N, DT> (A and B from shared memory) and wgmma_rs<N, DT> (A from registers): wgmma_sm90.cuh.
 
 
 // ---- mbarriers (PTX ISA 9.7.13.15), named barriers, setmaxnreg -------------------------------------
@@ -167,145 +201,79 @@ template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
-template <>
-__device__ __forceinline__ void wgmma_ss<64, __nv_bfloat16>(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(da), "l"(db), "r"(scale_d));
-}
-template <>
-__device__ __forceinline__ void wgmma_rs<64, __nv_bfloat16>(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
-}
-template <>
-__device__ __forceinline__ void wgmma_ss<64, __half>(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(da), "l"(db), "r"(scale_d));
-}
-template <>
-__device__ __forceinline__ void wgmma_rs<64, __half>(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
-}
-template <>
-__device__ __forceinline__ void wgmma_ss<128, __nv_bfloat16>(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(da), "l"(db), "r"(scale_d));
-}
-template <>
-__device__ __forceinline__ void wgmma_rs<128, __nv_bfloat16>(float (&d)[64], const uint32_t (&a)[4], uint64_t db, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
-}
-template <>
-__device__ __forceinline__ void wgmma_ss<128, __half>(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(da), "l"(db), "r"(scale_d));
-}
-template <>
-__device__ __forceinline__ void wgmma_rs<128, __half>(float (&d)[64], const uint32_t (&a)[4], uint64_t db, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
-}
-template <>
-__device__ __forceinline__ void wgmma_ss<256, __nv_bfloat16>(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(da), "l"(db), "r"(scale_d));
-}
-template <>
-__device__ __forceinline__ void wgmma_rs<256, __nv_bfloat16>(float (&d)[128], const uint32_t (&a)[4], uint64_t db, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
-}
-template <>
-__device__ __forceinline__ void wgmma_ss<256, __half>(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(da), "l"(db), "r"(scale_d));
-}
-template <>
-__device__ __forceinline__ void wgmma_rs<256, __half>(float (&d)[128], const uint32_t (&a)[4], uint64_t db, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
-}
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // The producer warpgroup's K/V loader. 4 threads per key row (each 16-byte chunk sub + 4m, so a warp
 // instruction reads 64 contiguous bytes of 8 rows), 32 rows per pass: one page-table read per row and
 // thread, done one tile ahead (fetch) so the dependent read is off the path to the next cp.async.
-// The rows of a pass are permuted so that the two rows served by 8 consecutive threads differ by 4:
-// their swizzled chunk sets are disjoint (no shared-memory bank conflicts on the writes).
+// 128-byte swizzle: the rows of a pass are permuted so that the two rows served by 8 consecutive
+// threads differ by 4: their swizzled chunk sets are disjoint (no shared-memory bank conflicts on the
+// writes). 64-byte swizzle: rows in order; the two rows of 8 threads (2k, 2k + 1) are 64 bytes apart,
+// on disjoint banks. 32-byte swizzle: rows in order, two-way conflicts on the writes (the two
+// column blocks of one chunk step share banks); head dims 48, 80, ... only.
 template <class S>
 struct Sm90KvLoader {
   using T = PrefillSm90Traits<S>;
   using KV = typename S::DTypeKV;
   static constexpr int kPasses = T::kBlockN / 32;
-  static constexpr int kChunksPerThread = T::kChunks / 4;
+  static constexpr int kChunksPerThread = (T::kChunks + 3) / 4;  // the last one partial at 48, 80, ...
+  static constexpr int kChunksPerThreadVO = (T::kChunksVO + 3) / 4;
   int row0;  // row of pass 0
   int sub;   // first chunk
+  // Paged: the page of each pass's row. Ragged: page[0] is the row of k / v holding key `start` (a
+  // separate member for it changed the paged SASS: register allocation at hd256).
   int page[kPasses];
   __device__ __forceinline__ explicit Sm90KvLoader(int tid) {
     const int q = tid / 4;
-    row0 = (q & ~7) | ((q & 6) >> 1) | ((q & 1) << 2);
+    row0 = T::kSwizzle == 64 ? (q & ~7) | ((q & 6) >> 1) | ((q & 1) << 2) : q;
     sub = tid % 4;
   }
   __device__ __forceinline__ void fetch(const Params& p, int batch, int start, int end) {
+    if constexpr (S::kRagged) {
+      page[0] = p.kv_start_loc[batch] + start;
+    } else {
 #pragma unroll
-    for (int i = 0; i < kPasses; ++i) {
-      const int kv_idx = start + i * 32 + row0;
-      page[i] = kv_idx < end ? page_of<S>(p, batch, kv_idx) : 0;
+      for (int i = 0; i < kPasses; ++i) {
+        const int kv_idx = start + i * 32 + row0;
+        page[i] = kv_idx < end ? page_of<S>(p, batch, kv_idx) : 0;
+      }
     }
   }
   // cp.async of keys [start, start + kBlockN) (K and V) into two swizzled tiles; keys at or past `end`
-  // are zero-filled. `page` must hold fetch(start, end).
+  // are zero-filled. `page` must hold fetch(start, end). Ragged rows: k / v row page[0] + row,
+  // token and head strides from Params (the sequence's bounds were checked by sequence_ok).
   __device__ __forceinline__ void load(const Params& p, KV* sk, KV* sv, int kv_head, int start, int end,
                                       bool& bad) const {
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const int row = i * 32 + row0, kv_idx = start + row;
       const bool in = kv_idx < end;
-      const KV* base = in ? kv_row_in_page<S>(p, page[i], kv_head, kv_idx, 0, bad) : p.kv_cache;
+      if constexpr (S::kRagged) {
+        const long long r = page[0] + row;
+        const KV* kb = in ? p.k + r * p.k_stride_token + kv_head * p.k_stride_head : p.k;
+        const KV* vb = in ? p.v + r * p.v_stride_token + kv_head * p.v_stride_head : p.v;
+#pragma unroll 2
+        for (int m = 0; m < kChunksPerThread; ++m) {
+          const int chunk = sub + 4 * m;
+          if (T::kChunks % 4 != 0 && chunk >= T::kChunks) break;
+          cp_async_16(sk + swizzled_offset<T::kBlockN, T::kSwizzle>(row, chunk * 8), in ? kb + chunk * 8 : p.k, in);
+        }
+#pragma unroll 2
+        for (int m = 0; m < kChunksPerThreadVO; ++m) {
+          const int chunk = sub + 4 * m;
+          if (T::kChunksVO % 4 != 0 && chunk >= T::kChunksVO) break;
+          cp_async_16(sv + swizzled_offset<T::kBlockN, T::kSwizzleVO>(row, chunk * 8), in ? vb + chunk * 8 : p.v, in);
+        }
+      } else {
+        const KV* base = in ? kv_row_in_page<S>(p, page[i], kv_head, kv_idx, 0, bad) : p.kv_cache;
 #pragma unroll 2  // fully unrolled, the hoisted 64-bit addresses spill at the producer's 40 registers
-      for (int m = 0; m < kChunksPerThread; ++m) {
-        const int chunk = sub + 4 * m;
-        const int off = sw128_offset<T::kBlockN>(row, chunk * 8);
-        cp_async_16(sk + off, in ? base + chunk * 8 : p.kv_cache, in);
-        cp_async_16(sv + off, in ? base + chunk * 8 + p.kv_stride_kv : p.kv_cache, in);
+        for (int m = 0; m < kChunksPerThread; ++m) {
+          const int chunk = sub + 4 * m;
+          if (T::kChunks % 4 != 0 && chunk >= T::kChunks) break;
+          const int off = swizzled_offset<T::kBlockN, T::kSwizzle>(row, chunk * 8);
+          cp_async_16(sk + off, in ? base + chunk * 8 : p.kv_cache, in);
+          cp_async_16(sv + off, in ? base + chunk * 8 + p.kv_stride_kv : p.kv_cache, in);
+        }
       }
     }
   }
@@ -319,12 +287,12 @@ __device__ __forceinline__ void prefill_sm90_transform_rows(const Params& p, typ
                                                             int end, int qo_base, int kv_head, int batch, bool& oob) {
   using T = PrefillSm90Traits<S>;
   using DT = typename T::DT;
-  constexpr int kHalf = T::kHeadDim / 2;
+  constexpr int kHalf = T::kHeadDimQK / 2;
   for (int i = threadIdx.x; i < kRows * kHalf; i += T::kConsumerThreads) {
     const int r = i / kHalf, d = i % kHalf;
     if (first + r >= end) continue;
-    DT* e0 = tile + sw128_offset<kRows>(r, d);
-    DT* e1 = tile + sw128_offset<kRows>(r, d + kHalf);
+    DT* e0 = tile + swizzled_offset<kRows, T::kSwizzle>(r, d);
+    DT* e1 = tile + swizzled_offset<kRows, T::kSwizzle>(r, d + kHalf);
     const float x0 = to_float(*e0), x1 = to_float(*e1);
     float y0, y1;
     if constexpr (kIsQuery) {
@@ -350,28 +318,40 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T = PrefillSm90Traits<S>;
   using DT = typename T::DT;
-  constexpr int kN = T::kBlockN, kD = T::kHeadDim;
+  constexpr int kN = T::kBlockN, kDQK = T::kHeadDimQK, kDVO = T::kHeadDimVO;
   extern __shared__ __align__(16) uint8_t smem_sm90[];
   __shared__ uint64_t full_bar[T::kStages], empty_bar[T::kStages];
   __shared__ int bad_flag;
   uint8_t* smem = smem_sm90 + ((1024u - (smem_u32(smem_sm90) & 1023u)) & 1023u);
   DT* sq = reinterpret_cast<DT*>(smem);
-  DT* skv = reinterpret_cast<DT*>(smem + T::kQBytes);  // [stage][K|V][swizzled kBlockN x head_dim]
-  auto stage_k = [&](int s) { return skv + (2 * s) * kN * kD; };
-  auto stage_v = [&](int s) { return skv + (2 * s + 1) * kN * kD; };
+  DT* skv = reinterpret_cast<DT*>(smem + T::kQBytes);  // [stage][K (kN x QK) | V (kN x VO)], swizzled
+  auto stage_k = [&](int s) {
+    if constexpr (kDQK == kDVO) {
+      return skv + (2 * s) * kN * kDQK;
+    } else {
+      return skv + s * kN * (kDQK + kDVO);
+    }
+  };
+  auto stage_v = [&](int s) {
+    if constexpr (kDQK == kDVO) {
+      return skv + (2 * s + 1) * kN * kDQK;
+    } else {
+      return skv + s * kN * (kDQK + kDVO) + kN * kDQK;
+    }
+  };
 
   int batch, tile;
   if (!prefill_find_tile<S, T::kBlockM>(p, gridDim.x - 1 - blockIdx.x, batch, tile)) return;
   const int kv_head = blockIdx.y;
   const int q_start = p.query_start_loc[batch];
   const int qo_len = p.query_start_loc[batch + 1] - q_start;
-  const int kv_len = p.seq_lens[batch];
+  const int kv_len = kv_length<S>(p, batch);
   const int packed0 = tile * T::kBlockM;
   const int packed_end = min(qo_len * S::kGroupSize, packed0 + T::kBlockM);
   const int qo_base = kv_len - qo_len;
   const int pos_lo = qo_base + packed0 / S::kGroupSize;
   const int pos_hi = qo_base + (packed_end - 1) / S::kGroupSize;
-  bool bad = !sequence_ok<S>(p, qo_len, kv_len);
+  bool bad = !sequence_ok<S>(p, batch, qo_len, kv_len);
   int kv_begin, kv_end;
   visible_kv_range<S>(pos_lo, pos_hi, kv_len, kv_begin, kv_end);
   if (bad) kv_end = kv_begin;
@@ -437,7 +417,15 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
   int wg_kv_begin, wg_kv_end;
   visible_kv_range<S>(wg_lo, wg_hi, kv_len, wg_kv_begin, wg_kv_end);
 
-  // Q tile -> swizzled shared memory (rows past the sequence zero-filled), by the consumers.
+  // Q tile -> swizzled shared memory (rows past the sequence zero-filled), by the consumers. The paged
+  // call checks that q's heads are contiguous (stride head_dim_qk); a ragged q may be a padded view.
+  auto q_head_offset = [&](int qo_head) {
+    if constexpr (S::kRagged) {
+      return static_cast<long long>(qo_head) * p.q_stride_head;
+    } else {
+      return qo_head * S::kHeadDimQK;
+    }
+  };
 #pragma unroll
   for (int c = threadIdx.x; c < T::kBlockM * T::kChunks; c += T::kConsumerThreads) {
     const int row = c / T::kChunks, chunk = c % T::kChunks;
@@ -445,9 +433,9 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
     const bool in = packed < packed_end;
     const int token = packed / S::kGroupSize, qo_head = kv_head * S::kGroupSize + packed % S::kGroupSize;
     const DT* src = in ? p.q + static_cast<long long>(q_start + token) * p.q_stride_token +
-                             qo_head * S::kHeadDimQK + chunk * 8
+                             q_head_offset(qo_head) + chunk * 8
                        : p.q;
-    cp_async_16(sq + sw128_offset<T::kBlockM>(row, chunk * 8), src, in);
+    cp_async_16(sq + swizzled_offset<T::kBlockM, T::kSwizzle>(row, chunk * 8), src, in);
   }
   cp_async_commit();
   cp_async_wait<0>();
@@ -459,9 +447,10 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
   named_barrier_sync(1, T::kConsumerThreads);
 
   // Descriptors: this warpgroup's 64 Q rows (K-major A); K tiles (K-major B); V tiles (N-major B).
-  const uint64_t q_desc = sw128_desc(sq + wg_row0 * 64, 16, 1024);
+  constexpr int kW = T::kSwizzle, kWV = T::kSwizzleVO;
+  const uint64_t q_desc = swizzled_desc<kW>(sq + wg_row0 * kW, 16);
   auto kstep_off = [](int kk, int rows) {  // 16-byte units from a tile's start to k-step kk (16 columns)
-    return static_cast<uint64_t>((((kk * 16) / 64) * rows * 64 + (kk * 16) % 64) * 2 / 16);
+    return static_cast<uint64_t>((((kk * 16) / kW) * rows * kW + (kk * 16) % kW) * 2 / 16);
   };
 
   const int row0 = packed0 + wg_row0 + warp * 16 + g;  // packed row of accumulator row r: row0 + 8 * r
@@ -474,7 +463,7 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
 
   // Ping-pong (FlashAttention-3): the warpgroups take turns issuing their MMAs (named barriers 3 and
   // 4), so one runs its softmax while the other's MMAs run. Warpgroup 0 goes first.
-  constexpr bool kPingPong = kPrefillSm90PingPong && !S::kHasKTransform;
+  constexpr bool kPingPong = kPrefillSm90PingPong && !S::kHasKTransform && T::kConsumerWGs == 2;
   // Which tiles this warpgroup computes: [j_lo, j_hi), the tiles some of its rows can see (a
   // contiguous range: causal and window bounds only cut tiles off the ends). It still waits for the
   // others and releases them, so that every stage is released by all consumer threads in order.
@@ -580,17 +569,17 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
       turn_end();
     };
     auto issue_s = [&](int j) {
-      const uint64_t k_desc = sw128_desc(stage_k(j % T::kStages), 16, 1024);
+      const uint64_t k_desc = swizzled_desc<kW>(stage_k(j % T::kStages), 16);
 #pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk)
+      for (int kk = 0; kk < kDQK / 16; ++kk)
         wgmma_ss<kN, DT>(s, q_desc + kstep_off(kk, T::kBlockM), k_desc + kstep_off(kk, kN), kk > 0 ? 1 : 0);
       wgmma_commit();
     };
     auto issue_pv = [&](int j) {
-      const uint64_t v_desc = sw128_desc(stage_v(j % T::kStages), kN * 64 * 2, 1024);
+      const uint64_t v_desc = swizzled_desc<kWV>(stage_v(j % T::kStages), kN * kWV * 2);
 #pragma unroll
       for (int kk = 0; kk < kN / 16; ++kk)
-        wgmma_rs<kD, DT>(o, a[kk], v_desc + static_cast<uint64_t>(kk * 16 * 64 * 2 / 16), 1);
+        wgmma_rs<kDVO, DT>(o, a[kk], v_desc + static_cast<uint64_t>(kk * 16 * kWV * 2 / 16), 1);
       wgmma_commit();
     };
     auto rescale_and_pack = [&](const float (&alpha)[2]) {
@@ -682,10 +671,10 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
     float s[T::kNTiles * 4];
     if constexpr (kPingPong) named_barrier_sync(3 + wg, 256);  // this warpgroup's turn to issue
     if (!skip) {
-      const uint64_t k_desc = sw128_desc(stage_k(stage), 16, 1024);
+      const uint64_t k_desc = swizzled_desc<kW>(stage_k(stage), 16);
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk)
+      for (int kk = 0; kk < kDQK / 16; ++kk)
         wgmma_ss<kN, DT>(s, q_desc + kstep_off(kk, T::kBlockM), k_desc + kstep_off(kk, kN), kk > 0 ? 1 : 0);
       wgmma_commit();
     }
@@ -745,7 +734,7 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
 
     // O += P V: P from the S accumulators as register A fragments (n8 groups 2kk, 2kk + 1 = k-step kk).
     {
-      const uint64_t v_desc = sw128_desc(stage_v(stage), kN * 64 * 2, 1024);
+      const uint64_t v_desc = swizzled_desc<kWV>(stage_v(stage), kN * kWV * 2);
       uint32_t a[kN / 16][4];
 #pragma unroll
       for (int kk = 0; kk < kN / 16; ++kk) {
@@ -758,7 +747,7 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kN / 16; ++kk)
-        wgmma_rs<kD, DT>(o, a[kk], v_desc + static_cast<uint64_t>(kk * 16 * 64 * 2 / 16), 1);
+        wgmma_rs<kDVO, DT>(o, a[kk], v_desc + static_cast<uint64_t>(kk * 16 * kWV * 2 / 16), 1);
       wgmma_commit();
       wgmma_wait<0>();
       wgmma_fence_operands(o);

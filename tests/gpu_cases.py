@@ -77,6 +77,23 @@ def head_dim_cases() -> list[Case]:
     return [Case(f"hd{hd}", AttentionSpec(8, 2, hd), [1, 33, 1, 70], [200, 33, 1500, 900]) for hd in range(32, 257, 16)]
 
 
+def sm90_head_dim_cases() -> list[Case]:
+    """Head dims the wgmma prefill (prefill_sm90.cuh) serves with 64- and 32-byte swizzled tiles (not
+    multiples of 64), on long causal prefills and with features whose code touches the tiles (query /
+    key transforms in shared memory) or the page walk (HND, page 7), and 3-stage tiles at hd 224."""
+    return [
+        Case("sm90-hd96-causal-long", AttentionSpec(32, 32, 96), [1000, 17, 2048, 1], [1000, 8191, 4096, 300]),
+        Case("sm90-hd96-fp16-hnd-page7-softcap-window", AttentionSpec(12, 4, 96, q_dtype="float16", kv_layout="HND",
+                                                                     page_size=7, logits_soft_cap=30.0, window_left=200),
+             [300, 1, 129], [2000, 5000, 129]),
+        Case("sm90-hd80-alibi-sinks-noncausal", AttentionSpec(8, 8, 80, alibi=True, sinks=True, causal=False),
+             [300, 1, 129], [2000, 5000, 129]),
+        Case("sm90-hd160-rotary-qk", AttentionSpec(8, 2, 160, variant=rotary_embedding(160)), [300, 1, 129],
+             [2000, 5000, 129]),
+        Case("sm90-hd224-causal", AttentionSpec(8, 2, 224), [300, 1, 700], [2000, 5000, 700]),
+    ]
+
+
 def feature_cases() -> list[Case]:
     base = dict(num_qo_heads=8, num_kv_heads=2, head_dim_qk=128)
     mk = lambda **kw: AttentionSpec(**{**base, **kw})  # noqa: E731
@@ -203,7 +220,7 @@ def whole_window_cases() -> list[Case]:
 
 
 def all_cases() -> list[Case]:
-    return (model_cases() + head_dim_cases() + feature_cases() + decode_cases() + variant_cases() + fp8_cases() +
+    return (model_cases() + head_dim_cases() + sm90_head_dim_cases() + feature_cases() + decode_cases() + variant_cases() + fp8_cases() +
             whole_window_cases())
 
 

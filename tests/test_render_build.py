@@ -263,3 +263,15 @@ def test_missing_nvcc_is_a_build_error(tmp_path, monkeypatch):
     monkeypatch.setenv("JITATTN_NVCC", str(tmp_path / "no-nvcc"))
     with pytest.raises(BuildError, match=r"cannot run nvcc at '.*no-nvcc'.*set JITATTN_NVCC / CUDA_HOME"):
         build(render(AttentionSpec(8, 2, 64)), "sm_80", tmp_path / "b")
+
+
+def test_wgmma_header_is_generated():
+    """templates/wgmma_sm90.cuh is templates/gen_wgmma_sm90.py's output (regenerate it, do not edit it)."""
+    import importlib.util
+
+    path = template_dir() / "gen_wgmma_sm90.py"
+    spec = importlib.util.spec_from_file_location("gen_wgmma", path)
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert (template_dir() / "wgmma_sm90.cuh").read_text() == gen.header_text()
+    assert "m64n96k16.f32.bf16.bf16" in gen.header_text()
