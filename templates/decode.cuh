@@ -12,6 +12,24 @@
 #include "common.cuh"
 #include "variant.cuh"
 
+// CUDA-core decode: shared memory its stages may take (kStages = bytes / stage bytes, 2..4), the most
+// keys per thread per tile (tile keys = key slots x this), and resident blocks per SM asked for. H200,
+// 2026-11-29, one call (tests/tune_decode_variants.py; raw: tests/gpu_results/2026-11-29-s4-dec-*),
+// decode-gemma2-9b-b64x8192 (hd256, group 2: 32-key tiles of 32 KB before): 4 keys / 4 blocks (16-key
+// tiles, 3 stages of 16 KB) 4.31 TB/s, 4 / 5 (2 stages) 4.24, 2 / 6 4.14, the old 8 / 3 4.06; with 8
+// keys, 3 stages (2 blocks/SM) 3.55 and 4 (1 block/SM) 2.31 (s4-dec call 2). Only head dims above 128
+// (16-bit KV) had more than 4 keys per thread; every CUDA-core spec now asks for 4 blocks/SM, not 3
+// (a 128-register cap; decode-hd128-b64x4096-fp8 2.16 -> 2.12 TB/s in the same call).
+#ifndef JITATTN_DECODE_STAGE_BYTES
+#define JITATTN_DECODE_STAGE_BYTES (48 * 1024)
+#endif
+#ifndef JITATTN_DECODE_MAX_KEYS_PER_THREAD
+#define JITATTN_DECODE_MAX_KEYS_PER_THREAD 4
+#endif
+#ifndef JITATTN_DECODE_MIN_BLOCKS
+#define JITATTN_DECODE_MIN_BLOCKS 4
+#endif
+
 namespace jitattn {
 
 template <class S>
@@ -30,14 +48,15 @@ struct DecodeTraits {
   // Enough key slots for ~128 threads, rounded so the block is whole warps.
   static constexpr int kBdz = round_up(ceil_div(128, kBdx * kBdy), 32 / gcd(kBdx * kBdy, 32));
   static constexpr int kThreads = kBdx * kBdy * kBdz;
-  static constexpr int kMinBlocksPerSM = 3;  // register cap for the compiler: memory-bound, occupancy first
+  static constexpr int kMinBlocksPerSM = JITATTN_DECODE_MIN_BLOCKS;  // register cap: memory-bound, occupancy first
   // Scores of kKeysPerThread keys x kHeadsPerThread heads stay in registers: at most 32 of them.
-  static constexpr int kKeysPerThread = cmax(1, cmin(ceil_div(32, kBdz), 32 / kHeadsPerThread));
+  static constexpr int kKeysPerThread =
+      cmax(1, cmin(cmin(ceil_div(32, kBdz), 32 / kHeadsPerThread), JITATTN_DECODE_MAX_KEYS_PER_THREAD));
   static constexpr int kTileKeys = kBdz * kKeysPerThread;  // keys per pipeline stage
   static constexpr int kRowBytes = kHeadDim * sizeof(DTypeKV);
   static constexpr int kStageBytes = 2 * kTileKeys * kRowBytes;  // K and V of one tile
   // ~48 KB of stages: 4 blocks (16 warps) per SM, each with 2 tiles in flight while it computes a third.
-  static constexpr int kStages = cmax(2, cmin(4, (48 * 1024) / kStageBytes));
+  static constexpr int kStages = cmax(2, cmin(4, (JITATTN_DECODE_STAGE_BYTES) / kStageBytes));
   static constexpr int kSlots = kBdy * kHeadsPerThread;  // group-local head slots (>= group size)
   static constexpr int kMergeBytes = (kBdz * kSlots * (kHeadDim + 2) + kSlots) * 4;
   static constexpr int kSmemBytes = cmax(kStages * kStageBytes, kMergeBytes);
@@ -97,6 +116,30 @@ struct KvPages {
     }
   }
 };
+
+// Keys [lo, hi) of split `split` of `num_splits` over the visible keys [kv_begin, kv_end): whole tiles of
+// kTileKeys, the tiles dealt so that two splits differ by at most one tile (a split of ceil(keys /
+// num_splits) rounded up to whole tiles left the last splits short or empty: 1 x 32768 at 33 splits of
+// 16 tiles kept 8 of its 264 blocks idle).
+// NOT verified on a GPU yet, hence off: 1 returns [kv_begin, kv_end) at once when num_splits == 1 (what
+// the division below gives then), skipping its two 64-bit divisions (div.s64 in the PTX, a software
+// routine) on the path from the metadata read to the first page-id read. Suspected cause of
+// decode-gpt-oss-sliding-b256x8192 at 2.43 TB/s after split_range came in vs 2.49 before (H200,
+// 2026-11-29, s4-dec call 3, one call; short blocks, so a block's start latency counts).
+#ifndef JITATTN_SPLIT_RANGE_ONE
+#define JITATTN_SPLIT_RANGE_ONE 0
+#endif
+template <int kTileKeys>
+__device__ __forceinline__ void split_range(int kv_begin, int kv_end, int split, int num_splits, int& lo, int& hi) {
+  if (JITATTN_SPLIT_RANGE_ONE && num_splits == 1) {
+    lo = kv_begin;
+    hi = kv_end;
+    return;
+  }
+  const long long tiles = ceil_div(max(kv_end - kv_begin, 0), kTileKeys);
+  lo = kv_begin + static_cast<int>(tiles * split / num_splits) * kTileKeys;
+  hi = min(kv_end, kv_begin + static_cast<int>(tiles * (split + 1) / num_splits) * kTileKeys);
+}
 
 // Sequence metadata the kernels can check without a host sync. A sequence that fails writes NaN.
 template <class S>
@@ -390,9 +433,8 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
   int kv_begin, kv_end;
   visible_kv_range<S>(qo_idx, qo_idx, kv_len, kv_begin, kv_end);
   if (bad) kv_end = kv_begin;
-  const int chunk_len = round_up(ceil_div(max(kv_end - kv_begin, 0), p.num_splits), T::kTileKeys);
-  const int lo = kv_begin + split * chunk_len;
-  const int hi = min(kv_end, lo + chunk_len);
+  int lo, hi;
+  split_range<T::kTileKeys>(kv_begin, kv_end, split, p.num_splits, lo, hi);
 
   const int tx = threadIdx.x % T::kBdx;
   const int ty = (threadIdx.x / T::kBdx) % T::kBdy;
@@ -427,8 +469,9 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
     st[h] = SoftmaxState{S::kSoftmax ? kNegInf : 0.f, 0.f};
   }
 
-  // Prologue: kStages - 1 tiles in flight. (Issuing it before the q loads measured slower on the
-  // H200 for Gemma-2's decode, 4.03 -> 3.36 TB/s, 2026-11-29; not understood yet.)
+  // Prologue: kStages - 1 tiles in flight. (Issued before the q loads instead: Gemma-2's decode
+  // 0.5341 vs 0.5342 ms, H200 2026-11-29 (s4-dec call 2), no difference; the 4.03 -> 3.36 TB/s once
+  // noted here matches the soft-cap division's cost of ff8c327, measured the same day.)
 #pragma unroll
   for (int s = 0; s < T::kStages - 1; ++s) {
     const int start = lo + s * T::kTileKeys;

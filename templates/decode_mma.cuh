@@ -7,7 +7,7 @@
 // and the kernel is left to stream K/V (FlashInfer decodes GQA the same way). Each of the 4 warps
 // takes 16 keys of every 64-key tile and keeps its own online-softmax state; the warps' states merge
 // at the end (decode_finish), and splits merge in the last split block (merge_splits_last_block).
-// A window of at most kPipelineStages tiles (gpt-oss sliding layers) is loaded whole, up front
+// A window of at most kWholeWindowMaxTiles tiles (gpt-oss sliding layers) is loaded whole, up front
 // (DecodeMmaTraits::kWholeWindow); there, for head dims 64/128/192/256, the warps split the head dims
 // instead of the keys (kSplitDims, decode_mma_split_dims) and no merge is needed.
 #pragma once
@@ -25,6 +25,33 @@ namespace jitattn {
 #define JITATTN_SPLIT_DIMS_BLOCKS 6
 #endif
 
+// Tile pipeline (no window, or one longer than the whole-window mode's): stages for head dims <= 128
+// and above, XOR-swizzled unpadded rows (1) or rows padded by 16 bytes (0), and the resident blocks per
+// SM the compiler is asked to leave registers for. Measured on the H200, 2026-11-29, each variant beside
+// the padded 3-stage kernel in one call (tests/tune_decode_variants.py; raw:
+// tests/gpu_results/2026-11-29-s4-dec-*): swizzled rows 4.07 -> 4.39 TB/s on decode-hd128-b64x4096 and
+// 3.10 -> 3.29 on decode-hd128-b1x32768 (cause not established: the stores of a 256-byte row at a
+// 272-byte stride are conflict-free, but each row then spans three 128-byte lines of shared memory, not
+// two); 4 stages (1 block/SM): 3.18 / 2.25; 2 stages at 3 blocks/SM (168 registers): 4.00 / 3.10.
+#ifndef JITATTN_DECODE_MMA_STAGES
+#define JITATTN_DECODE_MMA_STAGES 3
+#endif
+#ifndef JITATTN_DECODE_MMA_STAGES_WIDE
+#define JITATTN_DECODE_MMA_STAGES_WIDE 2
+#endif
+#ifndef JITATTN_DECODE_MMA_SWIZZLE
+#define JITATTN_DECODE_MMA_SWIZZLE 1
+#endif
+#ifndef JITATTN_DECODE_MMA_MIN_BLOCKS
+#define JITATTN_DECODE_MMA_MIN_BLOCKS 1
+#endif
+// Smallest GQA group the tensor-core decode serves (attention.cu.j2, DecodeLaunch); smaller groups run
+// the CUDA-core decode (decode.cuh). Gemma-2-9B's group 2 (hd256) on tensor cores measured 3.38 TB/s
+// (3.11 swizzled with 3 stages; both spill at 255 registers) against 4.07 on CUDA cores (same call).
+#ifndef JITATTN_DECODE_MMA_MIN_GROUP
+#define JITATTN_DECODE_MMA_MIN_GROUP 4
+#endif
+
 template <class S>
 struct DecodeMmaTraits {
   using DT = typename S::DTypeQ;
@@ -34,17 +61,19 @@ struct DecodeMmaTraits {
   static constexpr int kWarpKeys = 16;                  // keys per warp per tile: one k-step of P V
   static constexpr int kTileKeys = kWarps * kWarpKeys;  // keys per pipeline stage
   static constexpr int kChunks = kHeadDim / 8;
-  static constexpr int kPipelineStages = kHeadDim <= 128 ? 3 : 2;
-  // Whole-window mode: when the window bounds a decode row to at most kPipelineStages tiles
+  static constexpr int kPipelineStages = kHeadDim <= 128 ? JITATTN_DECODE_MMA_STAGES : JITATTN_DECODE_MMA_STAGES_WIDE;
+  static constexpr int kWholeWindowMaxTiles = kHeadDim <= 128 ? 3 : 2;
+  // Whole-window mode: when the window bounds a decode row to at most kWholeWindowMaxTiles tiles
   // (window_left + 1 keys; gpt-oss sliding layers: 128), every K/V row of the window is issued at once
   // (one block_table round trip, one wait, one barrier) instead of through the tile pipeline, the
   // shared memory holds exactly the window, and more blocks fit on an SM. Such a block reads little
   // (32 KB for gpt-oss), so its life is mostly fixed latency, and blocks resident per SM set the rate.
   static constexpr int kWindowTiles = S::kWindowLeft >= 0 ? ceil_div(S::kWindowLeft + 1, kTileKeys) : 0;
-  static constexpr bool kWholeWindow = kWindowTiles > 0 && kWindowTiles <= kPipelineStages;
-  // Whole-window rows are unpadded and XOR-swizzled (load_kv_rows_paged) where a row is 8k chunks.
-  static constexpr bool kSwizzle = kWholeWindow && kChunks % 8 == 0;
-  static constexpr int kRowStride = kSwizzle ? kHeadDim : kHeadDim + 8;  // padded rows: conflict-free ldmatrix
+  static constexpr bool kWholeWindow = kWindowTiles > 0 && kWindowTiles <= kWholeWindowMaxTiles;
+  // Rows are unpadded and XOR-swizzled (load_kv_rows_paged) where a row is 8k chunks: whole-window rows
+  // always, pipeline rows under JITATTN_DECODE_MMA_SWIZZLE (the default).
+  static constexpr bool kSwizzle = (kWholeWindow || JITATTN_DECODE_MMA_SWIZZLE) && kChunks % 8 == 0;
+  static constexpr int kRowStride = kSwizzle ? kHeadDim : kHeadDim + 8;  // padded rows (hd 80, 96, ...): conflict-free ldmatrix
   static constexpr int kQRowStride = kHeadDim + 8;
   static constexpr int kStageBytes = 2 * kTileKeys * kRowStride * 2;  // K and V of one tile
   static constexpr int kStages = kWholeWindow ? kWindowTiles : kPipelineStages;
@@ -72,7 +101,8 @@ struct DecodeMmaTraits {
   // as large: 80 registers without spills).
   static constexpr int kMaxWholeWindowBlocks = kSplitDims ? JITATTN_SPLIT_DIMS_BLOCKS : 5;
   static constexpr int kMinBlocksPerSM =
-      kWholeWindow ? cmax(1, cmin(kMaxWholeWindowBlocks, (227 * 1024) / (kSmemBytes + 1024))) : 1;
+      kWholeWindow ? cmax(1, cmin(kMaxWholeWindowBlocks, (227 * 1024) / (kSmemBytes + 1024)))
+                   : cmax(1, cmin(JITATTN_DECODE_MMA_MIN_BLOCKS, (227 * 1024) / (kSmemBytes + 1024)));
   static_assert(S::kGroupSize <= 16, "the group's query heads must fit one m16 tile");
   // An FP8 cache stays on the CUDA-core decode: staging raw rows and widening them per tile here
   // measured slower (0.39 ms vs 0.26 ms, H200, decode-hd128-b64x4096-fp8, 2026-11-29).
@@ -262,14 +292,13 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
   int kv_begin, kv_end;
   visible_kv_range<S>(qo_idx, qo_idx, kv_len, kv_begin, kv_end);
   if (bad) kv_end = kv_begin;
-  const int chunk_len = round_up(ceil_div(max(kv_end - kv_begin, 0), p.num_splits), T::kTileKeys);
-  const int lo = kv_begin + split * chunk_len;
-  const int hi = min(kv_end, lo + chunk_len);
+  int lo, hi;
+  split_range<T::kTileKeys>(kv_begin, kv_end, split, p.num_splits, lo, hi);
   // Page ids travel one tile ahead of the copies (KvPages): `pages` always holds those of the next
   // tile to issue, fetched right after the previous issue, so their latency hides behind a tile.
   using Pages = KvPages<S, T::kTileKeys, T::kThreads>;
   auto load_stage = [&](int s, int start, const Pages& pg, bool& bad_ref) {
-    load_kv_rows_paged<S, T::kTileKeys, T::kRowStride, T::kThreads>(
+    load_kv_rows_paged<S, T::kTileKeys, T::kRowStride, T::kThreads, T::kSwizzle>(
         p, reinterpret_cast<KV*>(stage_k(s)), reinterpret_cast<KV*>(stage_v(s)), kv_head, start, hi, pg, bad_ref);
   };
 
@@ -324,8 +353,10 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
   const int g = lane / 4, tig = lane % 4;
   uint32_t qf[T::kHeadDim / 16][4];  // A fragments of Q, loaded once
 #pragma unroll
-  for (int kk = 0; kk < T::kHeadDim / 16; ++kk)
+  for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
     ldmatrix_x4(qf[kk], sq + (lane % 16) * T::kQRowStride + kk * 16 + (lane / 16) * 8);
+    if constexpr (T::kRowHalves == 1) qf[kk][1] = qf[kk][3] = 0u;  // rows g + 8: padding (zero), one register for all
+  }
 
   if constexpr (T::kSplitDims) {
     decode_mma_split_dims<S>(p, qf, stage_k(0), stage_v(0), batch, kv_head, split, q_row, qo_idx, kv_len, lo, hi,

@@ -1,0 +1,165 @@
+"""Time decode template variants side by side in one process (not a test; run on a GPU).
+
+Each variant is a copy of templates/ with some of decode_mma.cuh's JITATTN_* switches set
+(``prepare`` writes them, on any machine; ``jitattn.render.template_dir`` is pointed at each copy in
+turn when its kernels load, so their cache keys differ). Every (variant, case) is checked against the
+fp32 reference, then timed by CUDA-graph replay in interleaved rounds.
+
+    python3 tests/tune_decode_variants.py prepare DIR            # variant template copies under DIR
+    python3 tests/tune_decode_variants.py build DIR              # compile them into JITATTN_CACHE_DIR
+    python3 tests/tune_decode_variants.py time DIR [--json PATH] # on the GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import jitattn.render as _render
+from jitattn.spec import AttentionSpec
+
+HD128 = AttentionSpec(32, 8, 128)
+HD128_HND = AttentionSpec(32, 8, 128, kv_layout="HND")
+GEMMA = AttentionSpec(16, 8, 256, logits_soft_cap=50.0, window_left=4095, sm_scale=256 ** -0.5)
+# case name -> (spec, batch, kv_len)
+CASES = {
+    "b64x4096": (HD128, 64, 4096),
+    "b64x4096-hnd": (HD128_HND, 64, 4096),
+    "b1x32768": (HD128, 1, 32768),
+    "gemma2-b64x8192": (GEMMA, 64, 8192),
+}
+# variant -> (switches, cases, split overrides {case: [splits]}); "base" is --base-templates as they are.
+# A switch whose name holds "=>" replaces text in decode_mma.cuh instead: "old=>new" (value unused).
+QF_ZERO = "    if constexpr (T::kRowHalves == 1) qf[kk][1] = qf[kk][3] = 0u;  // rows g + 8: padding (zero), one register for all"
+VARIANTS = {
+    "base": ({}, ["b64x4096", "b1x32768", "gemma2-b64x8192"], {}),
+    "new": ({}, ["b64x4096", "b1x32768", "gemma2-b64x8192"], {}),
+    "noqz": ({QF_ZERO + "=>": None}, ["b64x4096", "b1x32768"], {}),
+    "mb32": ({"JITATTN_MERGE_BATCH": 32}, ["b64x4096", "b1x32768"], {}),
+    "g-k4b4": ({"JITATTN_DECODE_MAX_KEYS_PER_THREAD": 4, "JITATTN_DECODE_MIN_BLOCKS": 4}, ["gemma2-b64x8192"], {}),
+    "g-k4b5": ({"JITATTN_DECODE_MAX_KEYS_PER_THREAD": 4, "JITATTN_DECODE_MIN_BLOCKS": 5,
+                "JITATTN_DECODE_STAGE_BYTES": "(32 * 1024)"}, ["gemma2-b64x8192"], {}),
+    "g-k2b6": ({"JITATTN_DECODE_MAX_KEYS_PER_THREAD": 2, "JITATTN_DECODE_MIN_BLOCKS": 6}, ["gemma2-b64x8192"], {}),
+}
+DIAG = ("JITATTN_DIAG_",)
+
+
+def prepare(root: Path, base_templates: Path | None) -> None:
+    src = _render.template_dir()
+    for name, (switches, _, _) in VARIANTS.items():
+        dst = root / name
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(base_templates if (name == "base" and base_templates) else src, dst)
+        if name == "base":
+            continue
+        apply(dst, switches)
+
+
+def apply(dst: Path, switches: dict) -> None:
+    """Set a variant's switches in the template copy at ``dst`` (decode.cuh / decode_mma.cuh)."""
+    for macro, value in switches.items():
+        if "=>" in macro:
+            a, b = macro.split("=>")
+            path = dst / "decode_mma.cuh"
+            assert a + "\n" in path.read_text(), (dst, a)
+            path.write_text(path.read_text().replace(a + "\n", b + ("\n" if b else ""), 1))
+            continue
+        hits = 0
+        for path in (dst / "decode.cuh", dst / "decode_mma.cuh"):
+            text = path.read_text()
+            if value is None:  # a diagnostic #ifdef switch: defined at the top of the header
+                text, n = text.replace("#pragma once\n", f"#pragma once\n#define {macro}\n", 1), 1
+            else:
+                text, n = re.subn(rf"^#define {re.escape(macro)} .+$", f"#define {macro} {value}", text, flags=re.M)
+            path.write_text(text)
+            hits += n
+        assert hits >= 1, (dst, macro)
+
+
+def use(root: Path, name: str) -> None:
+    d = root / name
+    _render.template_dir = lambda d=d: d
+
+
+def build(root: Path) -> None:
+    from jitattn.cache import KernelCache
+    cache = KernelCache()
+    for name, (_, cases, _) in VARIANTS.items():
+        use(root, name)
+        for spec in {CASES[c][0] for c in cases}:
+            entry, built = cache.get_or_build(spec, "sm_90a")
+            log = entry.manifest.get("compiler_log", "") if hasattr(entry, "manifest") else ""
+            regs = re.findall(r"Function properties for jitattn_decode\s*\n\s*(.*)\n.*Used (\d+) registers", log)
+            print(name, spec.name if hasattr(spec, "name") else spec, "built" if built else "cached", regs, flush=True)
+
+
+def time_all(root: Path, out: str | None, rounds: int) -> None:
+    import torch
+    from jitattn import reference, runtime
+    from jitattn.bench import time_graph_ms
+    from jitattn.testing import random_paged_batch, relative_error
+
+    batches, refs, rows = {}, {}, []
+    for c, (spec, b, n) in CASES.items():
+        batches[c] = random_paged_batch(spec, [1] * b, [n] * b, device="cuda", seed=1)
+        refs[c] = reference.paged_attention(spec, *batches[c].args(), **batches[c].kwargs())
+    runs = []  # (variant, case, splits, call)
+    for name, (_, cases, splits) in VARIANTS.items():
+        use(root, name)
+        runtime._KERNELS.clear()
+        for c in cases:
+            batch = batches[c]
+            k = runtime.load_kernel(CASES[c][0])
+            rule = k.num_splits(batch.q.shape[0], k.max_decode_keys(batch.block_table.shape[1]))
+            for s in [None, *splits.get(c, [])]:
+                def call(k=k, batch=batch, s=s):
+                    if s is not None:
+                        k.num_splits = lambda b, n, s=s: s
+                    try:
+                        return k.paged_attention(*batch.args(), **batch.kwargs(), max_query_len=1)
+                    finally:
+                        if s is not None:
+                            del k.num_splits
+                err = relative_error(call(), refs[c])
+                runs.append({"variant": name, "case": c, "splits": s or rule, "rule": s is None, "err": err,
+                             "blocks_per_sm": k._decode_blocks_per_sm, "call": call, "ms": []})
+    torch.cuda.synchronize()
+    for _ in range(rounds):
+        for r in runs:
+            r["ms"].append(time_graph_ms(r["call"]))
+    print("| variant | case | splits | blk/SM | ms (median of rounds) | min | TB/s | rel err |")
+    for r in runs:
+        spec, b, n = CASES[r["case"]]
+        kv = batches[r["case"]].kv_bytes_read
+        ms = sorted(r["ms"])[len(r["ms"]) // 2]
+        r.update(ms_median=ms, ms_min=min(r["ms"]), tb_s=kv / 1e12 / (ms / 1e3))
+        print(f"| {r['variant']} | {r['case']} | {r['splits']}{'' if r['rule'] else ' (forced)'} | {r['blocks_per_sm']} | "
+              f"{ms:.4f} | {min(r['ms']):.4f} | {r['tb_s']:.2f} | {r['err']:.2e} |")
+        del r["call"]
+    if out:
+        Path(out).write_text(json.dumps(runs, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["prepare", "build", "time"])
+    ap.add_argument("root")
+    ap.add_argument("--base-templates")
+    ap.add_argument("--json")
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    root = Path(a.root)
+    if a.what == "prepare":
+        prepare(root, Path(a.base_templates) if a.base_templates else None)
+    elif a.what == "build":
+        build(root)
+    else:
+        time_all(root, a.json, a.rounds)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
