@@ -24,6 +24,15 @@ namespace jitattn {
 #ifndef JITATTN_SPLIT_DIMS_BLOCKS
 #define JITATTN_SPLIT_DIMS_BLOCKS 6
 #endif
+// FP8 tile pipeline: resident blocks per SM asked of the register allocator (the shared memory
+// allows 4 with swizzled rows at hd 128: 53.5 KB per block).
+#ifndef JITATTN_FP8_DECODE_BLOCKS
+#define JITATTN_FP8_DECODE_BLOCKS 4
+#endif
+// FP8: swizzled (unpadded) rows in the tile pipeline too, where a row is 8k chunks (hd 128, 256).
+#ifndef JITATTN_FP8_SWIZZLE
+#define JITATTN_FP8_SWIZZLE 1
+#endif
 #ifndef JITATTN_FP8_SPLIT_DIMS_BLOCKS
 #define JITATTN_FP8_SPLIT_DIMS_BLOCKS 5
 #endif
@@ -72,7 +81,7 @@ struct DecodeMmaTraits {
   static constexpr int kWindowTiles = S::kWindowLeft >= 0 ? ceil_div(S::kWindowLeft + 1, kTileKeys) : 0;
   static constexpr bool kWholeWindow = kWindowTiles > 0 && kWindowTiles <= kPipelineStages;
   // Whole-window rows are unpadded and XOR-swizzled (load_kv_rows_paged) where a row is 8k chunks.
-  static constexpr bool kSwizzle = kWholeWindow && kKvChunks % 8 == 0;
+  static constexpr bool kSwizzle = (kWholeWindow || (kFp8 && JITATTN_FP8_SWIZZLE)) && kKvChunks % 8 == 0;
   // K/V rows in KV elements; padded by 16 bytes: conflict-free ldmatrix (8 rows hit 8 distinct bank groups).
   static constexpr int kRowStride = kSwizzle ? kHeadDim : kHeadDim + 16 / static_cast<int>(sizeof(KV));
   static constexpr int kQRowStride = kHeadDim + 8;
@@ -105,8 +114,12 @@ struct DecodeMmaTraits {
   // hd >= 128 takes at most JITATTN_FP8_SPLIT_DIMS_BLOCKS (5: 96 registers, no spill).
   static constexpr int kMaxWholeWindowBlocks =
       kSplitDims ? (kFp8 && kHeadDim >= 128 ? JITATTN_FP8_SPLIT_DIMS_BLOCKS : JITATTN_SPLIT_DIMS_BLOCKS) : 5;
+  // The FP8 tile pipeline for groups <= 8 and hd <= 128 fits JITATTN_FP8_DECODE_BLOCKS' registers.
+  static constexpr bool kFp8Capped = kFp8 && !kWholeWindow && kRowHalves == 1 && kHeadDim <= 128;
   static constexpr int kMinBlocksPerSM =
-      kWholeWindow ? cmax(1, cmin(kMaxWholeWindowBlocks, (227 * 1024) / (kSmemBytes + 1024))) : 1;
+      kWholeWindow || kFp8Capped
+          ? cmax(1, cmin(kWholeWindow ? kMaxWholeWindowBlocks : JITATTN_FP8_DECODE_BLOCKS, (227 * 1024) / (kSmemBytes + 1024)))
+          : 1;
   static_assert(S::kGroupSize <= 16, "the group's query heads must fit one m16 tile");
   // (An earlier FP8 path staged raw rows and widened them per tile into a 16-bit tile in shared
   // memory: 0.39 ms vs 0.26 ms, H200, decode-hd128-b64x4096-fp8, 2026-11-29; replaced by the
@@ -133,9 +146,10 @@ __device__ __forceinline__ void decode_mma_q_fp8(const Params& p, uint32_t (&qf)
     for (int i = 0; i < 4; ++i) x[i] = to_float(e[i]);
   };
   auto pow2 = [](int e) { return __int_as_float((e + 127) << 23); };  // e in [-126, 127]
-  float row_scale[2];
+  float row_scale[2] = {1.f, 1.f};
+  qk_scale[1] = 0.f;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
+  for (int r = 0; r < T::kRowHalves; ++r) {
     float amax = 0.f;
 #pragma unroll
     for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
@@ -157,6 +171,10 @@ __device__ __forceinline__ void decode_mma_q_fp8(const Params& p, uint32_t (&qf)
   for (int kk = 0; kk < T::kHeadDim / 16; ++kk)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
+      if (r >= T::kRowHalves) {  // rows 8..15 are past a group of <= 8: zero (a constant, no registers)
+        qf[kk][r] = qf[kk][r + 2] = 0u;
+        continue;
+      }
       float x[4];
       load4(r, kk, x);
       qf[kk][r] = pack2<__half>(x[0] * row_scale[r], x[2] * row_scale[r]);      // a0 / a1: k slots 2c, 2c+1
@@ -457,8 +475,8 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
   // tile to issue, fetched right after the previous issue, so their latency hides behind a tile.
   using Pages = KvPages<S, T::kTileKeys, T::kThreads>;
   auto load_stage = [&](int s, int start, const Pages& pg, bool& bad_ref) {
-    load_kv_rows_paged<S, T::kTileKeys, T::kRowStride, T::kThreads>(p, stage_k(s), stage_v(s), kv_head, start, hi, pg,
-                                                                    bad_ref);
+    load_kv_rows_paged<S, T::kTileKeys, T::kRowStride, T::kThreads, T::kSwizzle>(p, stage_k(s), stage_v(s), kv_head,
+                                                                                 start, hi, pg, bad_ref);
   };
 
   // Prologue first: kStages - 1 tiles in flight while the query rows are prepared (whole window: all
