@@ -27,11 +27,17 @@ namespace jitattn {
 // FP8 tile pipeline: resident blocks per SM asked of the register allocator (the shared memory
 // allows 4 with swizzled rows at hd 128: 53.5 KB per block).
 #ifndef JITATTN_FP8_DECODE_BLOCKS
-#define JITATTN_FP8_DECODE_BLOCKS 4
+#define JITATTN_FP8_DECODE_BLOCKS 3
 #endif
 // FP8: swizzled (unpadded) rows in the tile pipeline too, where a row is 8k chunks (hd 128, 256).
 #ifndef JITATTN_FP8_SWIZZLE
 #define JITATTN_FP8_SWIZZLE 1
+#endif
+#ifndef JITATTN_FP8_WARP_KEYS
+#define JITATTN_FP8_WARP_KEYS 32
+#endif
+#ifndef JITATTN_FP8_STAGES
+#define JITATTN_FP8_STAGES 2
 #endif
 #ifndef JITATTN_FP8_SPLIT_DIMS_BLOCKS
 #define JITATTN_FP8_SPLIT_DIMS_BLOCKS 5
@@ -68,18 +74,24 @@ struct DecodeMmaTraits {
   static constexpr int kHeadDim = S::kHeadDimQK;
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kWarpKeys = 16;                  // keys per warp per tile: one k-step of P V
-  static constexpr int kTileKeys = kWarps * kWarpKeys;  // keys per pipeline stage
   static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks of a q row
   static constexpr int kKvChunks = kHeadDim * static_cast<int>(sizeof(KV)) / 16;  // of a K/V row
-  static constexpr int kPipelineStages = kHeadDim <= 128 ? 3 : 2;
-  // Whole-window mode: when the window bounds a decode row to at most kPipelineStages tiles
+  static constexpr int k16BitStages = kHeadDim <= 128 ? 3 : 2;
+  // Whole-window mode: when the window bounds a decode row to at most k16BitStages tiles of 64 keys
   // (window_left + 1 keys; gpt-oss sliding layers: 128), every K/V row of the window is issued at once
   // (one block_table round trip, one wait, one barrier) instead of through the tile pipeline, the
   // shared memory holds exactly the window, and more blocks fit on an SM. Such a block reads little
   // (32 KB for gpt-oss), so its life is mostly fixed latency, and blocks resident per SM set the rate.
-  static constexpr int kWindowTiles = S::kWindowLeft >= 0 ? ceil_div(S::kWindowLeft + 1, kTileKeys) : 0;
-  static constexpr bool kWholeWindow = kWindowTiles > 0 && kWindowTiles <= kPipelineStages;
+  static constexpr int kWindowTiles = S::kWindowLeft >= 0 ? ceil_div(S::kWindowLeft + 1, kWarps * 16) : 0;
+  static constexpr bool kWholeWindow = kWindowTiles > 0 && kWindowTiles <= k16BitStages;
+  // Keys per warp per tile: one k-step of P V (16), or for the FP8 tile pipeline at hd <= 128
+  // JITATTN_FP8_WARP_KEYS (32: two k-steps, so the per-tile work that does not scale with bytes, the
+  // barrier, the softmax reductions and rescaling, is spread over as many bytes as a 16-bit tile of 16
+  // keys; at hd 256 the registers do not allow it: ptxas spilled 628 bytes for group 16).
+  static constexpr bool kFp8Wide = kFp8 && !kWholeWindow && kHeadDim <= 128 && JITATTN_FP8_WARP_KEYS == 32;
+  static constexpr int kWarpKeys = kFp8Wide ? 32 : 16;
+  static constexpr int kTileKeys = kWarps * kWarpKeys;  // keys per pipeline stage
+  static constexpr int kPipelineStages = kFp8Wide ? JITATTN_FP8_STAGES : k16BitStages;
   // Whole-window rows are unpadded and XOR-swizzled (load_kv_rows_paged) where a row is 8k chunks.
   static constexpr bool kSwizzle = (kWholeWindow || (kFp8 && JITATTN_FP8_SWIZZLE)) && kKvChunks % 8 == 0;
   // K/V rows in KV elements; padded by 16 bytes: conflict-free ldmatrix (8 rows hit 8 distinct bank groups).
@@ -569,9 +581,17 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
     auto chunk_at = [&](int chunk) { return T::kSwizzle ? chunk ^ (lane % 8) : chunk; };
     const int key0 = start + warp * T::kWarpKeys;
 
-    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // 16 rows x 16 keys
+    constexpr int kN = T::kWarpKeys / 8;  // n-tiles of 8 keys
+    float s[kN][4];                       // 16 rows x kWarpKeys keys
+#pragma unroll
+    for (int n = 0; n < kN; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[n][i] = 0.f;
     if constexpr (T::kFp8) {
-      decode_mma_qk_fp8<T>(s[0], s[1], qf, reinterpret_cast<const uint8_t*>(sk), chunk_at);
+#pragma unroll
+      for (int j = 0; j < kN / 2; ++j)
+        decode_mma_qk_fp8<T>(s[2 * j], s[2 * j + 1], qf, reinterpret_cast<const uint8_t*>(sk) + 16 * j * T::kRowStride,
+                             chunk_at);
     } else {
 #pragma unroll
       for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
@@ -586,7 +606,7 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
       const int head = kv_head * S::kGroupSize + min(g + 8 * r, S::kGroupSize - 1);
       float tile_max = kNegInf;
 #pragma unroll
-      for (int n = 0; n < 2; ++n)
+      for (int n = 0; n < kN; ++n)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int kv_idx = key0 + n * 8 + 2 * tig + e;
@@ -610,7 +630,7 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
           o[d][2 * r + 1] *= alpha;
         }
 #pragma unroll
-        for (int n = 0; n < 2; ++n)
+        for (int n = 0; n < kN; ++n)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const float pe = fast_exp2(s[n][2 * r + e] - m_use);
@@ -619,23 +639,27 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
           }
       }
     }
-    uint32_t a[4];  // P as the A operand: the two n-tiles' accumulators form one k-step
-    a[0] = pack2<MT>(s[0][0], s[0][1]);
-    a[1] = T::kRowHalves == 2 ? pack2<MT>(s[0][2], s[0][3]) : 0u;
-    a[2] = pack2<MT>(s[1][0], s[1][1]);
-    a[3] = T::kRowHalves == 2 ? pack2<MT>(s[1][2], s[1][3]) : 0u;
-    if constexpr (T::kFp8) {
-      decode_mma_pv_fp8<T, T::kKvChunks>(o, a, reinterpret_cast<const uint8_t*>(sv), 0, chunk_at);
-    } else {
 #pragma unroll
-      for (int d2 = 0; d2 < T::kDTiles / 2; ++d2) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, sv + (lane % 8 + ((lane / 8) % 2) * 8) * T::kRowStride + chunk_at(d2 * 2 + lane / 16) * 8);
-        if constexpr (T::kRowHalves == 1) {  // rows g + 8 are padding: their accumulators are scratch
-          o[2 * d2][2] = o[2 * d2][3] = o[2 * d2 + 1][2] = o[2 * d2 + 1][3] = 0.f;
+    for (int j = 0; j < kN / 2; ++j) {
+      uint32_t a[4];  // P as the A operand: two n-tiles' accumulators (16 keys) form one k-step
+      a[0] = pack2<MT>(s[2 * j][0], s[2 * j][1]);
+      a[1] = T::kRowHalves == 2 ? pack2<MT>(s[2 * j][2], s[2 * j][3]) : 0u;
+      a[2] = pack2<MT>(s[2 * j + 1][0], s[2 * j + 1][1]);
+      a[3] = T::kRowHalves == 2 ? pack2<MT>(s[2 * j + 1][2], s[2 * j + 1][3]) : 0u;
+      if constexpr (T::kFp8) {
+        decode_mma_pv_fp8<T, T::kKvChunks>(o, a, reinterpret_cast<const uint8_t*>(sv) + 16 * j * T::kRowStride, 0,
+                                           chunk_at);
+      } else {  // kWarpKeys == 16: j == 0
+#pragma unroll
+        for (int d2 = 0; d2 < T::kDTiles / 2; ++d2) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, sv + (lane % 8 + ((lane / 8) % 2) * 8) * T::kRowStride + chunk_at(d2 * 2 + lane / 16) * 8);
+          if constexpr (T::kRowHalves == 1) {  // rows g + 8 are padding: their accumulators are scratch
+            o[2 * d2][2] = o[2 * d2][3] = o[2 * d2 + 1][2] = o[2 * d2 + 1][3] = 0.f;
+          }
+          mma_16816<MT>(o[2 * d2], a, b[0], b[1]);
+          mma_16816<MT>(o[2 * d2 + 1], a, b[2], b[3]);
         }
-        mma_16816<MT>(o[2 * d2], a, b[0], b[1]);
-        mma_16816<MT>(o[2 * d2 + 1], a, b[2], b[3]);
       }
     }
   }
