@@ -39,6 +39,10 @@ namespace jitattn {
 #ifndef JITATTN_FP8_STAGES
 #define JITATTN_FP8_STAGES 2
 #endif
+// FP8 tile pipeline: decode_mma_load_tile_fp8 issues the tile's copies (0: load_kv_rows_paged).
+#ifndef JITATTN_FP8_LOADER
+#define JITATTN_FP8_LOADER 1
+#endif
 #ifndef JITATTN_FP8_SPLIT_DIMS_BLOCKS
 #define JITATTN_FP8_SPLIT_DIMS_BLOCKS 5
 #endif
@@ -92,6 +96,10 @@ struct DecodeMmaTraits {
   static constexpr int kWarpKeys = kFp8Wide ? 32 : 16;
   static constexpr int kTileKeys = kWarps * kWarpKeys;  // keys per pipeline stage
   static constexpr int kPipelineStages = kFp8Wide ? JITATTN_FP8_STAGES : k16BitStages;
+  // FP8 tile pipeline: the copies are issued by decode_mma_load_tile_fp8 where a thread's chunk of a
+  // row is the same on every pass (the threads are whole rows' worth of chunks).
+  static constexpr bool kFp8Loader = JITATTN_FP8_LOADER && kFp8 && !kWholeWindow && kThreads % kKvChunks == 0 &&
+                                     (kTileKeys * kKvChunks) % kThreads == 0 && (kThreads / kKvChunks) % 8 == 0;
   // Whole-window rows are unpadded and XOR-swizzled (load_kv_rows_paged) where a row is 8k chunks.
   static constexpr bool kSwizzle = (kWholeWindow || (kFp8 && JITATTN_FP8_SWIZZLE)) && kKvChunks % 8 == 0;
   // K/V rows in KV elements; padded by 16 bytes: conflict-free ldmatrix (8 rows hit 8 distinct bank groups).
@@ -138,6 +146,41 @@ struct DecodeMmaTraits {
   // in-register widening above.)
   static_assert(decode_mma_reads_cache<S>(), "tensor-core decode: a 16-bit cache, or FP8 with f16-safe weights");
 };
+
+// FP8 tile pipeline (DecodeMmaTraits::kFp8Loader): cp.async of the K and V rows of keys [start, start +
+// kTileKeys), as load_kv_rows_paged (page ids from KvPages, a page id out of range sets `bad` and reads
+// page 0, rows at or past `end` zero-filled), with the per-thread constants hoisted: thread t copies
+// chunk t % kKvChunks of rows t / kKvChunks + i * (kThreads / kKvChunks), so its chunk, its swizzle and
+// the head's offset in a page are fixed, and a row's address is page * kv_stride_page + slot * stride.
+// (load_kv_rows_paged spent 44 instructions per K/V chunk pair here, ptxas sm_90a, 2026-11-29.)
+template <class S>
+__device__ __forceinline__ void decode_mma_load_tile_fp8(
+    const Params& p, typename S::DTypeKV* sk, typename S::DTypeKV* sv, int kv_head, int start, int end,
+    const KvPages<S, DecodeMmaTraits<S>::kTileKeys, DecodeMmaTraits<S>::kThreads>& pages, bool& bad) {
+  using T = DecodeMmaTraits<S>;
+  using KV = typename S::DTypeKV;
+  constexpr int kC = T::kKvChunks, kStep = T::kThreads / kC, kIters = T::kTileKeys / kStep;
+  static_assert(kIters == KvPages<S, T::kTileKeys, T::kThreads>::kIters, "KvPages' rows are this loader's rows");
+  const int row0 = threadIdx.x / kC, chunk = threadIdx.x % kC;
+  const int dst0 = row0 * T::kRowStride + (T::kSwizzle ? (chunk ^ (row0 % 8)) : chunk) * 16;  // kStep % 8 == 0
+  constexpr long long kSlotStride = S::kLayoutHND ? S::kHeadDimQK : static_cast<long long>(S::kNumKvHeads) * S::kHeadDimQK;
+  const KV* base = p.kv_cache + (S::kLayoutHND ? static_cast<long long>(kv_head) * S::kPageSize * S::kHeadDimQK
+                                               : static_cast<long long>(kv_head) * S::kHeadDimQK) + chunk * 16;
+#pragma unroll
+  for (int i = 0; i < kIters; ++i) {
+    const int kv_idx = start + row0 + i * kStep;  // >= 0
+    const bool in = kv_idx < end;
+    int page = pages.page[i];
+    if (in && static_cast<unsigned>(page) >= static_cast<unsigned>(p.num_pages)) {
+      bad = true;
+      page = 0;
+    }
+    const int slot = static_cast<int>(static_cast<unsigned>(kv_idx) % static_cast<unsigned>(S::kPageSize));
+    const KV* k = base + static_cast<long long>(page) * p.kv_stride_page + slot * kSlotStride;
+    cp_async_16(sk + dst0 + i * kStep * T::kRowStride, in ? k : p.kv_cache, in);
+    cp_async_16(sv + dst0 + i * kStep * T::kRowStride, in ? k + p.kv_stride_kv : p.kv_cache, in);
+  }
+}
 
 // FP8 cache: Q's A fragments (f16) and the per-row logit scale. The K fragments (decode_mma_qk_fp8)
 // hold, in k slots 2c, 2c+1 / 2c+8, 2c+9 of each 16-dim chunk, dims 4c, 4c+2 / 4c+1, 4c+3 (c = lane %
@@ -487,8 +530,12 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
   // tile to issue, fetched right after the previous issue, so their latency hides behind a tile.
   using Pages = KvPages<S, T::kTileKeys, T::kThreads>;
   auto load_stage = [&](int s, int start, const Pages& pg, bool& bad_ref) {
-    load_kv_rows_paged<S, T::kTileKeys, T::kRowStride, T::kThreads, T::kSwizzle>(p, stage_k(s), stage_v(s), kv_head,
-                                                                                 start, hi, pg, bad_ref);
+    if constexpr (T::kFp8Loader) {
+      decode_mma_load_tile_fp8<S>(p, stage_k(s), stage_v(s), kv_head, start, hi, pg, bad_ref);
+    } else {
+      load_kv_rows_paged<S, T::kTileKeys, T::kRowStride, T::kThreads, T::kSwizzle>(p, stage_k(s), stage_v(s), kv_head,
+                                                                                   start, hi, pg, bad_ref);
+    }
   };
 
   // Prologue first: kStages - 1 tiles in flight while the query rows are prepared (whole window: all
