@@ -192,6 +192,8 @@ def fp8_cases() -> list[Case]:
                            kv_layout="HND"), q, kv),
         Case("fp8-kv-whole-window-group12-hd192-softcap",
              AttentionSpec(24, 2, 192, kv_dtype="float8_e4m3fn", window_left=100, logits_soft_cap=30.0), q, kv),
+        Case("fp8-kv-hnd-page64-group8-fp16", AttentionSpec(64, 8, 128, q_dtype="float16", kv_dtype="float8_e4m3fn",
+                                                            kv_layout="HND", page_size=64), q, kv),
     ]
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jitattn import AttentionSpec
+from jitattn import AttentionSpec, reference
 from jitattn.runtime import load_kernel
-from jitattn.testing import make_paged_kv
+from jitattn.testing import make_paged_kv, random_paged_batch, relative_error
 
 pytestmark = pytest.mark.gpu
 
@@ -61,3 +61,18 @@ def test_every_e4m3_code_is_read_exactly(spec, k_scale, v_scale, session_cache):
     dims = (torch.arange(batch)[:, None] % 8) * 16 + torch.arange(16)[None, :]
     want_lse = 3.0 * k_scale * exact.cpu().gather(1, dims)
     torch.testing.assert_close(lse.float().cpu(), want_lse, rtol=2e-6, atol=1e-7)
+
+
+def test_out_of_range_page_id_gives_a_nan_row(session_cache):
+    """The FP8 tile pipeline issues its copies itself (decode_mma_load_tile_fp8): a page id outside the
+    cache in a decode row's table turns that row into NaN (no out-of-bounds read); the others are right."""
+    spec = AttentionSpec(64, 8, 128, kv_dtype="float8_e4m3fn", kv_layout="HND", page_size=64)
+    batch = random_paged_batch(spec, [1, 1, 1], [300, 2000, 77], device="cuda", seed=11)
+    table = batch.block_table.clone()
+    table[1, 3] = batch.kv_cache.shape[0] + 5
+    out = load_kernel(spec).paged_attention(batch.q, batch.kv_cache, table, batch.seq_lens, batch.query_start_loc,
+                                            **batch.scales)
+    torch.cuda.synchronize()
+    assert torch.isnan(out[1]).all() and not torch.isnan(out[[0, 2]]).any()
+    ref = reference.paged_attention(spec, *batch.args(), **batch.kwargs())
+    assert relative_error(out[[0, 2]], ref[[0, 2]]) < 1e-2
