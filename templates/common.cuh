@@ -121,6 +121,26 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
 
+__device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* smem) {  // lanes 0-15 give the row addresses
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(a));
+}
+__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* smem) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(a));
+}
+
+// Four FP8 e4m3 values (bytes 0..3 of `q`) as two f16x2 registers holding value * 2^-8: `lo` holds
+// bytes 0 and 2 (low, high half), `hi` bytes 1 and 3. Bit moves only (no converter): the sign stays
+// the top bit of its 16-bit half and the 7 exponent + mantissa bits move to f16's bits 13..7, so the
+// f16 exponent is e4m3's (bias 7) read with bias 15: exactly value * 2^-8, e4m3 subnormals landing on
+// f16 subnormals (checked on all 256 codes). The NaN codes 0x7f / 0xff read as +-480 (e4m3fn has no
+// infinities). 7 integer ops per 4 values.
+__device__ __forceinline__ void e4m3x4_to_f16x4_scaled(uint32_t q, uint32_t& lo, uint32_t& hi) {
+  hi = (q & 0x80008000u) | ((q >> 1) & 0x3f803f80u);
+  lo = ((q << 8) & 0x80008000u) | ((q << 7) & 0x3f803f80u);
+}
+
 // D = A * B + D for one m16n8k16 tile: A row-major 16x16, B "col" 16x8, fp32 accumulate.
 template <class T>
 __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);

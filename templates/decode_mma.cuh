@@ -10,6 +10,10 @@
 // A window of at most kWholeWindowMaxTiles tiles (gpt-oss sliding layers) is loaded whole, up front
 // (DecodeMmaTraits::kWholeWindow); there, for head dims 64/128/192/256, the warps split the head dims
 // instead of the keys (kSplitDims, decode_mma_split_dims) and no merge is needed.
+// An FP8 (e4m3) cache is read here too (DecodeMmaTraits::kFp8): raw rows are staged, and each lane
+// widens the bytes of its ldmatrix fragments to f16 in registers (decode_mma_qk_fp8 / _pv_fp8); at
+// hd <= 128 a warp takes 32 keys per tile. H200, decode-hd128-b64x4096-fp8, 2026-11-29: 0.151 ms vs
+// 0.266 ms for the bf16 cache (1.76x; the CUDA-core FP8 decode: 0.247 ms).
 #pragma once
 
 #include "common.cuh"
@@ -24,6 +28,43 @@ namespace jitattn {
 #ifndef JITATTN_SPLIT_DIMS_BLOCKS
 #define JITATTN_SPLIT_DIMS_BLOCKS 6
 #endif
+// FP8 tile pipeline: resident blocks per SM asked of the register allocator (the shared memory
+// allows 4 with swizzled rows at hd 128: 53.5 KB per block).
+#ifndef JITATTN_FP8_DECODE_BLOCKS
+#define JITATTN_FP8_DECODE_BLOCKS 3
+#endif
+// FP8: swizzled (unpadded) rows in the tile pipeline too, where a row is 8k chunks (hd 128, 256).
+#ifndef JITATTN_FP8_SWIZZLE
+#define JITATTN_FP8_SWIZZLE 1
+#endif
+#ifndef JITATTN_FP8_WARP_KEYS
+#define JITATTN_FP8_WARP_KEYS 32
+#endif
+#ifndef JITATTN_FP8_STAGES
+#define JITATTN_FP8_STAGES 2
+#endif
+// FP8 tile pipeline: decode_mma_load_tile_fp8 issues the tile's copies (0: load_kv_rows_paged).
+#ifndef JITATTN_FP8_LOADER
+#define JITATTN_FP8_LOADER 1
+#endif
+#ifndef JITATTN_FP8_SPLIT_DIMS_BLOCKS
+#define JITATTN_FP8_SPLIT_DIMS_BLOCKS 5
+#endif
+
+template <bool B, class A, class C> struct DecodeMmaSelect { using type = A; };
+template <class A, class C> struct DecodeMmaSelect<false, A, C> { using type = C; };
+template <class X> struct DecodeMmaIsHalf { static constexpr bool value = false; };
+template <> struct DecodeMmaIsHalf<__half> { static constexpr bool value = true; };
+
+// Whether the tensor-core decode reads this spec's cache: a 16-bit one (q's dtype), or FP8 e4m3 when
+// the P operand fits f16 (the FP8 path runs its mma in f16, DecodeMmaTraits::MT): softmax weights
+// (at most 1), or any weight when q is f16 (the 16-bit path packs P as f16 then too). A bf16-query
+// spec without softmax over an FP8 cache stays on the CUDA-core decode (its weights may exceed f16).
+template <class S>
+__host__ __device__ constexpr bool decode_mma_reads_cache() {
+  return sizeof(typename S::DTypeKV) == 2 ||
+         (sizeof(typename S::DTypeKV) == 1 && (S::kSoftmax || DecodeMmaIsHalf<typename S::DTypeQ>::value));
+}
 
 // Tile pipeline (no window, or one longer than the whole-window mode's): stages for head dims <= 128
 // and above, XOR-swizzled unpadded rows (1) or rows padded by 16 bytes (0), and the resident blocks per
@@ -55,27 +96,52 @@ namespace jitattn {
 template <class S>
 struct DecodeMmaTraits {
   using DT = typename S::DTypeQ;
+  using KV = typename S::DTypeKV;
+  // An FP8 (e4m3) cache: raw rows are staged (16 dims per 16-byte chunk) and each lane widens the
+  // bytes ldmatrix hands it to f16 in registers (e4m3x4_to_f16x4_scaled: value * 2^-8), never back
+  // to shared memory. The mma then runs in f16 (MT) whatever q's dtype: q is staged as it comes and
+  // its A fragments are f16, each row scaled by a power of two that brings its largest |q| into
+  // [2^14, 2^15) (exact for bf16 q: 8 significant bits fit f16's 11, range moved; decode_mma_q_fp8),
+  // the inverse folded into the logit scale with k_scale and the 2^8; P is packed as f16 and
+  // v_scale * 2^8 scales the output. Fragment layouts: decode_mma_qk_fp8 / decode_mma_pv_fp8.
+  static constexpr bool kFp8 = sizeof(KV) == 1;
+  using MT = typename DecodeMmaSelect<kFp8, __half, DT>::type;  // mma operand type
   static constexpr int kHeadDim = S::kHeadDimQK;
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kWarpKeys = 16;                  // keys per warp per tile: one k-step of P V
-  static constexpr int kTileKeys = kWarps * kWarpKeys;  // keys per pipeline stage
-  static constexpr int kChunks = kHeadDim / 8;
-  static constexpr int kPipelineStages = kHeadDim <= 128 ? JITATTN_DECODE_MMA_STAGES : JITATTN_DECODE_MMA_STAGES_WIDE;
+  static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks of a q row
+  static constexpr int kKvChunks = kHeadDim * static_cast<int>(sizeof(KV)) / 16;  // of a K/V row
   static constexpr int kWholeWindowMaxTiles = kHeadDim <= 128 ? 3 : 2;
-  // Whole-window mode: when the window bounds a decode row to at most kWholeWindowMaxTiles tiles
+  // Whole-window mode: when the window bounds a decode row to at most kWholeWindowMaxTiles tiles of 64 keys
   // (window_left + 1 keys; gpt-oss sliding layers: 128), every K/V row of the window is issued at once
   // (one block_table round trip, one wait, one barrier) instead of through the tile pipeline, the
   // shared memory holds exactly the window, and more blocks fit on an SM. Such a block reads little
   // (32 KB for gpt-oss), so its life is mostly fixed latency, and blocks resident per SM set the rate.
-  static constexpr int kWindowTiles = S::kWindowLeft >= 0 ? ceil_div(S::kWindowLeft + 1, kTileKeys) : 0;
+  static constexpr int kWindowTiles = S::kWindowLeft >= 0 ? ceil_div(S::kWindowLeft + 1, kWarps * 16) : 0;
   static constexpr bool kWholeWindow = kWindowTiles > 0 && kWindowTiles <= kWholeWindowMaxTiles;
+  // Keys per warp per tile: one k-step of P V (16), or for the FP8 tile pipeline at hd <= 128
+  // JITATTN_FP8_WARP_KEYS (32: two k-steps, so the per-tile work that does not scale with bytes, the
+  // barrier, the softmax reductions and rescaling, is spread over as many bytes as a 16-bit tile of 16
+  // keys; at hd 256 the registers do not allow it: ptxas spilled 628 bytes for group 16).
+  static constexpr bool kFp8Wide = kFp8 && !kWholeWindow && kHeadDim <= 128 && JITATTN_FP8_WARP_KEYS == 32;
+  static constexpr int kWarpKeys = kFp8Wide ? 32 : 16;
+  static constexpr int kTileKeys = kWarps * kWarpKeys;  // keys per pipeline stage
+  static constexpr int kPipelineStages =
+      kFp8Wide ? JITATTN_FP8_STAGES : (kHeadDim <= 128 ? JITATTN_DECODE_MMA_STAGES : JITATTN_DECODE_MMA_STAGES_WIDE);
+  // FP8 tile pipeline: the copies are issued by decode_mma_load_tile_fp8 where a thread's chunk of a
+  // row is the same on every pass (the threads are whole rows' worth of chunks).
+  static constexpr bool kFp8Loader = JITATTN_FP8_LOADER && kFp8 && !kWholeWindow && kThreads % kKvChunks == 0 &&
+                                     (kTileKeys * kKvChunks) % kThreads == 0 && (kThreads / kKvChunks) % 8 == 0;
   // Rows are unpadded and XOR-swizzled (load_kv_rows_paged) where a row is 8k chunks: whole-window rows
-  // always, pipeline rows under JITATTN_DECODE_MMA_SWIZZLE (the default).
-  static constexpr bool kSwizzle = (kWholeWindow || JITATTN_DECODE_MMA_SWIZZLE) && kChunks % 8 == 0;
-  static constexpr int kRowStride = kSwizzle ? kHeadDim : kHeadDim + 8;  // padded rows (hd 80, 96, ...): conflict-free ldmatrix
+  // always, pipeline rows under JITATTN_DECODE_MMA_SWIZZLE (16-bit) / JITATTN_FP8_SWIZZLE (FP8), both
+  // on by default.
+  static constexpr bool kSwizzle =
+      (kWholeWindow || (kFp8 ? JITATTN_FP8_SWIZZLE : JITATTN_DECODE_MMA_SWIZZLE)) && kKvChunks % 8 == 0;
+  // K/V rows in KV elements; padded by 16 bytes (hd 80, 96, ...): conflict-free ldmatrix (8 rows hit 8
+  // distinct bank groups).
+  static constexpr int kRowStride = kSwizzle ? kHeadDim : kHeadDim + 16 / static_cast<int>(sizeof(KV));
   static constexpr int kQRowStride = kHeadDim + 8;
-  static constexpr int kStageBytes = 2 * kTileKeys * kRowStride * 2;  // K and V of one tile
+  static constexpr int kStageBytes = 2 * kTileKeys * kRowStride * static_cast<int>(sizeof(KV));  // K and V of one tile
   static constexpr int kStages = kWholeWindow ? kWindowTiles : kPipelineStages;
   static constexpr int kQBytes = 16 * kQRowStride * 2;
   static constexpr int kDTiles = kHeadDim / 8;
@@ -99,31 +165,214 @@ struct DecodeMmaTraits {
   // kernel (gpt-oss sliding, H200, 2026-11-29, one run: 6 blocks at 80 registers spilled and ran
   // 2.07 TB/s, 5 at 96: 2.20) and JITATTN_SPLIT_DIMS_BLOCKS for the split-dims one (its o is a quarter
   // as large: 80 registers without spills).
-  static constexpr int kMaxWholeWindowBlocks = kSplitDims ? JITATTN_SPLIT_DIMS_BLOCKS : 5;
+  // FP8 rows are half as large, so the shared memory would allow 6 blocks even at hd 128, where the
+  // widening's registers do not fit 80 (ptxas: 4 / 98 bytes spilled for groups 8 / 16, hd 128): FP8 at
+  // hd >= 128 takes at most JITATTN_FP8_SPLIT_DIMS_BLOCKS (5: 96 registers, no spill).
+  static constexpr int kMaxWholeWindowBlocks =
+      kSplitDims ? (kFp8 && kHeadDim >= 128 ? JITATTN_FP8_SPLIT_DIMS_BLOCKS : JITATTN_SPLIT_DIMS_BLOCKS) : 5;
+  // The FP8 tile pipeline for groups <= 8 and hd <= 128 fits JITATTN_FP8_DECODE_BLOCKS' registers.
+  static constexpr bool kFp8Capped = kFp8 && !kWholeWindow && kRowHalves == 1 && kHeadDim <= 128;
   static constexpr int kMinBlocksPerSM =
       kWholeWindow ? cmax(1, cmin(kMaxWholeWindowBlocks, (227 * 1024) / (kSmemBytes + 1024)))
+      : kFp8Capped ? cmax(1, cmin(JITATTN_FP8_DECODE_BLOCKS, (227 * 1024) / (kSmemBytes + 1024)))
                    : cmax(1, cmin(JITATTN_DECODE_MMA_MIN_BLOCKS, (227 * 1024) / (kSmemBytes + 1024)));
   static_assert(S::kGroupSize <= 16, "the group's query heads must fit one m16 tile");
-  // An FP8 cache stays on the CUDA-core decode: staging raw rows and widening them per tile here
-  // measured slower (0.39 ms vs 0.26 ms, H200, decode-hd128-b64x4096-fp8, 2026-11-29).
-  static_assert(sizeof(typename S::DTypeKV) == 2, "tensor-core decode reads a 16-bit cache");
+  // (An earlier FP8 path staged raw rows and widened them per tile into a 16-bit tile in shared
+  // memory: 0.39 ms vs 0.26 ms, H200, decode-hd128-b64x4096-fp8, 2026-11-29; replaced by the
+  // in-register widening above.)
+  static_assert(decode_mma_reads_cache<S>(), "tensor-core decode: a 16-bit cache, or FP8 with f16-safe weights");
 };
+
+// FP8 tile pipeline (DecodeMmaTraits::kFp8Loader): cp.async of the K and V rows of keys [start, start +
+// kTileKeys), as load_kv_rows_paged (page ids from KvPages, a page id out of range sets `bad` and reads
+// page 0, rows at or past `end` zero-filled), with the per-thread constants hoisted: thread t copies
+// chunk t % kKvChunks of rows t / kKvChunks + i * (kThreads / kKvChunks), so its chunk, its swizzle and
+// the head's offset in a page are fixed, and a row's address is page * kv_stride_page + slot * stride.
+// (load_kv_rows_paged spent 44 instructions per K/V chunk pair here, ptxas sm_90a, 2026-11-29.)
+template <class S>
+__device__ __forceinline__ void decode_mma_load_tile_fp8(
+    const Params& p, typename S::DTypeKV* sk, typename S::DTypeKV* sv, int kv_head, int start, int end,
+    const KvPages<S, DecodeMmaTraits<S>::kTileKeys, DecodeMmaTraits<S>::kThreads>& pages, bool& bad) {
+  using T = DecodeMmaTraits<S>;
+  using KV = typename S::DTypeKV;
+  constexpr int kC = T::kKvChunks, kStep = T::kThreads / kC, kIters = T::kTileKeys / kStep;
+  static_assert(kIters == KvPages<S, T::kTileKeys, T::kThreads>::kIters, "KvPages' rows are this loader's rows");
+  const int row0 = threadIdx.x / kC, chunk = threadIdx.x % kC;
+  const int dst0 = row0 * T::kRowStride + (T::kSwizzle ? (chunk ^ (row0 % 8)) : chunk) * 16;  // kStep % 8 == 0
+  constexpr long long kSlotStride = S::kLayoutHND ? S::kHeadDimQK : static_cast<long long>(S::kNumKvHeads) * S::kHeadDimQK;
+  const KV* base = p.kv_cache + (S::kLayoutHND ? static_cast<long long>(kv_head) * S::kPageSize * S::kHeadDimQK
+                                               : static_cast<long long>(kv_head) * S::kHeadDimQK) + chunk * 16;
+#pragma unroll
+  for (int i = 0; i < kIters; ++i) {
+    const int kv_idx = start + row0 + i * kStep;  // >= 0
+    const bool in = kv_idx < end;
+    int page = pages.page[i];
+    if (in && static_cast<unsigned>(page) >= static_cast<unsigned>(p.num_pages)) {
+      bad = true;
+      page = 0;
+    }
+    const int slot = static_cast<int>(static_cast<unsigned>(kv_idx) % static_cast<unsigned>(S::kPageSize));
+    const KV* k = base + static_cast<long long>(page) * p.kv_stride_page + slot * kSlotStride;
+    cp_async_16(sk + dst0 + i * kStep * T::kRowStride, in ? k : p.kv_cache, in);
+    cp_async_16(sv + dst0 + i * kStep * T::kRowStride, in ? k + p.kv_stride_kv : p.kv_cache, in);
+  }
+}
+
+// FP8 cache: Q's A fragments (f16) and the per-row logit scale. The K fragments (decode_mma_qk_fp8)
+// hold, in k slots 2c, 2c+1 / 2c+8, 2c+9 of each 16-dim chunk, dims 4c, 4c+2 / 4c+1, 4c+3 (c = lane %
+// 4): Q's dims go to the same slots (a dot product does not care about the order). Each row is scaled
+// by 2^e, e chosen per row (the quad's max |q|) so that its largest |q| lies in [2^14, 2^15): bf16 q
+// converts exactly (elements below f16's normal range, 2^-29 of the row's max and smaller, round
+// at 2^-24 absolute). qk_scale[r] = q_prescale * k_scale * 2^8 * 2^-e for row half r.
+template <class S>
+__device__ __forceinline__ void decode_mma_q_fp8(const Params& p, uint32_t (&qf)[S::kHeadDimQK / 16][4],
+                                                 float (&qk_scale)[2], const typename S::DTypeQ* sq) {
+  using T = DecodeMmaTraits<S>;
+  using DT = typename S::DTypeQ;
+  const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  auto load4 = [&](int r, int kk, float (&x)[4]) {  // dims 16 kk + 4c .. +3 of row g + 8 r
+    const uint2 raw = *reinterpret_cast<const uint2*>(sq + (g + 8 * r) * T::kQRowStride + kk * 16 + 4 * c);
+    const DT* e = reinterpret_cast<const DT*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x[i] = to_float(e[i]);
+  };
+  auto pow2 = [](int e) { return __int_as_float((e + 127) << 23); };  // e in [-126, 127]
+  float row_scale[2] = {1.f, 1.f};
+  qk_scale[1] = 0.f;
+#pragma unroll
+  for (int r = 0; r < T::kRowHalves; ++r) {
+    float amax = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
+      float x[4];
+      load4(r, kk, x);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) amax = fmaxf(amax, fabsf(x[i]));
+    }
+    amax = group_max<4>(amax);  // the quad holds the whole row
+    int e = 0;                  // a zero or non-finite row stays as it is
+    if (amax > 0.f && amax <= 3.4028235e38f) {
+      const int x2 = ((__float_as_int(amax) >> 23) & 0xff) - 126;  // amax < 2^x2 (frexp's exponent)
+      e = min(max(15 - x2, -120), 120);
+    }
+    row_scale[r] = pow2(e);
+    qk_scale[r] = q_prescale<S>() * p.k_scale * 256.f * pow2(-e);
+  }
+#pragma unroll
+  for (int kk = 0; kk < T::kHeadDim / 16; ++kk)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (r >= T::kRowHalves) {  // rows 8..15 are past a group of <= 8: zero (a constant, no registers)
+        qf[kk][r] = qf[kk][r + 2] = 0u;
+        continue;
+      }
+      float x[4];
+      load4(r, kk, x);
+      qf[kk][r] = pack2<__half>(x[0] * row_scale[r], x[2] * row_scale[r]);      // a0 / a1: k slots 2c, 2c+1
+      qf[kk][r + 2] = pack2<__half>(x[1] * row_scale[r], x[3] * row_scale[r]);  // a2 / a3: k slots 2c+8, 2c+9
+    }
+}
+
+// FP8 cache: S += Q K^T for the 16 keys at rows 0..15 of `sk` (s0: keys 0-7, s1: keys 8-15), all head
+// dims. ldmatrix (b16) of 8 rows x 16 bytes gives lane (g = lane / 4, c = lane % 4) bytes 4c..4c+3 of
+// row g: dims 4c..4c+3 of one 16-dim chunk of key g, a whole n8 x k16 B fragment once widened (dims
+// 4c, 4c+2 in b0, 4c+1, 4c+3 in b1; decode_mma_q_fp8 orders Q's dims the same). One ldmatrix_x4: two
+// chunks x 16 keys, 4 mma.
+template <class T, class ChunkAt>
+__device__ __forceinline__ void decode_mma_qk_fp8(float (&s0)[4], float (&s1)[4],
+                                                  const uint32_t (&qf)[T::kHeadDim / 16][4], const uint8_t* sk,
+                                                  ChunkAt chunk_at) {
+  const int lane = threadIdx.x % 32;
+  const int row = lane % 8 + ((lane / 8) % 2) * 8;  // x4: lanes 0-7 keys 0-7, 8-15 keys 8-15, then again
+  auto mma2 = [&](int kk, uint32_t k0, uint32_t k1) {  // chunk kk: keys 0-7 (k0) and 8-15 (k1)
+    uint32_t b[2][2];
+    e4m3x4_to_f16x4_scaled(k0, b[0][0], b[0][1]);
+    e4m3x4_to_f16x4_scaled(k1, b[1][0], b[1][1]);
+    mma_16816<__half>(s0, qf[kk], b[0][0], b[0][1]);
+    mma_16816<__half>(s1, qf[kk], b[1][0], b[1][1]);
+  };
+#pragma unroll
+  for (int kk = 0; kk + 1 < T::kKvChunks; kk += 2) {
+    uint32_t b[4];
+    ldmatrix_x4(b, sk + row * T::kRowStride + chunk_at(kk + lane / 16) * 16);
+    mma2(kk, b[0], b[1]);
+    mma2(kk + 1, b[2], b[3]);
+  }
+  if constexpr (T::kKvChunks % 2 == 1) {
+    uint32_t b[2];
+    ldmatrix_x2(b, sk + row * T::kRowStride + chunk_at(T::kKvChunks - 1) * 16);
+    mma2(T::kKvChunks - 1, b[0], b[1]);
+  }
+}
+
+// FP8 cache: O += P V for the 16 keys at rows 0..15 of `sv`, head-dim chunks c0 .. c0 + kN - 1 (16 dims
+// each); o[2 i] takes the even dims of chunk c0 + i, o[2 i + 1] the odd ones. ldmatrix.trans (b16) of
+// 8 keys x 16 bytes gives lane (r = lane / 4, c = lane % 4) bytes (key 2c, dim 2r), (2c, 2r+1), (2c+1,
+// 2r), (2c+1, 2r+1): widened, `lo` (bytes 0, 2) is the B fragment register of dim 2r, `hi` of dim
+// 2r+1. So lane (g, c)'s accumulators o[2 i][e], o[2 i + 1][e] (row g, columns 2c + e) are dims
+// 16 (c0 + i) + 4c + 2e and + 1: decode_mma_out_pair.
+template <class T, int kN, class ChunkAt>
+__device__ __forceinline__ void decode_mma_pv_fp8(float (&o)[2 * kN][4], const uint32_t (&a)[4], const uint8_t* sv,
+                                                  int c0, ChunkAt chunk_at) {
+  const int lane = threadIdx.x % 32;
+  const int row = lane % 8 + ((lane / 8) % 2) * 8;
+  auto mma2 = [&](int i, uint32_t v0, uint32_t v1) {  // chunk c0 + i: keys 0-7 (v0) and 8-15 (v1)
+    uint32_t b[2][2];
+    e4m3x4_to_f16x4_scaled(v0, b[0][0], b[0][1]);
+    e4m3x4_to_f16x4_scaled(v1, b[1][0], b[1][1]);
+    if constexpr (T::kRowHalves == 1) {  // rows g + 8 are padding: their accumulators are scratch
+      o[2 * i][2] = o[2 * i][3] = o[2 * i + 1][2] = o[2 * i + 1][3] = 0.f;
+    }
+    mma_16816<__half>(o[2 * i], a, b[0][0], b[1][0]);
+    mma_16816<__half>(o[2 * i + 1], a, b[0][1], b[1][1]);
+  };
+#pragma unroll
+  for (int i = 0; i + 1 < kN; i += 2) {
+    uint32_t b[4];
+    ldmatrix_x4_trans(b, sv + row * T::kRowStride + chunk_at(c0 + i + lane / 16) * 16);
+    mma2(i, b[0], b[1]);
+    mma2(i + 1, b[2], b[3]);
+  }
+  if constexpr (kN % 2 == 1) {
+    uint32_t b[2];
+    ldmatrix_x2_trans(b, sv + row * T::kRowStride + chunk_at(c0 + kN - 1) * 16);
+    mma2(kN - 1, b[0], b[1]);
+  }
+}
+
+// Accumulator pair i (0 .. N - 1) of row half r as two adjacent output dims: `dim` and its values;
+// o[0] is n-tile `tile0` (an even number) of the head dims. 16-bit cache: o[i][2r], o[i][2r+1] are
+// dims 8 (tile0 + i) + 2c, +1. FP8 cache (decode_mma_pv_fp8): pair i = 2j + e is o[2j][2r+e],
+// o[2j+1][2r+e], dims 8 tile0 + 16j + 4c + 2e, +1, times 2^8 (the widened V was value * 2^-8).
+template <class T, int N>
+__device__ __forceinline__ void decode_mma_out_pair(const float (&o)[N][4], int tile0, int i, int r, int tig, int& dim,
+                                                    float (&v)[2]) {
+  if constexpr (T::kFp8) {
+    const int j = i / 2, e = i % 2;
+    dim = 16 * j + 4 * tig + 2 * e + tile0 * 8;
+    v[0] = o[2 * j][2 * r + e] * 256.f;
+    v[1] = o[2 * j + 1][2 * r + e] * 256.f;
+  } else {
+    dim = (tile0 + i) * 8 + 2 * tig;
+    v[0] = o[i][2 * r];
+    v[1] = o[i][2 * r + 1];
+  }
+}
 
 // The whole-window kernel's compute and epilogue when the head dims are split over the warps
 // (DecodeMmaTraits::kSplitDims): keys [lo, hi) are rows 0.. of sk / sv (swizzled when T::kSwizzle),
 // all landed; qf holds Q's A fragments.
 template <class S>
 __device__ __forceinline__ void decode_mma_split_dims(const Params& p, const uint32_t (&qf)[S::kHeadDimQK / 16][4],
-                                                      const typename S::DTypeQ* sk, const typename S::DTypeQ* sv,
-                                                      int batch, int kv_head, int split, int q_row, int qo_idx,
-                                                      int kv_len, int lo, int hi, bool bad) {
+                                                      const float (&qk_scale)[2], const typename S::DTypeKV* sk,
+                                                      const typename S::DTypeKV* sv, int batch, int kv_head, int split,
+                                                      int q_row, int qo_idx, int kv_len, int lo, int hi, bool bad) {
   using T = DecodeMmaTraits<S>;
-  using DT = typename T::DT;
+  using MT = typename T::MT;
   constexpr int kN = T::kChunkKeys / 8;  // n-tiles of 8 keys per step
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tig = lane % 4;
   auto chunk_at = [&](int chunk) { return T::kSwizzle ? chunk ^ (lane % 8) : chunk; };
-  constexpr float kScale = q_prescale<S>();
 
   float o[T::kWarpDTiles][4];
 #pragma unroll
@@ -140,16 +389,23 @@ __device__ __forceinline__ void decode_mma_split_dims(const Params& p, const uin
     for (int n = 0; n < kN; ++n)
 #pragma unroll
       for (int i = 0; i < 4; ++i) s[n][i] = 0.f;
+    if constexpr (T::kFp8) {
 #pragma unroll
-    for (int kk = 0; kk < T::kHeadDim / 16; ++kk)
+      for (int j = 0; j < kN / 2; ++j)  // 16 keys: rows c0 + 16 j .. (multiples of 8: row % 8 == lane % 8)
+        decode_mma_qk_fp8<T>(s[2 * j], s[2 * j + 1], qf, reinterpret_cast<const uint8_t*>(sk) + (c0 + 16 * j) * T::kRowStride,
+                             chunk_at);
+    } else {
 #pragma unroll
-      for (int j = 0; j < kN / 2; ++j) {  // 16 keys: rows c0 + 16 j .. (multiples of 8: row % 8 == lane % 8)
-        uint32_t b[4];
-        ldmatrix_x4(b, sk + (c0 + 16 * j + lane % 8 + (lane / 16) * 8) * T::kRowStride +
-                           chunk_at(kk * 2 + (lane / 8) % 2) * 8);
-        mma_16816<DT>(s[2 * j], qf[kk], b[0], b[1]);
-        mma_16816<DT>(s[2 * j + 1], qf[kk], b[2], b[3]);
-      }
+      for (int kk = 0; kk < T::kHeadDim / 16; ++kk)
+#pragma unroll
+        for (int j = 0; j < kN / 2; ++j) {  // 16 keys: rows c0 + 16 j .. (multiples of 8: row % 8 == lane % 8)
+          uint32_t b[4];
+          ldmatrix_x4(b, sk + (c0 + 16 * j + lane % 8 + (lane / 16) * 8) * T::kRowStride +
+                             chunk_at(kk * 2 + (lane / 8) % 2) * 8);
+          mma_16816<MT>(s[2 * j], qf[kk], b[0], b[1]);
+          mma_16816<MT>(s[2 * j + 1], qf[kk], b[2], b[3]);
+        }
+    }
 #pragma unroll
     for (int r = 0; r < T::kRowHalves; ++r) {
       const int head = kv_head * S::kGroupSize + min(g + 8 * r, S::kGroupSize - 1);
@@ -159,7 +415,7 @@ __device__ __forceinline__ void decode_mma_split_dims(const Params& p, const uin
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int kv_idx = lo + c0 + n * 8 + 2 * tig + e;
-          float v = transform_logit<S>(p, s[n][2 * r + e] * kScale, batch, head, kv_head, qo_idx, kv_idx, 1, kv_len,
+          float v = transform_logit<S>(p, s[n][2 * r + e] * qk_scale[r], batch, head, kv_head, qo_idx, kv_idx, 1, kv_len,
                                        bad);
           const bool ok = kv_idx < hi && custom_visible<S>(p, batch, head, kv_head, qo_idx, kv_idx, 1, kv_len, bad);
           v = ok ? v : (S::kSoftmax ? kNegInf : 0.f);
@@ -191,20 +447,25 @@ __device__ __forceinline__ void decode_mma_split_dims(const Params& p, const uin
 #pragma unroll
     for (int j = 0; j < kN / 2; ++j) {  // P of 16 keys as the A operand of one k-step
       uint32_t a[4];
-      a[0] = pack2<DT>(s[2 * j][0], s[2 * j][1]);
-      a[1] = T::kRowHalves == 2 ? pack2<DT>(s[2 * j][2], s[2 * j][3]) : 0u;
-      a[2] = pack2<DT>(s[2 * j + 1][0], s[2 * j + 1][1]);
-      a[3] = T::kRowHalves == 2 ? pack2<DT>(s[2 * j + 1][2], s[2 * j + 1][3]) : 0u;
+      a[0] = pack2<MT>(s[2 * j][0], s[2 * j][1]);
+      a[1] = T::kRowHalves == 2 ? pack2<MT>(s[2 * j][2], s[2 * j][3]) : 0u;
+      a[2] = pack2<MT>(s[2 * j + 1][0], s[2 * j + 1][1]);
+      a[3] = T::kRowHalves == 2 ? pack2<MT>(s[2 * j + 1][2], s[2 * j + 1][3]) : 0u;
+      if constexpr (T::kFp8) {  // this warp's chunks: warp * kWarpDTiles / 2 ..
+        decode_mma_pv_fp8<T, T::kWarpDTiles / 2>(o, a, reinterpret_cast<const uint8_t*>(sv) + (c0 + 16 * j) * T::kRowStride,
+                                                 warp * T::kWarpDTiles / 2, chunk_at);
+      } else {
 #pragma unroll
-      for (int d2 = 0; d2 < T::kWarpDTiles / 2; ++d2) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, sv + (c0 + 16 * j + lane % 8 + ((lane / 8) % 2) * 8) * T::kRowStride +
-                                 chunk_at(warp * T::kWarpDTiles + d2 * 2 + lane / 16) * 8);
-        if constexpr (T::kRowHalves == 1) {  // rows g + 8 are padding: their accumulators are scratch
-          o[2 * d2][2] = o[2 * d2][3] = o[2 * d2 + 1][2] = o[2 * d2 + 1][3] = 0.f;
+        for (int d2 = 0; d2 < T::kWarpDTiles / 2; ++d2) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, sv + (c0 + 16 * j + lane % 8 + ((lane / 8) % 2) * 8) * T::kRowStride +
+                                   chunk_at(warp * T::kWarpDTiles + d2 * 2 + lane / 16) * 8);
+          if constexpr (T::kRowHalves == 1) {  // rows g + 8 are padding: their accumulators are scratch
+            o[2 * d2][2] = o[2 * d2][3] = o[2 * d2 + 1][2] = o[2 * d2 + 1][3] = 0.f;
+          }
+          mma_16816<MT>(o[2 * d2], a, b[0], b[1]);
+          mma_16816<MT>(o[2 * d2 + 1], a, b[2], b[3]);
         }
-        mma_16816<DT>(o[2 * d2], a, b[0], b[1]);
-        mma_16816<DT>(o[2 * d2 + 1], a, b[2], b[3]);
       }
     }
   }
@@ -225,11 +486,12 @@ __device__ __forceinline__ void decode_mma_split_dims(const Params& p, const uin
         p.lse[static_cast<long long>(q_row) * S::kNumQoHeads + qo_head] = lse + poison;
 #pragma unroll
       for (int dt = 0; dt < T::kWarpDTiles; ++dt) {
-        const int dim = (warp * T::kWarpDTiles + dt) * 8 + 2 * tig;
+        int dim;
         float value[2];
+        decode_mma_out_pair<T>(o, warp * T::kWarpDTiles, dt, r, tig, dim, value);
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          value[j] = o[dt][2 * r + j] * scale;
+          value[j] *= scale;
           bool oob = false;  // a parameter read out of range here poisons this element
           if constexpr (S::kHasOutTransform)
             value[j] = S::output_transform(p, value[j], batch, qo_head, qo_idx, dim + j, oob);
@@ -249,9 +511,11 @@ __device__ __forceinline__ void decode_mma_split_dims(const Params& p, const uin
       }
 #pragma unroll
       for (int dt = 0; dt < T::kWarpDTiles; ++dt) {
-        const int dim = (warp * T::kWarpDTiles + dt) * 8 + 2 * tig;
+        int dim;
+        float value[2];
+        decode_mma_out_pair<T>(o, warp * T::kWarpDTiles, dt, r, tig, dim, value);
         *reinterpret_cast<float2*>(p.partial_o + part * S::kHeadDimVO + dim) =
-            make_float2(o[dt][2 * r] * scale + poison, o[dt][2 * r + 1] * scale + poison);
+            make_float2(value[0] * scale + poison, value[1] * scale + poison);
       }
     }
   }
@@ -265,13 +529,14 @@ template <class S>
 __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
   using T = DecodeMmaTraits<S>;
   using DT = typename T::DT;
+  using MT = typename T::MT;
   extern __shared__ __align__(16) uint8_t smem[];
   DT* sq = reinterpret_cast<DT*>(smem);
   using KV = typename S::DTypeKV;
   // Pipeline: stage s holds K then V of one tile. Whole window: the K rows of all tiles, then their V rows.
   auto stage_k = [&](int s) {
-    if constexpr (T::kWholeWindow) return reinterpret_cast<DT*>(smem + T::kQBytes) + s * T::kTileKeys * T::kRowStride;
-    else return reinterpret_cast<DT*>(smem + T::kQBytes + s * T::kStageBytes);
+    if constexpr (T::kWholeWindow) return reinterpret_cast<KV*>(smem + T::kQBytes) + s * T::kTileKeys * T::kRowStride;
+    else return reinterpret_cast<KV*>(smem + T::kQBytes + s * T::kStageBytes);
   };
   auto stage_v = [&](int s) {
     if constexpr (T::kWholeWindow) return stage_k(s) + T::kStages * T::kTileKeys * T::kRowStride;
@@ -298,8 +563,12 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
   // tile to issue, fetched right after the previous issue, so their latency hides behind a tile.
   using Pages = KvPages<S, T::kTileKeys, T::kThreads>;
   auto load_stage = [&](int s, int start, const Pages& pg, bool& bad_ref) {
-    load_kv_rows_paged<S, T::kTileKeys, T::kRowStride, T::kThreads, T::kSwizzle>(
-        p, reinterpret_cast<KV*>(stage_k(s)), reinterpret_cast<KV*>(stage_v(s)), kv_head, start, hi, pg, bad_ref);
+    if constexpr (T::kFp8Loader) {
+      decode_mma_load_tile_fp8<S>(p, stage_k(s), stage_v(s), kv_head, start, hi, pg, bad_ref);
+    } else {
+      load_kv_rows_paged<S, T::kTileKeys, T::kRowStride, T::kThreads, T::kSwizzle>(p, stage_k(s), stage_v(s), kv_head,
+                                                                                   start, hi, pg, bad_ref);
+    }
   };
 
   // Prologue first: kStages - 1 tiles in flight while the query rows are prepared (whole window: all
@@ -310,7 +579,7 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
     AllPages all;
     all.fetch(p, batch, lo, hi);
     load_kv_rows_paged<S, T::kStages * T::kTileKeys, T::kRowStride, T::kThreads, T::kSwizzle>(
-        p, reinterpret_cast<KV*>(stage_k(0)), reinterpret_cast<KV*>(stage_v(0)), kv_head, lo, hi, all, bad);
+        p, stage_k(0), stage_v(0), kv_head, lo, hi, all, bad);
     cp_async_commit();
   } else {
 #pragma unroll
@@ -352,15 +621,21 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tig = lane % 4;
   uint32_t qf[T::kHeadDim / 16][4];  // A fragments of Q, loaded once
+  float qk_scale[2];                 // factor from S's accumulators to q_prescale * q.k (per row half)
+  if constexpr (T::kFp8) {
+    decode_mma_q_fp8<S>(p, qf, qk_scale, sq);
+  } else {
 #pragma unroll
-  for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
-    ldmatrix_x4(qf[kk], sq + (lane % 16) * T::kQRowStride + kk * 16 + (lane / 16) * 8);
-    if constexpr (T::kRowHalves == 1) qf[kk][1] = qf[kk][3] = 0u;  // rows g + 8: padding (zero), one register for all
+    for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
+      ldmatrix_x4(qf[kk], sq + (lane % 16) * T::kQRowStride + kk * 16 + (lane / 16) * 8);
+      if constexpr (T::kRowHalves == 1) qf[kk][1] = qf[kk][3] = 0u;  // rows g + 8: padding (zero), one register for all
+    }
+    qk_scale[0] = qk_scale[1] = q_prescale<S>();
   }
 
   if constexpr (T::kSplitDims) {
-    decode_mma_split_dims<S>(p, qf, stage_k(0), stage_v(0), batch, kv_head, split, q_row, qo_idx, kv_len, lo, hi,
-                             bad);
+    decode_mma_split_dims<S>(p, qf, qk_scale, stage_k(0), stage_v(0), batch, kv_head, split, q_row, qo_idx, kv_len, lo,
+                             hi, bad);
     return;
   }
 
@@ -370,7 +645,6 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) o[d][i] = 0.f;
   SoftmaxState st[2] = {{S::kSoftmax ? kNegInf : 0.f, 0.f}, {S::kSoftmax ? kNegInf : 0.f, 0.f}};
-  constexpr float kScale = q_prescale<S>();
 
   int it = 0;
   for (int start = lo; start < hi; start += T::kTileKeys, ++it) {
@@ -383,30 +657,42 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
       cp_async_commit();
       pages.fetch(p, batch, next + T::kTileKeys, hi);  // used by the next iteration's issue
     }
-    const DT* sk = stage_k(it % T::kStages) + warp * T::kWarpKeys * T::kRowStride;
-    const DT* sv = stage_v(it % T::kStages) + warp * T::kWarpKeys * T::kRowStride;
+    const KV* sk = stage_k(it % T::kStages) + warp * T::kWarpKeys * T::kRowStride;
+    const KV* sv = stage_v(it % T::kStages) + warp * T::kWarpKeys * T::kRowStride;
     // Rows of a tile start at multiples of 8, so a lane's ldmatrix row r has r % 8 == lane % 8.
     auto chunk_at = [&](int chunk) { return T::kSwizzle ? chunk ^ (lane % 8) : chunk; };
     const int key0 = start + warp * T::kWarpKeys;
 
-    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // 16 rows x 16 keys
+    constexpr int kN = T::kWarpKeys / 8;  // n-tiles of 8 keys
+    float s[kN][4];                       // 16 rows x kWarpKeys keys
 #pragma unroll
-    for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
-      uint32_t b[4];
-      ldmatrix_x4(b, sk + (lane % 8 + (lane / 16) * 8) * T::kRowStride + chunk_at(kk * 2 + (lane / 8) % 2) * 8);
-      mma_16816<DT>(s[0], qf[kk], b[0], b[1]);
-      mma_16816<DT>(s[1], qf[kk], b[2], b[3]);
+    for (int n = 0; n < kN; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[n][i] = 0.f;
+    if constexpr (T::kFp8) {
+#pragma unroll
+      for (int j = 0; j < kN / 2; ++j)
+        decode_mma_qk_fp8<T>(s[2 * j], s[2 * j + 1], qf, reinterpret_cast<const uint8_t*>(sk) + 16 * j * T::kRowStride,
+                             chunk_at);
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
+        uint32_t b[4];
+        ldmatrix_x4(b, sk + (lane % 8 + (lane / 16) * 8) * T::kRowStride + chunk_at(kk * 2 + (lane / 8) % 2) * 8);
+        mma_16816<MT>(s[0], qf[kk], b[0], b[1]);
+        mma_16816<MT>(s[1], qf[kk], b[2], b[3]);
+      }
     }
 #pragma unroll
     for (int r = 0; r < T::kRowHalves; ++r) {
       const int head = kv_head * S::kGroupSize + min(g + 8 * r, S::kGroupSize - 1);
       float tile_max = kNegInf;
 #pragma unroll
-      for (int n = 0; n < 2; ++n)
+      for (int n = 0; n < kN; ++n)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int kv_idx = key0 + n * 8 + 2 * tig + e;
-          float v = transform_logit<S>(p, s[n][2 * r + e] * kScale, batch, head, kv_head, qo_idx, kv_idx, 1, kv_len,
+          float v = transform_logit<S>(p, s[n][2 * r + e] * qk_scale[r], batch, head, kv_head, qo_idx, kv_idx, 1, kv_len,
                                        bad);
           const bool ok = kv_idx < hi && custom_visible<S>(p, batch, head, kv_head, qo_idx, kv_idx, 1, kv_len, bad);
           v = ok ? v : (S::kSoftmax ? kNegInf : 0.f);
@@ -426,7 +712,7 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
           o[d][2 * r + 1] *= alpha;
         }
 #pragma unroll
-        for (int n = 0; n < 2; ++n)
+        for (int n = 0; n < kN; ++n)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const float pe = fast_exp2(s[n][2 * r + e] - m_use);
@@ -435,20 +721,28 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
           }
       }
     }
-    uint32_t a[4];  // P as the A operand: the two n-tiles' accumulators form one k-step
-    a[0] = pack2<DT>(s[0][0], s[0][1]);
-    a[1] = T::kRowHalves == 2 ? pack2<DT>(s[0][2], s[0][3]) : 0u;
-    a[2] = pack2<DT>(s[1][0], s[1][1]);
-    a[3] = T::kRowHalves == 2 ? pack2<DT>(s[1][2], s[1][3]) : 0u;
 #pragma unroll
-    for (int d2 = 0; d2 < T::kDTiles / 2; ++d2) {
-      uint32_t b[4];
-      ldmatrix_x4_trans(b, sv + (lane % 8 + ((lane / 8) % 2) * 8) * T::kRowStride + chunk_at(d2 * 2 + lane / 16) * 8);
-      if constexpr (T::kRowHalves == 1) {  // rows g + 8 are padding: their accumulators are scratch
-        o[2 * d2][2] = o[2 * d2][3] = o[2 * d2 + 1][2] = o[2 * d2 + 1][3] = 0.f;
+    for (int j = 0; j < kN / 2; ++j) {
+      uint32_t a[4];  // P as the A operand: two n-tiles' accumulators (16 keys) form one k-step
+      a[0] = pack2<MT>(s[2 * j][0], s[2 * j][1]);
+      a[1] = T::kRowHalves == 2 ? pack2<MT>(s[2 * j][2], s[2 * j][3]) : 0u;
+      a[2] = pack2<MT>(s[2 * j + 1][0], s[2 * j + 1][1]);
+      a[3] = T::kRowHalves == 2 ? pack2<MT>(s[2 * j + 1][2], s[2 * j + 1][3]) : 0u;
+      if constexpr (T::kFp8) {
+        decode_mma_pv_fp8<T, T::kKvChunks>(o, a, reinterpret_cast<const uint8_t*>(sv) + 16 * j * T::kRowStride, 0,
+                                           chunk_at);
+      } else {  // kWarpKeys == 16: j == 0
+#pragma unroll
+        for (int d2 = 0; d2 < T::kDTiles / 2; ++d2) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, sv + (lane % 8 + ((lane / 8) % 2) * 8) * T::kRowStride + chunk_at(d2 * 2 + lane / 16) * 8);
+          if constexpr (T::kRowHalves == 1) {  // rows g + 8 are padding: their accumulators are scratch
+            o[2 * d2][2] = o[2 * d2][3] = o[2 * d2 + 1][2] = o[2 * d2 + 1][3] = 0.f;
+          }
+          mma_16816<MT>(o[2 * d2], a, b[0], b[1]);
+          mma_16816<MT>(o[2 * d2 + 1], a, b[2], b[3]);
+        }
       }
-      mma_16816<DT>(o[2 * d2], a, b[0], b[1]);
-      mma_16816<DT>(o[2 * d2 + 1], a, b[2], b[3]);
     }
   }
   cp_async_wait<0>();
@@ -468,8 +762,11 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
     }
 #pragma unroll
     for (int dt = 0; dt < T::kDTiles; ++dt) {
-      sm_o[slot * T::kHeadDim + dt * 8 + 2 * tig] = o[dt][2 * r];
-      sm_o[slot * T::kHeadDim + dt * 8 + 2 * tig + 1] = o[dt][2 * r + 1];
+      int dim;
+      float value[2];
+      decode_mma_out_pair<T>(o, 0, dt, r, tig, dim, value);
+      sm_o[slot * T::kHeadDim + dim] = value[0];
+      sm_o[slot * T::kHeadDim + dim + 1] = value[1];
     }
   }
   __syncthreads();

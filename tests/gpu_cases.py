@@ -188,8 +188,10 @@ OUTPUT_GATE = Variant("output_gate", output_transform=_output_gate,
 
 
 def fp8_cases() -> list[Case]:
-    """FP8 (e4m3) KV cache with per-tensor scales: prefill and the tensor-core decode (groups 4..16)
-    widen tiles in shared memory, the CUDA-core decode dequantises in registers."""
+    """FP8 (e4m3) KV cache with per-tensor scales: prefill widens tiles in shared memory, the
+    tensor-core decode (groups 4..16) widens ldmatrix fragments in registers (the tile pipeline, the
+    whole-window split-dims kernel with swizzled or padded rows, odd chunk counts: hd 80, 192 / 4
+    warps), the CUDA-core decode (groups < 4, key transforms) dequantises in registers."""
     q, kv = [1, 50, 1, 20, 3, 1], [100, 50, 2049, 300, 3, 9000]
     return [
         Case("fp8-kv-hd128", AttentionSpec(32, 8, 128, kv_dtype="float8_e4m3fn"), q, kv),
@@ -200,6 +202,15 @@ def fp8_cases() -> list[Case]:
         Case("fp8-kv-decode-b1-32768", AttentionSpec(32, 8, 128, kv_dtype="float8_e4m3fn"), [1], [32768]),
         Case("fp8-kv-hd256-group16-page1-softcap", AttentionSpec(32, 2, 256, kv_dtype="float8_e4m3fn", page_size=1,
                                                                  logits_soft_cap=30.0, window_left=1000), q, kv),
+        Case("fp8-kv-whole-window-hd128-group8-sinks", AttentionSpec(64, 8, 128, kv_dtype="float8_e4m3fn", sinks=True,
+                                                                     window_left=127), q, kv),
+        Case("fp8-kv-fp16-group6-hd80-alibi-page64-hnd",
+             AttentionSpec(24, 4, 80, q_dtype="float16", kv_dtype="float8_e4m3fn", alibi=True, page_size=64,
+                           kv_layout="HND"), q, kv),
+        Case("fp8-kv-whole-window-group12-hd192-softcap",
+             AttentionSpec(24, 2, 192, kv_dtype="float8_e4m3fn", window_left=100, logits_soft_cap=30.0), q, kv),
+        Case("fp8-kv-hnd-page64-group8-fp16", AttentionSpec(64, 8, 128, q_dtype="float16", kv_dtype="float8_e4m3fn",
+                                                            kv_layout="HND", page_size=64), q, kv),
     ]
 
 
