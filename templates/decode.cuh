@@ -121,11 +121,9 @@ struct KvPages {
 // kTileKeys, the tiles dealt so that two splits differ by at most one tile (a split of ceil(keys /
 // num_splits) rounded up to whole tiles left the last splits short or empty: 1 x 32768 at 33 splits of
 // 16 tiles kept 8 of its 264 blocks idle).
-// One split (e.g. the whole-window decode of gpt-oss sliding layers) returns [kv_begin, kv_end) at once:
-// the same bounds the division gives, without its two 64-bit divisions (div.s64, a software routine)
-// on the path from the metadata read to the first page-id read, which short blocks feel
-// (decode-gpt-oss-sliding-b256x8192 2.49 -> 2.43 TB/s when split_range came in without this,
-// H200, 2026-11-29, s4-dec call 3).
+// One split returns [kv_begin, kv_end) at once: the same bounds the division gives, without its two
+// 64-bit divisions (div.s64, a software routine) before the first page-id read. (The tensor-core
+// decode's whole-window mode keeps its own chunk rule: decode_mma_kernel.)
 template <int kTileKeys>
 __device__ __forceinline__ void split_range(int kv_begin, int kv_end, int split, int num_splits, int& lo, int& hi) {
   if (num_splits == 1) {

@@ -558,7 +558,18 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
   visible_kv_range<S>(qo_idx, qo_idx, kv_len, kv_begin, kv_end);
   if (bad) kv_end = kv_begin;
   int lo, hi;
-  split_range<T::kTileKeys>(kv_begin, kv_end, split, p.num_splits, lo, hi);
+  if constexpr (T::kWholeWindow) {
+    // A window of a few tiles keeps 8a22a21's chunks of ceil(keys / splits) rounded up to whole tiles,
+    // and its Q fragments below keep their rows 8..15 as loaded: with split_range and zeroed rows the
+    // gpt-oss sliding decode ran 2.43-2.46 TB/s against 2.49-2.55 (H200, 2026-11-29, s4-dec call 3 and
+    // s4-final); with both kept, every 16-bit whole-window spec of the GPU tests and bench compiles to
+    // the SASS of 8a22a21 (cuobjdump, 7 specs).
+    const int chunk_len = round_up(ceil_div(max(kv_end - kv_begin, 0), p.num_splits), T::kTileKeys);
+    lo = kv_begin + split * chunk_len;
+    hi = min(kv_end, lo + chunk_len);
+  } else {
+    split_range<T::kTileKeys>(kv_begin, kv_end, split, p.num_splits, lo, hi);
+  }
   // Page ids travel one tile ahead of the copies (KvPages): `pages` always holds those of the next
   // tile to issue, fetched right after the previous issue, so their latency hides behind a tile.
   using Pages = KvPages<S, T::kTileKeys, T::kThreads>;
@@ -628,7 +639,8 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
 #pragma unroll
     for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
       ldmatrix_x4(qf[kk], sq + (lane % 16) * T::kQRowStride + kk * 16 + (lane / 16) * 8);
-      if constexpr (T::kRowHalves == 1) qf[kk][1] = qf[kk][3] = 0u;  // rows g + 8: padding (zero), one register for all
+      // Rows g + 8 are padding for groups <= 8: zero, one register for all (tile pipeline only, above).
+      if constexpr (T::kRowHalves == 1 && !T::kWholeWindow) qf[kk][1] = qf[kk][3] = 0u;
     }
     qk_scale[0] = qk_scale[1] = q_prescale<S>();
   }
