@@ -269,3 +269,30 @@ def test_build_called_directly_refuses_a_spec_the_backend_cannot_serve(backend, 
     with pytest.raises(ValueError, match=rf"backend '{backend}' cannot serve this spec on cpu: {match}"):
         get_backend(backend).build(spec, CPU)
     assert callable(get_backend(backend).build(PLAIN, CPU))  # what it serves still builds
+
+
+def test_build_guard_judges_a_cpu_only_backend_on_the_cpu():
+    """A third-party backend that serves the CPU only: ``reasons(spec, "cpu")`` is empty, so ``build(spec,
+    "cpu")`` builds (the guard must not judge it on a stand-in CUDA device only); a feature it refuses
+    is named without the stand-in device."""
+    from jitattn.backends import Backend
+
+    class CpuOnly(Backend):
+        name = "cpu_only_test"
+
+        def spec_reasons(self, spec, device, phase):
+            out = [] if device.type == "cpu" else [f"{self.name}: CPU only, device is {device.name}"]
+            return out + ([f"{self.name}: no soft-cap"] if spec.logits_soft_cap else [])
+
+        def build(self, spec, device, *, workspace=None):
+            return lambda: ("ran", device.type, workspace)
+
+    backend = CpuOnly()
+    assert backend.reasons(PLAIN, CPU) == []
+    assert backend.build(PLAIN, CPU)() == ("ran", "cpu", None)
+    assert backend.build(PLAIN, "cpu", workspace=7)() == ("ran", "cpu", 7)  # the subclass's own keywords pass
+    with pytest.raises(ValueError, match=r"^backend 'cpu_only_test' cannot serve this spec on cpu: "
+                                         r"cpu_only_test: no soft-cap$"):
+        backend.build(PLAIN.replace(logits_soft_cap=30.0), CPU)
+    with pytest.raises(ValueError, match=r"cannot serve this spec on h100 \(cuda, 9.0\): cpu_only_test: CPU only"):
+        backend.build(PLAIN, H100)

@@ -224,17 +224,26 @@ class Backend(ABC):
             return
 
         @functools.wraps(build)
-        def checked_build(self: "Backend", spec: AttentionSpec, device: "DeviceInfo | str") -> PagedAttentionFn:
+        def checked_build(self: "Backend", spec: AttentionSpec, device: "DeviceInfo | str", *args: Any,
+                          **kwargs: Any) -> PagedAttentionFn:
             device = DeviceInfo.parse(device)
-            # The spec's features are judged on a CUDA device: off CUDA a torch backend may be refused
-            # for selection only ("runs on CUDA devices only") and still compute right on the CPU.
-            judged = device if device.type == "cuda" else DeviceInfo("sm_90", "cuda", (9, 0))
-            # Refused only when no phase is served (a backend may serve decode but not prefill).
-            refused = [self.spec_reasons(spec, judged, phase) for phase in PHASES]
-            if all(refused):
+
+            def refusal(judged: DeviceInfo) -> list[str]:
+                """The reasons, when no phase is served on ``judged`` (a backend may serve decode only)."""
+                refused = [self.spec_reasons(spec, judged, phase) for phase in PHASES]
+                return refused[PHASES.index("mixed")] if all(refused) else []
+
+            reasons = refusal(device)
+            if reasons and device.type != "cuda":
+                # Off CUDA a torch backend may be refused for selection only ("runs on CUDA devices
+                # only") and still compute right on the CPU: its spec features are judged on a CUDA
+                # device too, and the reasons both judgements give (the spec's, not the device's) name it.
+                on_cuda = refusal(DeviceInfo("sm_90", "cuda", (9, 0)))
+                reasons = ([r for r in reasons if r in on_cuda] or reasons) if on_cuda else []
+            if reasons:
                 raise ValueError(f"backend {self.name!r} cannot serve this spec on {device.describe()}: "
-                                 + "; ".join(refused[PHASES.index("mixed")] or refused[0]))
-            return build(self, spec, device)
+                                 + "; ".join(reasons))
+            return build(self, spec, device, *args, **kwargs)
 
         checked_build._refuses_unserved_specs = True  # type: ignore[attr-defined]
         cls.build = checked_build  # type: ignore[method-assign]
