@@ -246,12 +246,34 @@ REQUIRED = {
 }
 COMPILED = {**REQUIRED, **{c.name: c.spec for c in ragged_cases()}}
 ARCHS = ("sm_80", "sm_90a")
+# head_dim_qk != head_dim_vo, both <= 128 (128-key tiles on the wgmma kernel): the sm_90a prefill spills
+# 4-36 bytes when one is 48 or 64 and the other 80..128 (and at 64/48); pairs with 32, pairs above 128
+# and 192/128 do not (swept over all multiples of 16). The spill is the producer warpgroup's, at 40
+# registers: 56 producer / 224 consumer registers for ragged qk != vo specs with 128-key tiles compile
+# all 42 such pairs without spills, but that change has not run on a GPU yet.
+SPILLING_MIXED_DIMS = {
+    "qk64-vo128": ragged(8, 2, 64, 128),
+    "qk128-vo64": ragged(8, 2, 128, 64),
+    "qk96-vo64": ragged(8, 2, 96, 64),
+    "qk48-vo80": ragged(8, 2, 48, 80),
+}
 
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> dict:
-    return build_in_parallel(tmp_path_factory.mktemp("ragged-compile"),
-                             [(s, a) for s in dict.fromkeys(COMPILED.values()) for a in ARCHS])
+    specs = dict.fromkeys([*COMPILED.values(), *SPILLING_MIXED_DIMS.values()])
+    return build_in_parallel(tmp_path_factory.mktemp("ragged-compile"), [(s, a) for s in specs for a in ARCHS])
+
+
+def prefill_spills(entry, name: str, arch: str) -> list[int]:
+    """The spill byte counts ptxas reports for the prefill kernel of a built entry (fails on a build error)."""
+    if isinstance(entry, Exception):
+        pytest.fail(f"{type(entry).__name__}: {entry}", pytrace=False)
+    log = entry.manifest["compiler_log"]
+    usage = log.split(f"Compiling entry function '{KERNEL_NAMES['prefill']}'", 1)[1]
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", usage.split("Compiling entry", 1)[0])]
+    assert spills, f"{name} {arch}: no spill figures in ptxas -v output"
+    return spills
 
 
 @pytest.mark.slow
@@ -265,6 +287,16 @@ def test_ragged_spec_compiles_without_spills(compiled, name, arch):
     assert f"Compiling entry function '{KERNEL_NAMES['prefill']}' for '{arch}'" in log
     assert KERNEL_NAMES["decode"] not in log and KERNEL_NAMES["merge"] not in log  # nothing the spec does not need
     assert entry.cubin.read_bytes()[:4] == b"\x7fELF"
-    usage = log.split(f"Compiling entry function '{KERNEL_NAMES['prefill']}'", 1)[1]
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", usage.split("Compiling entry", 1)[0])]
-    assert spills and not any(spills), f"{name} {arch}: spills in ptxas -v output"
+    assert not any(prefill_spills(entry, name, arch)), f"{name} {arch}: spills in ptxas -v output"
+
+
+_KNOWN_SPILL = pytest.mark.xfail(strict=True, reason="known: the sm_90a wgmma prefill's producer spills at these "
+                                 "head_dim_qk != head_dim_vo pairs (the register split that fixes it is not yet run on a GPU)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, arch", [pytest.param(n, a, marks=[_KNOWN_SPILL] if a == "sm_90a" else [])
+                                        for n in sorted(SPILLING_MIXED_DIMS) for a in ARCHS])
+def test_ragged_mixed_head_dims_compile_without_spills(compiled, name, arch):
+    entry = compiled[(SPILLING_MIXED_DIMS[name], arch)]
+    assert not any(prefill_spills(entry, name, arch)), f"{name} {arch}: spills in ptxas -v output"
