@@ -68,6 +68,37 @@ def _check_int(field: str, value: Any, lo: int, hi: int | None = None, extra: st
     return value
 
 
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def decode_block_problem(head_dim: int, kv_dtype: str, group_size: int) -> str | None:
+    """Why the CUDA-core decode kernel of a paged spec cannot be built for this GQA group, or None.
+
+    Mirrors ``DecodeTraits`` (``kBdx * kBdy * kBdz`` threads: at most 1024, whole warps) and
+    ``decode_finish``'s scratch assertion (the split-KV merge's ``group * (kMaxSplits + 2) + 1`` floats
+    in the ``kBdz * slots * (head_dim + 2) + slots`` of the merge scratch) of templates/decode.cuh, so
+    that such a spec is refused at construction instead of failing in nvcc (tests/test_spec.py compiles
+    the largest accepted groups; each of these limits first bites at groups of 61 to 129 heads).
+    """
+    vec = 16 // (1 if kv_dtype == "float8_e4m3fn" else 2)  # elements per 16-byte load
+    bdx = 1
+    while bdx < head_dim // vec:  # next power of two of the chunks per row
+        bdx *= 2
+    heads_per_thread = _ceil_div(group_size, _ceil_div(group_size, max(1, 32 // vec)))
+    bdy = _ceil_div(group_size, heads_per_thread)
+    warp_multiple = 32 // math.gcd(bdx * bdy, 32)
+    bdz = _ceil_div(_ceil_div(128, bdx * bdy), warp_multiple) * warp_multiple
+    threads = bdx * bdy * bdz
+    if threads > 1024 or threads % 32:
+        return f"needs a decode block of {threads} threads (at most 1024, whole warps)"
+    slots = bdy * heads_per_thread
+    max_splits = 64  # kMaxSplits
+    if bdz * slots * (head_dim + 2) + slots < group_size * (max_splits + 2) + 1:
+        return "needs more split-KV merge scratch than its decode block has"
+    return None
+
+
 def _check_float(field: str, value: Any, *, positive: bool, allow_zero: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{field}={value!r}: expected a finite number")
@@ -84,7 +115,9 @@ class AttentionSpec:
     Args:
         num_qo_heads: query/output heads (``H_qo``).
         num_kv_heads: key/value heads (``H_kv``); must divide ``num_qo_heads`` (GQA group size
-            ``H_qo / H_kv``, any value).
+            ``H_qo / H_kv``). A paged spec's group must fit the decode kernel's block
+            (:func:`decode_block_problem`): every group up to 60 heads (16-bit KV) / 62 (FP8) at every
+            head dim, up to 128 / 64 at head dims from 64 up; ragged specs take any group.
         head_dim_qk: query/key head dim, a multiple of 16 in [32, 256].
         head_dim_vo: value/output head dim, a multiple of 16 in [32, 256]; defaults to ``head_dim_qk``.
             The paged cache stores K and V in one tensor, so a paged spec needs it equal to
@@ -181,6 +214,15 @@ class AttentionSpec:
         else:
             _set("page_size", 16 if self.page_size is None else self.page_size)
             _check_int("page_size", self.page_size, 1, PAGE_SIZE_MAX)
+            problem = decode_block_problem(self.head_dim_qk, self.kv_dtype, self.group_size)
+            if problem:
+                largest = next(g for g in range(1, self.group_size)
+                               if decode_block_problem(self.head_dim_qk, self.kv_dtype, g + 1))
+                raise ValueError(
+                    f"num_qo_heads={self.num_qo_heads}, num_kv_heads={self.num_kv_heads}: a GQA group of "
+                    f"{self.group_size} query heads at head_dim {self.head_dim_qk} with kv_dtype={self.kv_dtype!r} "
+                    f"{problem}; a paged spec there takes every group of up to {largest} heads (ragged specs "
+                    f"have no decode kernel and no such limit)")
         for name in ("causal", "alibi", "sinks"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected True or False")

@@ -60,6 +60,14 @@ BAD = [
     (dict(kv_storage="ragged", kv_dtype="fp8"), r"kv_dtype='float8_e4m3fn' with kv_storage='ragged': FP8 K/V .*paged"),
     (dict(kv_storage="ragged", head_dim_vo=200), r"head_dim_vo=200: expected a multiple of 16 in \[32, 256\]"),
     (dict(kv_storage="ragged", head_dim_vo=16), r"head_dim_vo=16: expected an int in \[32, 256\]"),
+    # GQA groups whose CUDA-core decode block decode.cuh's static_asserts refuse (threads, merge scratch)
+    (dict(num_qo_heads=65, num_kv_heads=1, kv_dtype="fp8"),
+     r"num_qo_heads=65, num_kv_heads=1: a GQA group of 65 query heads at head_dim 128 with "
+     r"kv_dtype='float8_e4m3fn' needs a decode block of 1056 threads \(at most 1024, whole warps\); a paged spec "
+     r"there takes every group of up to 64 heads \(ragged specs have no decode kernel"),
+    (dict(num_qo_heads=129, num_kv_heads=1, head_dim_qk=64), r"group of 129 .* 1056 threads.* up to 128 heads"),
+    (dict(num_qo_heads=1024, num_kv_heads=1, head_dim_qk=64), r"group of 1024 .* 2048 threads.* up to 128 heads"),
+    (dict(num_qo_heads=61, num_kv_heads=1, head_dim_qk=48), r"group of 61 .* merge scratch .* up to 60 heads"),
 ]
 
 
@@ -346,3 +354,28 @@ def test_submodules_are_attributes_of_the_package_without_importing_them_first()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["random_paged_batch CudaDriver", "module 'jitattn' has no attribute 'nope'"]
+
+
+# Groups at the limits of jitattn.spec.decode_block_problem (a mirror of decode.cuh's DecodeTraits and
+# decode_finish asserts): each compiles; one head more is refused at construction (BAD above), not in nvcc.
+LARGEST_GROUPS = {
+    "fp8-g64-hd128": dict(num_qo_heads=64, num_kv_heads=1, head_dim_qk=128, kv_dtype="fp8"),
+    "fp8-g62-hd48": dict(num_qo_heads=62, num_kv_heads=1, head_dim_qk=48, kv_dtype="fp8"),
+    "bf16-g128-hd256": dict(num_qo_heads=128, num_kv_heads=1, head_dim_qk=256),
+    "bf16-g60-hd48": dict(num_qo_heads=60, num_kv_heads=1, head_dim_qk=48),
+    "bf16-g124-hd32": dict(num_qo_heads=124, num_kv_heads=1, head_dim_qk=32),
+    "ragged-g1024-hd256": dict(num_qo_heads=1024, num_kv_heads=1, head_dim_qk=256, kv_storage="ragged"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(LARGEST_GROUPS))
+def test_largest_accepted_groups_compile(tmp_path, name):
+    from jitattn.cache import KernelCache
+
+    spec = AttentionSpec(**LARGEST_GROUPS[name])
+    entry, _ = KernelCache(root=tmp_path, layers=()).get_or_build(spec, "sm_80")
+    assert entry.cubin.read_bytes()[:4] == b"\x7fELF"
+    if not spec.ragged:
+        with pytest.raises(ValueError, match=r"a GQA group of \d+ query heads .* needs"):
+            spec.replace(num_qo_heads=spec.num_qo_heads + 1)
