@@ -666,12 +666,32 @@ def warmup_command(spec: AttentionSpec, arch: str) -> str:
     return f"jitattn warmup --spec {shlex.quote(spec.canonical_json())} --arch {arch}"
 
 
+def model_warmup_command(spec: AttentionSpec, arch: str) -> str | None:
+    """``jitattn warmup --model <config.json>`` with the flags under which a model's layer specs can equal
+    ``spec`` (its dtype, page size, layout), or None when no model config gives such a spec (jitattn.models
+    makes causal, paged, 16-bit-KV specs without a variant: an FP8 cache, ragged K/V or a variant need --spec).
+    """
+    if not isinstance(spec, AttentionSpec):  # a utility module: the model's output dtype builds it
+        return f"jitattn warmup --model <config.json> --arch {arch}"
+    if spec.variant is not None or spec.ragged or not spec.causal or spec.window_right >= 0 \
+            or spec.kv_dtype != spec.q_dtype or spec.o_dtype != spec.q_dtype:
+        return None
+    words = ["jitattn warmup --model <config.json>", f"--dtype {spec.q_dtype}"]
+    if spec.page_size != 16:
+        words.append(f"--page-size {spec.page_size}")
+    if spec.kv_layout != "NHD":
+        words.append(f"--kv-layout {spec.kv_layout}")
+    return " ".join(words + [f"--arch {arch}"])
+
+
 def missing_message(spec: AttentionSpec, arch: str, key: str, roots: tuple[Path, ...],
                     rejected: list[str] | tuple[str, ...] = ()) -> str:
     """The error text of a DISABLE_JIT miss: which kernel, where we looked, the command that fills it."""
     looked = ", ".join(str(r) for r in roots)
     corrupt = "".join(f"\n  corrupt, not loaded: {r}" for r in rejected)
+    model = model_warmup_command(spec, arch)
     return (f"kernel {spec.name} for {arch} (key {key[:16]}) is not cached and JITATTN_DISABLE_JIT=1 forbids "
             f"compiling it.\n  looked in: {looked}{corrupt}\n  fill it on a build box with:\n"
             f"    {warmup_command(spec, arch)}\n"
-            f"  (or `jitattn warmup --model <config.json> --arch {arch}` for the whole model), then ship the cache.")
+            + (f"  (or `{model}` for the whole model), " if model else "  ")
+            + "then ship the cache.")

@@ -494,6 +494,35 @@ def test_disable_jit_miss_names_spec_and_warmup_command(tmp_path, monkeypatch):
     assert not (tmp_path / "c").exists()  # nothing was even attempted
 
 
+def test_disable_jit_miss_offers_a_model_warmup_only_where_it_builds_that_kernel(tmp_path, monkeypatch):
+    """The model-wide alternative in a miss's message builds the missing kernel: it carries the spec's
+    dtype, page size and layout, and is left out for specs no model config gives (an FP8 cache, a variant),
+    where ``jitattn warmup --model`` would compile other kernels and the miss would stay."""
+    from jitattn.models import load_model_config
+    from jitattn.variant import sigmoid_attention
+
+    nvcc, _ = fake_nvcc(tmp_path, "no-compile")
+    monkeypatch.setenv("JITATTN_NVCC", str(nvcc))
+    monkeypatch.setenv("JITATTN_DISABLE_JIT", "1")
+    config = Path(__file__).resolve().parent.parent / "examples" / "models" / "llama-3-8b.json"
+    llama = load_model_config(config).layer_kinds[0].spec
+    cache = KernelCache(root=tmp_path / "c", layers=())
+
+    def message(spec: AttentionSpec) -> str:
+        with pytest.raises(MissingKernelError) as info:
+            cache.get_or_build(spec, "sm_90a")
+        return str(info.value)
+
+    spec = llama.replace(q_dtype="float16", page_size=64, kv_layout="HND")
+    assert "`jitattn warmup --model <config.json> --dtype float16 --page-size 64 --kv-layout HND --arch sm_90a`" \
+        in message(spec)
+    assert spec in load_model_config(config, dtype="float16", page_size=64, kv_layout="HND").specs()
+    for spec in (llama.replace(kv_dtype="float8_e4m3fn"), llama.replace(variant=sigmoid_attention())):
+        msg = message(spec)
+        assert f"jitattn warmup --spec '{spec.canonical_json()}' --arch sm_90a" in msg
+        assert "--model" not in msg
+
+
 _SELECT = """
 import json, sys
 from jitattn import AttentionSpec
