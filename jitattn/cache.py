@@ -668,15 +668,17 @@ def warmup_command(spec: AttentionSpec, arch: str) -> str:
 
 def model_warmup_command(spec: AttentionSpec, arch: str) -> str | None:
     """``jitattn warmup --model <config.json>`` with the flags under which a model's layer specs can equal
-    ``spec`` (its dtype, page size, layout), or None when no model config gives such a spec (jitattn.models
-    makes causal, paged, 16-bit-KV specs without a variant: an FP8 cache, ragged K/V or a variant need --spec).
+    ``spec`` (its dtype, KV dtype, page size, layout), or None when no model config gives such a spec
+    (jitattn.models makes causal, paged specs without a variant: ragged K/V or a variant need --spec).
     """
     if not isinstance(spec, AttentionSpec):  # a utility module: the model's output dtype builds it
         return f"jitattn warmup --model <config.json> --arch {arch}"
     if spec.variant is not None or spec.ragged or not spec.causal or spec.window_right >= 0 \
-            or spec.kv_dtype != spec.q_dtype or spec.o_dtype != spec.q_dtype:
+            or spec.o_dtype != spec.q_dtype:
         return None
     words = ["jitattn warmup --model <config.json>", f"--dtype {spec.q_dtype}"]
+    if spec.kv_dtype != spec.q_dtype:
+        words.append(f"--kv-dtype {spec.kv_dtype}")
     if spec.page_size != 16:
         words.append(f"--page-size {spec.page_size}")
     if spec.kv_layout != "NHD":

@@ -124,6 +124,9 @@ DtypeOpt = Annotated[Optional[str], typer.Option(
     "--dtype", help="float16 or bfloat16 for --model specs (default: the config's torch_dtype).")]
 PageSizeOpt = Annotated[int, typer.Option("--page-size", help="KV page size of --model specs.")]
 KvLayoutOpt = Annotated[str, typer.Option("--kv-layout", help="NHD or HND, for --model specs.")]
+KvDtypeOpt = Annotated[Optional[str], typer.Option(
+    "--kv-dtype", help="KV-cache dtype of --model specs: float8_e4m3fn (fp8) for an FP8 cache "
+                       "(default: the q dtype).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="JSON output, for scripts.")]
 
 
@@ -201,7 +204,7 @@ def parse_spec_arg(text: str) -> list[AttentionSpec]:
 
 
 def collect_targets(models: list[Path], spec_args: list[str], *, dtype: str | None, page_size: int,
-                    kv_layout: str) -> list[Target]:
+                    kv_layout: str, kv_dtype: str | None = None) -> list[Target]:
     """The distinct specs to build, in order of first mention, each with who asked for it.
 
     Each model also needs the ``merge_state`` module of each of its output dtypes (after its specs).
@@ -214,7 +217,7 @@ def collect_targets(models: list[Path], spec_args: list[str], *, dtype: str | No
         targets.setdefault(spec, Target(spec, [])).sources.append(source)
 
     for path in models:
-        model = load_model_config(path, dtype=dtype, kv_layout=kv_layout, page_size=page_size)
+        model = load_model_config(path, dtype=dtype, kv_layout=kv_layout, page_size=page_size, kv_dtype=kv_dtype)
         for kind in model.layer_kinds:
             add(kind.spec, f"{Path(path).stem}/{kind.name}")
         for out_dtype in dict.fromkeys(kind.spec.o_dtype for kind in model.layer_kinds):
@@ -314,6 +317,7 @@ def warmup(
     dtype: DtypeOpt = None,
     page_size: PageSizeOpt = 16,
     kv_layout: KvLayoutOpt = "NHD",
+    kv_dtype: KvDtypeOpt = None,
 ) -> None:
     """Compile every kernel the models or specs need, for every arch, into the cache (nvcc only, no GPU).
 
@@ -322,7 +326,8 @@ def warmup(
     with _usage_errors():
         if not model and not spec:
             raise UsageError("nothing to build: pass --model CONFIG.json and/or --spec JSON_OR_FILE")
-        targets = collect_targets(model or [], spec or [], dtype=dtype, page_size=page_size, kv_layout=kv_layout)
+        targets = collect_targets(model or [], spec or [], dtype=dtype, page_size=page_size, kv_layout=kv_layout,
+                                  kv_dtype=kv_dtype)
         archs = resolve_archs(arch or [])
         cache = KernelCache()
         nvcc = _check_build_box(cache)
@@ -532,7 +537,7 @@ def cache_clear(
 
 
 def _warmup_command(models: list[Path], specs: list[str], archs: list[str], dtype: str | None, page_size: int,
-                    kv_layout: str) -> str:
+                    kv_layout: str, kv_dtype: str | None = None) -> str:
     """The ``jitattn warmup`` command that builds what the same arguments name."""
     words = ["jitattn", "warmup"]
     words += [w for m in models for w in ("--model", str(m))] + [w for s in specs for w in ("--spec", s)]
@@ -543,6 +548,8 @@ def _warmup_command(models: list[Path], specs: list[str], archs: list[str], dtyp
         words += ["--page-size", str(page_size)]
     if kv_layout != "NHD":
         words += ["--kv-layout", kv_layout]
+    if kv_dtype:
+        words += ["--kv-dtype", kv_dtype]
     return " ".join(shlex.quote(w) for w in words)
 
 
@@ -555,6 +562,7 @@ def cache_export(
     dtype: DtypeOpt = None,
     page_size: PageSizeOpt = 16,
     kv_layout: KvLayoutOpt = "NHD",
+    kv_dtype: KvDtypeOpt = None,
 ) -> None:
     """Write exactly the entries the models or specs need, for the archs, into one archive.
 
@@ -567,7 +575,8 @@ def cache_export(
     with _usage_errors():
         if not model and not spec:
             raise UsageError("nothing to export: pass --model CONFIG.json and/or --spec JSON_OR_FILE")
-        targets = collect_targets(model or [], spec or [], dtype=dtype, page_size=page_size, kv_layout=kv_layout)
+        targets = collect_targets(model or [], spec or [], dtype=dtype, page_size=page_size, kv_layout=kv_layout,
+                                  kv_dtype=kv_dtype)
         archs = resolve_archs(arch or [])
         cache = _open_cache()
         wanted = cache_admin.needed(((t.spec, t.sources) for t in targets), archs)
@@ -576,7 +585,7 @@ def cache_export(
         except cache_admin.MissingEntriesError as exc:
             lines = [f"  {w.spec.name} {w.arch} (needed by {', '.join(w.needed_by)})" for w in exc.missing]
             looked = ", ".join(str(r) for r in cache.roots)
-            command = _warmup_command(model or [], spec or [], archs, dtype, page_size, kv_layout)
+            command = _warmup_command(model or [], spec or [], archs, dtype, page_size, kv_layout, kv_dtype)
             typer.echo(f"jitattn: error: {len(exc.missing)} of {len(wanted)} kernels are not cached (looked in "
                        f"{looked}); nothing written:\n" + "\n".join(lines) +
                        f"\nbuild them on a machine with nvcc, then export again:\n  {command}", err=True)
@@ -628,6 +637,7 @@ def select(
     dtype: DtypeOpt = None,
     page_size: PageSizeOpt = 16,
     kv_layout: KvLayoutOpt = "NHD",
+    kv_dtype: KvDtypeOpt = None,
     need_lse: Annotated[bool, typer.Option("--need-lse", help="The caller needs the lse.")] = False,
     cuda_graph: Annotated[bool, typer.Option("--cuda-graph", help="Calls are captured in CUDA graphs.")] = False,
     backend: Annotated[Optional[str], typer.Option("--backend", help="Force one backend by name.")] = None,
@@ -642,7 +652,7 @@ def select(
 
     with _usage_errors():
         result = select_model(model, device, phase=phase, dtype=dtype, kv_layout=kv_layout, page_size=page_size,
-                              need_lse=need_lse, cuda_graph=cuda_graph, backend=backend)
+                              need_lse=need_lse, cuda_graph=cuda_graph, backend=backend, kv_dtype=kv_dtype)
     if as_json:
         typer.echo(json.dumps(result.to_json(), indent=1))
     else:

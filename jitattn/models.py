@@ -109,7 +109,7 @@ class ModelAttention:
 
 
 def load_model_config(config: str | os.PathLike | dict, *, dtype: str | None = None,
-                      kv_layout: str = "NHD", page_size: int = 16) -> ModelAttention:
+                      kv_layout: str = "NHD", page_size: int = 16, kv_dtype: str | None = None) -> ModelAttention:
     """Map a Hugging Face ``config.json`` to its layer kinds and their specs (module doc: how).
 
     Args:
@@ -117,6 +117,8 @@ def load_model_config(config: str | os.PathLike | dict, *, dtype: str | None = N
         dtype: ``"float16"`` / ``"bfloat16"`` (or a torch dtype) for every spec; overrides the
             config's ``torch_dtype`` / ``dtype``.
         kv_layout, page_size: passed to every spec (see :class:`~jitattn.spec.AttentionSpec`).
+        kv_dtype: the KV cache's dtype for every spec, e.g. ``"float8_e4m3fn"`` for an FP8 cache (a
+            serving choice the config does not record); None: the q dtype.
 
     Raises:
         FileNotFoundError: ``config`` is a path that does not exist, or a directory without config.json.
@@ -131,7 +133,7 @@ def load_model_config(config: str | os.PathLike | dict, *, dtype: str | None = N
     _reject_unsupported(cfg, source)
     num_layers = _int_field(cfg, "num_hidden_layers", source)
     base = _base_spec_args(cfg, model_type, source)
-    base.update(q_dtype=_dtype(raw, cfg, dtype, source), kv_layout=kv_layout, page_size=page_size)
+    base.update(q_dtype=_dtype(raw, cfg, dtype, source), kv_layout=kv_layout, page_size=page_size, kv_dtype=kv_dtype)
     types = _layer_types(cfg, model_type, num_layers, source)
     kinds = tuple(_layer_kind(name, layers, base, cfg, source) for name, layers in _group(types))
     return ModelAttention(model_type, _model_name(raw, config), num_layers, kinds)

@@ -284,7 +284,8 @@ class ModelSelection:
 
 def select_model(config: str | os.PathLike | dict, device: DeviceInfo | str | Any = None, *, phase: str = "mixed",
                  dtype: str | None = None, kv_layout: str = "NHD", page_size: int = 16, need_lse: bool = False,
-                 cuda_graph: bool = False, backend: str | None = None) -> ModelSelection:
+                 cuda_graph: bool = False, backend: str | None = None, kv_dtype: str | None = None
+                 ) -> ModelSelection:
     """The backend of each layer kind of a Hugging Face model config on ``device``.
 
     A layer kind no backend serves gets its :class:`NoBackendError` in ``error`` instead of raising,
@@ -294,7 +295,7 @@ def select_model(config: str | os.PathLike | dict, device: DeviceInfo | str | An
         FileNotFoundError, ValueError: the config cannot be read or mapped (:func:`jitattn.models.load_model_config`);
             an unknown device name, phase or forced backend name.
     """
-    model = load_model_config(config, dtype=dtype, kv_layout=kv_layout, page_size=page_size)
+    model = load_model_config(config, dtype=dtype, kv_layout=kv_layout, page_size=page_size, kv_dtype=kv_dtype)
     device = DeviceInfo.parse(device)
     rows = []
     for kind in model.layer_kinds:

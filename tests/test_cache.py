@@ -496,7 +496,7 @@ def test_disable_jit_miss_names_spec_and_warmup_command(tmp_path, monkeypatch):
 
 def test_disable_jit_miss_offers_a_model_warmup_only_where_it_builds_that_kernel(tmp_path, monkeypatch):
     """The model-wide alternative in a miss's message builds the missing kernel: it carries the spec's
-    dtype, page size and layout, and is left out for specs no model config gives (an FP8 cache, a variant),
+    dtype, KV dtype, page size and layout, and is left out for specs no model config gives (a variant),
     where ``jitattn warmup --model`` would compile other kernels and the miss would stay."""
     from jitattn.models import load_model_config
     from jitattn.variant import sigmoid_attention
@@ -517,10 +517,14 @@ def test_disable_jit_miss_offers_a_model_warmup_only_where_it_builds_that_kernel
     assert "`jitattn warmup --model <config.json> --dtype float16 --page-size 64 --kv-layout HND --arch sm_90a`" \
         in message(spec)
     assert spec in load_model_config(config, dtype="float16", page_size=64, kv_layout="HND").specs()
-    for spec in (llama.replace(kv_dtype="float8_e4m3fn"), llama.replace(variant=sigmoid_attention())):
-        msg = message(spec)
-        assert f"jitattn warmup --spec '{spec.canonical_json()}' --arch sm_90a" in msg
-        assert "--model" not in msg
+    spec = llama.replace(kv_dtype="float8_e4m3fn")
+    assert "`jitattn warmup --model <config.json> --dtype bfloat16 --kv-dtype float8_e4m3fn --arch sm_90a`" \
+        in message(spec)
+    assert spec in load_model_config(config, dtype="bfloat16", kv_dtype="float8_e4m3fn").specs()
+    spec = llama.replace(variant=sigmoid_attention())
+    msg = message(spec)
+    assert f"jitattn warmup --spec '{spec.canonical_json()}' --arch sm_90a" in msg
+    assert "--model" not in msg
 
 
 _SELECT = """

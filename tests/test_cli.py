@@ -92,6 +92,22 @@ def test_warmup_runs_the_command_a_missing_kernel_error_prints(tmp_path, monkeyp
 
 
 @pytest.mark.slow
+def test_warmup_model_with_an_fp8_kv_cache(tmp_path):
+    """``--kv-dtype float8_e4m3fn`` builds a model's FP8-cache kernels (what a serving node with an FP8 KV
+    cache loads); without it warmup --model builds the 16-bit ones only."""
+    nvcc, log = fake_nvcc(tmp_path, "record")
+    proc = jitattn("warmup", "--model", str(GEMMA), "--kv-dtype", "fp8", "--arch", "sm_90a", cache=tmp_path / "c",
+                   env={"JITATTN_NVCC": str(nvcc)})
+    assert proc.returncode == 0, proc.stderr
+    fp8 = model_specs(GEMMA, kv_dtype="float8_e4m3fn")
+    assert all(s.kv_dtype == "float8_e4m3fn" for s in fp8)
+    for spec in fp8:
+        assert spec.name in proc.stdout
+        assert KernelCache(root=tmp_path / "c", layers=()).find(spec, "sm_90a") is not None
+    assert len(compile_calls(log)) == 3  # 2 layer kinds + merge_state
+
+
+@pytest.mark.slow
 def test_warmup_spec_from_files(tmp_path):
     one = tmp_path / "one.json"
     one.write_text(json.dumps(SMALL.to_json(), indent=2))
@@ -138,6 +154,7 @@ BAD_ARGS = [
     (("--model", str(GEMMA), "--kv-layout", "nhd"), {}, r"kv_layout='nhd': expected one of \('NHD', 'HND'\)"),
     (("--model", str(GEMMA), "--dtype", "float32"), {}, r"dtype='float32': expected one of"),
     (("--model", str(GEMMA), "--page-size", "0"), {}, r"page_size=0: expected an int in \[1, 1024\]"),
+    (("--model", str(GEMMA), "--kv-dtype", "float8_e5m2"), {}, r"kv_dtype='float8_e5m2': expected one of"),
     (("--model", str(GEMMA)), {"JITATTN_NVCC": "/nonexistent/nvcc"},
      r"cannot run nvcc at '/nonexistent/nvcc' .*set JITATTN_NVCC / CUDA_HOME"),
     (("--model", str(GEMMA)), {"JITATTN_ARCHS": "sm_80,volta"}, r"JITATTN_ARCHS='volta': unknown target arch"),
@@ -314,6 +331,15 @@ def test_select_names_a_backend_per_layer_kind_without_a_gpu(tmp_path):
     assert data["ok"] is True and data["phase"] == "decode"
     assert [(k["layer_kind"], k["backend"]) for k in data["layer_kinds"]] == [("sliding_attention", "jit"),
                                                                             ("full_attention", "jit")]
+
+
+def test_select_with_an_fp8_kv_cache(tmp_path):
+    proc = jitattn("select", "-m", str(GEMMA), "-d", "h100", "--kv-dtype", "float8_e4m3fn", "--json", cache=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert [k["backend"] for k in data["layer_kinds"]] == ["jit", "jit"]
+    assert all(k["spec"]["kv_dtype"] == "float8_e4m3fn" for k in data["layer_kinds"])
+    assert any(r.startswith("flex: kv_dtype=float8_e4m3fn not supported") for r in data["layer_kinds"][0]["passed_over"])
 
 
 def test_select_exit_codes(tmp_path):

@@ -122,6 +122,15 @@ def test_kv_layout_and_page_size_pass_through():
     assert all((s.kv_layout, s.page_size) == ("HND", 64) for s in specs)
 
 
+def test_kv_dtype_passes_through_for_an_fp8_cache():
+    specs = model_specs(config("gpt-oss-20b"), kv_dtype="fp8")
+    assert len(specs) == 2
+    assert all((s.q_dtype, s.kv_dtype) == ("bfloat16", "float8_e4m3fn") for s in specs)
+    assert model_specs(config("gpt-oss-20b"), kv_dtype=None) == model_specs(config("gpt-oss-20b"))
+    with pytest.raises(ValueError, match=r"kv_dtype='float16': must equal q_dtype='bfloat16'"):
+        model_specs(config("gpt-oss-20b"), kv_dtype="float16")
+
+
 def test_bad_kv_layout_names_source_and_kind():
     with pytest.raises(ValueError, match=r"llama-3-8b\.json: layer kind 'full_attention'.*kv_layout='XYZ'"):
         model_specs(config("llama-3-8b"), kv_layout="XYZ")
