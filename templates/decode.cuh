@@ -48,7 +48,11 @@ struct DecodeTraits {
   // Enough key slots for ~128 threads, rounded so the block is whole warps.
   static constexpr int kBdz = round_up(ceil_div(128, kBdx * kBdy), 32 / gcd(kBdx * kBdy, 32));
   static constexpr int kThreads = kBdx * kBdy * kBdz;
-  static constexpr int kMinBlocksPerSM = JITATTN_DECODE_MIN_BLOCKS;  // register cap: memory-bound, occupancy first
+  // Register cap (memory-bound: occupancy first). JITATTN_DECODE_MIN_BLOCKS (4) was measured on a
+  // 16-bit cache (Gemma-2); an FP8 cache (2.16 -> 2.12 TB/s at 4) and key transforms (rope: 0 -> 64-166
+  // bytes spilled at 4's 128 registers, ptxas) keep 8a22a21's 3.
+  static constexpr int kMinBlocksPerSM =
+      sizeof(DTypeKV) == 2 && !S::kHasKTransform ? JITATTN_DECODE_MIN_BLOCKS : 3;
   // Scores of kKeysPerThread keys x kHeadsPerThread heads stay in registers: at most 32 of them.
   static constexpr int kKeysPerThread =
       cmax(1, cmin(cmin(ceil_div(32, kBdz), 32 / kHeadsPerThread), JITATTN_DECODE_MAX_KEYS_PER_THREAD));

@@ -133,10 +133,12 @@ struct DecodeMmaTraits {
   static constexpr bool kFp8Loader = JITATTN_FP8_LOADER && kFp8 && !kWholeWindow && kThreads % kKvChunks == 0 &&
                                      (kTileKeys * kKvChunks) % kThreads == 0 && (kThreads / kKvChunks) % 8 == 0;
   // Rows are unpadded and XOR-swizzled (load_kv_rows_paged) where a row is 8k chunks: whole-window rows
-  // always, pipeline rows under JITATTN_DECODE_MMA_SWIZZLE (16-bit) / JITATTN_FP8_SWIZZLE (FP8), both
-  // on by default.
+  // always, pipeline rows under JITATTN_DECODE_MMA_SWIZZLE (16-bit, head dims <= 128: measured there)
+  // / JITATTN_FP8_SWIZZLE (FP8), both on by default. 16-bit hd 256 keeps padded rows: swizzled, the
+  // gemma-3-1b decode (group 4) spilled 140 bytes at 255 registers against 48 padded (ptxas, sm_90a),
+  // and no hd 256 tensor-core decode was timed either way.
   static constexpr bool kSwizzle =
-      (kWholeWindow || (kFp8 ? JITATTN_FP8_SWIZZLE : JITATTN_DECODE_MMA_SWIZZLE)) && kKvChunks % 8 == 0;
+      (kWholeWindow || (kFp8 ? JITATTN_FP8_SWIZZLE : JITATTN_DECODE_MMA_SWIZZLE && kHeadDim <= 128)) && kKvChunks % 8 == 0;
   // K/V rows in KV elements; padded by 16 bytes (hd 80, 96, ...): conflict-free ldmatrix (8 rows hit 8
   // distinct bank groups).
   static constexpr int kRowStride = kSwizzle ? kHeadDim : kHeadDim + 16 / static_cast<int>(sizeof(KV));
