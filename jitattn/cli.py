@@ -684,6 +684,14 @@ def bench(ctx: typer.Context) -> None:
     args = list(ctx.args)
     cpu_ok = {"--list", "--from-json", "--compile-only", "-h", "--help"}
     problem = None if any(a.split("=")[0] in cpu_ok for a in args) else gpu_problem()
+    if problem and not problem.startswith("torch is not installed"):
+        from jitattn import bench as bench_module
+
+        try:  # a usage error (--case nope, a bad --model) is named first: no GPU would not fix it
+            parsed = bench_module.parse_args(args)
+            bench_module.select_cases(parsed.case, parsed.model)
+        except bench_module.BenchUsageError as exc:
+            _fail(str(exc).strip().replace("\n", " "))
     if problem:
         _fail(f"jitattn bench runs kernels on a CUDA GPU, and cannot here: {problem} "
               f"(--list, --from-json and --compile-only work without one)")

@@ -295,6 +295,18 @@ def test_bench_without_gpu_says_so(tmp_path):
     assert proc.stderr.startswith("jitattn: error: jitattn bench runs kernels on a CUDA GPU, and cannot here:")
 
 
+def test_bench_names_an_unknown_case_before_the_missing_gpu(tmp_path):
+    """``bench --case nope`` on a machine without a GPU: the unknown case is the error (exit 2), since a
+    GPU would not fix it."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    proc = jitattn("bench", "--case", "nope", cache=tmp_path / "c")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("jitattn: error: --case 'nope' matches no case")
+
+
 def test_bench_forwards_its_arguments(monkeypatch):
     from typer.testing import CliRunner
 
