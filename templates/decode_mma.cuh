@@ -364,6 +364,56 @@ __device__ __forceinline__ void decode_mma_out_pair(const float (&o)[N][4], int 
 // The whole-window kernel's compute and epilogue when the head dims are split over the warps
 // (DecodeMmaTraits::kSplitDims): keys [lo, hi) are rows 0.. of sk / sv (swizzled when T::kSwizzle),
 // all landed; qf holds Q's A fragments.
+// One online-softmax step of a warp over kN n-tiles of 8 keys from key0 (S's accumulators in s, rows
+// g and g + 8 of the m16 tile): the logit transform (scaled by qk_scale per row half) and the masks
+// (keys at or past hi, custom masks) on each score, then with softmax the running max and sum, o's
+// rescaling and s turned into exp2 weights. Shared by the whole-window split-dims loop and the tile
+// pipeline (FlashAttention-2's online softmax, Dao 2023, sec. 3.1).
+template <class S, class T, int kN, int kDTiles>
+__device__ __forceinline__ void decode_mma_softmax_step(const Params& p, float (&s)[kN][4], SoftmaxState (&st)[2],
+                                                        float (&o)[kDTiles][4], const float (&qk_scale)[2], int batch,
+                                                        int kv_head, int qo_idx, int kv_len, int key0, int hi, int g,
+                                                        int tig, bool& bad) {
+#pragma unroll
+  for (int r = 0; r < T::kRowHalves; ++r) {
+    const int head = kv_head * S::kGroupSize + min(g + 8 * r, S::kGroupSize - 1);
+    float tile_max = kNegInf;
+#pragma unroll
+    for (int n = 0; n < kN; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int kv_idx = key0 + n * 8 + 2 * tig + e;
+        float v = transform_logit<S>(p, s[n][2 * r + e] * qk_scale[r], batch, head, kv_head, qo_idx, kv_idx, 1, kv_len,
+                                     bad);
+        const bool ok = kv_idx < hi && custom_visible<S>(p, batch, head, kv_head, qo_idx, kv_idx, 1, kv_len, bad);
+        v = ok ? v : (S::kSoftmax ? kNegInf : 0.f);
+        s[n][2 * r + e] = v;
+        tile_max = fmaxf(tile_max, v);
+      }
+    if constexpr (S::kSoftmax) {
+      tile_max = group_max<4>(tile_max);
+      const float m_new = fmaxf(st[r].m, tile_max);
+      const float m_use = m_new == kNegInf ? 0.f : m_new;
+      const float alpha = rescale_factor(st[r].m, m_use);
+      st[r].m = m_new;
+      st[r].d *= alpha;
+#pragma unroll
+      for (int d = 0; d < kDTiles; ++d) {
+        o[d][2 * r] *= alpha;
+        o[d][2 * r + 1] *= alpha;
+      }
+#pragma unroll
+      for (int n = 0; n < kN; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pe = fast_exp2(s[n][2 * r + e] - m_use);
+          s[n][2 * r + e] = pe;
+          st[r].d += pe;
+        }
+    }
+  }
+}
+
 template <class S>
 __device__ __forceinline__ void decode_mma_split_dims(const Params& p, const uint32_t (&qf)[S::kHeadDimQK / 16][4],
                                                       const float (&qk_scale)[2], const typename S::DTypeKV* sk,
@@ -408,44 +458,7 @@ __device__ __forceinline__ void decode_mma_split_dims(const Params& p, const uin
           mma_16816<MT>(s[2 * j + 1], qf[kk], b[2], b[3]);
         }
     }
-#pragma unroll
-    for (int r = 0; r < T::kRowHalves; ++r) {
-      const int head = kv_head * S::kGroupSize + min(g + 8 * r, S::kGroupSize - 1);
-      float tile_max = kNegInf;
-#pragma unroll
-      for (int n = 0; n < kN; ++n)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int kv_idx = lo + c0 + n * 8 + 2 * tig + e;
-          float v = transform_logit<S>(p, s[n][2 * r + e] * qk_scale[r], batch, head, kv_head, qo_idx, kv_idx, 1, kv_len,
-                                       bad);
-          const bool ok = kv_idx < hi && custom_visible<S>(p, batch, head, kv_head, qo_idx, kv_idx, 1, kv_len, bad);
-          v = ok ? v : (S::kSoftmax ? kNegInf : 0.f);
-          s[n][2 * r + e] = v;
-          tile_max = fmaxf(tile_max, v);
-        }
-      if constexpr (S::kSoftmax) {
-        tile_max = group_max<4>(tile_max);
-        const float m_new = fmaxf(st[r].m, tile_max);
-        const float m_use = m_new == kNegInf ? 0.f : m_new;
-        const float alpha = rescale_factor(st[r].m, m_use);
-        st[r].m = m_new;
-        st[r].d *= alpha;
-#pragma unroll
-        for (int d = 0; d < T::kWarpDTiles; ++d) {
-          o[d][2 * r] *= alpha;
-          o[d][2 * r + 1] *= alpha;
-        }
-#pragma unroll
-        for (int n = 0; n < kN; ++n)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float pe = fast_exp2(s[n][2 * r + e] - m_use);
-            s[n][2 * r + e] = pe;
-            st[r].d += pe;
-          }
-      }
-    }
+    decode_mma_softmax_step<S, T>(p, s, st, o, qk_scale, batch, kv_head, qo_idx, kv_len, lo + c0, hi, g, tig, bad);
 #pragma unroll
     for (int j = 0; j < kN / 2; ++j) {  // P of 16 keys as the A operand of one k-step
       uint32_t a[4];
@@ -697,44 +710,7 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
         mma_16816<MT>(s[1], qf[kk], b[2], b[3]);
       }
     }
-#pragma unroll
-    for (int r = 0; r < T::kRowHalves; ++r) {
-      const int head = kv_head * S::kGroupSize + min(g + 8 * r, S::kGroupSize - 1);
-      float tile_max = kNegInf;
-#pragma unroll
-      for (int n = 0; n < kN; ++n)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int kv_idx = key0 + n * 8 + 2 * tig + e;
-          float v = transform_logit<S>(p, s[n][2 * r + e] * qk_scale[r], batch, head, kv_head, qo_idx, kv_idx, 1, kv_len,
-                                       bad);
-          const bool ok = kv_idx < hi && custom_visible<S>(p, batch, head, kv_head, qo_idx, kv_idx, 1, kv_len, bad);
-          v = ok ? v : (S::kSoftmax ? kNegInf : 0.f);
-          s[n][2 * r + e] = v;
-          tile_max = fmaxf(tile_max, v);
-        }
-      if constexpr (S::kSoftmax) {
-        tile_max = group_max<4>(tile_max);
-        const float m_new = fmaxf(st[r].m, tile_max);
-        const float m_use = m_new == kNegInf ? 0.f : m_new;
-        const float alpha = rescale_factor(st[r].m, m_use);
-        st[r].m = m_new;
-        st[r].d *= alpha;
-#pragma unroll
-        for (int d = 0; d < T::kDTiles; ++d) {
-          o[d][2 * r] *= alpha;
-          o[d][2 * r + 1] *= alpha;
-        }
-#pragma unroll
-        for (int n = 0; n < kN; ++n)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float pe = fast_exp2(s[n][2 * r + e] - m_use);
-            s[n][2 * r + e] = pe;
-            st[r].d += pe;
-          }
-      }
-    }
+    decode_mma_softmax_step<S, T>(p, s, st, o, qk_scale, batch, kv_head, qo_idx, kv_len, key0, hi, g, tig, bad);
 #pragma unroll
     for (int j = 0; j < kN / 2; ++j) {
       uint32_t a[4];  // P as the A operand: two n-tiles' accumulators (16 keys) form one k-step

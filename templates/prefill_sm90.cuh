@@ -193,6 +193,19 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int count) {
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// P (the S accumulators of a 64 x kN tile, one warpgroup's wgmma layout) as register A fragments of
+// O += P V: n8 groups 2kk and 2kk + 1 form k-step kk.
+template <class DT, int kSRegs, int kSteps>
+__device__ __forceinline__ void pack_p_fragments(const float (&s)[kSRegs], uint32_t (&a)[kSteps][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) {
+    a[kk][0] = pack2<DT>(s[(2 * kk) * 4 + 0], s[(2 * kk) * 4 + 1]);
+    a[kk][1] = pack2<DT>(s[(2 * kk) * 4 + 2], s[(2 * kk) * 4 + 3]);
+    a[kk][2] = pack2<DT>(s[(2 * kk + 1) * 4 + 0], s[(2 * kk + 1) * 4 + 1]);
+    a[kk][3] = pack2<DT>(s[(2 * kk + 1) * 4 + 2], s[(2 * kk + 1) * 4 + 3]);
+  }
+}
+
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
@@ -594,13 +607,7 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
         }
       }
       // P as register A fragments of O += P V (n8 groups 2kk, 2kk + 1 = k-step kk).
-#pragma unroll
-      for (int kk = 0; kk < kN / 16; ++kk) {
-        a[kk][0] = pack2<DT>(s[(2 * kk) * 4 + 0], s[(2 * kk) * 4 + 1]);
-        a[kk][1] = pack2<DT>(s[(2 * kk) * 4 + 2], s[(2 * kk) * 4 + 3]);
-        a[kk][2] = pack2<DT>(s[(2 * kk + 1) * 4 + 0], s[(2 * kk + 1) * 4 + 1]);
-        a[kk][3] = pack2<DT>(s[(2 * kk + 1) * 4 + 2], s[(2 * kk + 1) * 4 + 3]);
-      }
+      pack_p_fragments<DT>(s, a);
     };
 
     for (int j = 0; j < j_lo; ++j) skip_tile(j);
@@ -736,13 +743,7 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
     {
       const uint64_t v_desc = swizzled_desc<kWV>(stage_v(stage), kN * kWV * 2);
       uint32_t a[kN / 16][4];
-#pragma unroll
-      for (int kk = 0; kk < kN / 16; ++kk) {
-        a[kk][0] = pack2<DT>(s[(2 * kk) * 4 + 0], s[(2 * kk) * 4 + 1]);
-        a[kk][1] = pack2<DT>(s[(2 * kk) * 4 + 2], s[(2 * kk) * 4 + 3]);
-        a[kk][2] = pack2<DT>(s[(2 * kk + 1) * 4 + 0], s[(2 * kk + 1) * 4 + 1]);
-        a[kk][3] = pack2<DT>(s[(2 * kk + 1) * 4 + 2], s[(2 * kk + 1) * 4 + 3]);
-      }
+      pack_p_fragments<DT>(s, a);
       wgmma_fence_operands(o);
       wgmma_fence();
 #pragma unroll
