@@ -262,6 +262,19 @@ def _check_kernel_layout(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.T
             _fail(f"{name}: must be contiguous")
 
 
+def check_flag(name: str, value: Any) -> bool:
+    """A boolean call option (``return_lse``, ``validate``): ``True`` or ``False`` (numpy's bool too).
+
+    A truthy stand-in such as ``"yes"`` or ``1`` is refused rather than read: ``"no"`` would be true.
+
+    Raises:
+        ValueError: naming the argument and the value.
+    """
+    if type(value).__name__ not in ("bool", "bool_"):
+        _fail(f"{name}={value!r}: expected True or False")
+    return bool(value)
+
+
 def check_scale(name: str, value: Any) -> float:
     """An FP8 dequantisation scale (``k_scale`` / ``v_scale``): a positive finite Python number.
 

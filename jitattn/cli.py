@@ -313,7 +313,7 @@ def warmup(
     spec: SpecOpt = None,
     arch: ArchOpt = None,
     jobs: Annotated[Optional[int], typer.Option(
-        "--jobs", "-j", min=1, help="Compiles at once. Default: cores, at most one per 2 GiB of free memory.")] = None,
+        "--jobs", "-j", help="Compiles at once. Default: cores, at most one per 2 GiB of free memory.")] = None,
     dtype: DtypeOpt = None,
     page_size: PageSizeOpt = 16,
     kv_layout: KvLayoutOpt = "NHD",
@@ -326,6 +326,8 @@ def warmup(
     with _usage_errors():
         if not model and not spec:
             raise UsageError("nothing to build: pass --model CONFIG.json and/or --spec JSON_OR_FILE")
+        if jobs is not None and jobs < 1:
+            raise UsageError(f"--jobs {jobs}: expected a number of compiles >= 1 (or leave it out for the default)")
         targets = collect_targets(model or [], spec or [], dtype=dtype, page_size=page_size, kv_layout=kv_layout,
                                   kv_dtype=kv_dtype)
         archs = resolve_archs(arch or [])

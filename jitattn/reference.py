@@ -19,8 +19,8 @@ from typing import Mapping
 
 import torch
 
-from jitattn.checks import (check_metadata_values, check_paged_call, check_ragged_call, check_ragged_metadata_values,
-                            check_scales, check_spec)
+from jitattn.checks import (check_flag, check_metadata_values, check_paged_call, check_ragged_call,
+                            check_ragged_metadata_values, check_scales, check_spec)
 from jitattn.spec import AttentionSpec
 from jitattn.trace import ParamView
 from jitattn.variant import alibi_slopes as _alibi_slopes
@@ -261,7 +261,7 @@ def _attention(spec: AttentionSpec, q: torch.Tensor, query_start_loc: torch.Tens
     if spec.sinks and sinks is None:
         raise ValueError("sinks: the spec has sinks=True, so a float32 (num_qo_heads,) tensor is required")
     softmax = spec.variant is None or spec.variant.softmax
-    if return_lse and not softmax:
+    if check_flag("return_lse", return_lse) and not softmax:
         raise ValueError(f"return_lse=True: variant {spec.variant.name!r} has no softmax, so there is no lse")
     if spec.alibi and alibi_slopes is None:
         alibi_slopes = default_alibi_slopes(spec, q.device)

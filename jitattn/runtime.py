@@ -27,8 +27,8 @@ import torch
 from jitattn import cuda_driver
 from jitattn.build import archs_for_capability
 from jitattn.cache import CacheEntry, KernelCache
-from jitattn.checks import (check_metadata_values, check_paged_call, check_ragged_call, check_ragged_metadata_values,
-                            check_scales)
+from jitattn.checks import (check_flag, check_metadata_values, check_paged_call, check_ragged_call,
+                            check_ragged_metadata_values, check_scales)
 from jitattn.reference import default_alibi_slopes, torch_dtype
 from jitattn.render import KERNEL_NAMES, params_fields, params_layout
 from jitattn.spec import AttentionSpec
@@ -301,7 +301,7 @@ class JitKernel:
         call = check_paged_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc, sinks=sinks,
                                 alibi_slopes=alibi_slopes, params=params, out=out, for_kernel=True)
         self._check_device(q)
-        if validate:
+        if check_flag("validate", validate):
             check_metadata_values(spec, seq_lens, query_start_loc, block_table, call.num_pages, call.total_q)
             if max_query_len is not None:
                 longest = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if call.batch else 0
@@ -356,7 +356,7 @@ class JitKernel:
             ValueError: ``return_lse`` for a variant without softmax (there is no lse).
         """
         spec = self.spec
-        if return_lse and spec.variant is not None and not spec.variant.softmax:
+        if check_flag("return_lse", return_lse) and spec.variant is not None and not spec.variant.softmax:
             raise ValueError(f"return_lse=True: variant {spec.variant.name!r} has no softmax, so there is no lse")
         if spec.alibi and alibi_slopes is None:
             alibi_slopes = self._default_slopes
@@ -413,7 +413,7 @@ class JitKernel:
         call = check_ragged_call(spec, q, k, v, query_start_loc, kv_start_loc, sinks=sinks, alibi_slopes=alibi_slopes,
                                  params=params, out=out, for_kernel=True)
         self._check_device(q)
-        if validate:
+        if check_flag("validate", validate):
             check_ragged_metadata_values(query_start_loc, kv_start_loc, call.total_q, call.total_kv)
         total_q, batch = call.total_q, call.batch
         alibi_slopes, out, lse = self._outputs(q, total_q, alibi_slopes, return_lse, out)

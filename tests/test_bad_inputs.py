@@ -52,6 +52,8 @@ PAGED_CASES = [
     ("k_scale", lambda b: float("nan"), r"k_scale=nan: expected a positive finite Python float"),
     ("v_scale", lambda b: -1.0, r"v_scale=-1.0: expected a positive finite Python float"),
     ("sinks", lambda b: torch.zeros(4), r"sinks: given, but spec.sinks=False"),
+    # A truthy string was read as True: "no" would have returned the lse too.
+    ("return_lse", lambda b: "no", r"return_lse='no': expected True or False"),
 ]
 
 
@@ -200,6 +202,8 @@ def test_ops_wrapper_refuses_scales_of_a_16_bit_cache():
         jitattn.ops.paged_attention(SPEC, *b.args(), k_scale=3.0, backend="reference")
     torch.testing.assert_close(jitattn.ops.paged_attention(SPEC, *b.args(), backend="reference"),
                                reference.paged_attention(SPEC, *b.args()))
+    with pytest.raises(ValueError, match=r"return_lse=1: expected True or False"):
+        jitattn.ops.paged_attention(SPEC, *b.args(), return_lse=1, backend="reference")
 
 
 NOT_SPECS = [("x", r"got str \(a JSON text becomes one through AttentionSpec.from_json\);"),

@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from jitattn.checks import (check_metadata_values, check_paged_call, check_ragged_call, check_ragged_metadata_values,
-                            check_scales)
+from jitattn.checks import (check_flag, check_metadata_values, check_paged_call, check_ragged_call,
+                            check_ragged_metadata_values, check_scales)
 from jitattn.reference import torch_dtype
 from jitattn.spec import AttentionSpec
 
@@ -22,7 +22,12 @@ def new_out(spec: AttentionSpec, q: torch.Tensor, out: torch.Tensor | None) -> t
 
 def finish(result: torch.Tensor, lse: torch.Tensor | None, out: torch.Tensor | None,
            return_lse: bool) -> Any:
-    """Copy ``result`` into ``out`` when the caller gave one; return ``out`` (and lse) per the contract."""
+    """Copy ``result`` into ``out`` when the caller gave one; return ``out`` (and lse) per the contract.
+
+    Raises:
+        ValueError: ``return_lse`` is not a bool.
+    """
+    check_flag("return_lse", return_lse)
     if out is not None and out is not result:
         out.copy_(result)
         result = out
