@@ -8,7 +8,10 @@ tile shapes) is read from the cubin itself, never re-derived in Python.
 
 One call of :meth:`JitKernel.paged_attention` serves a mixed batch: sequences that bring one query
 go to the decode kernel (split-KV when the batch cannot fill the GPU), the rest to the prefill
-kernel, from the same ``query_start_loc`` / ``seq_lens`` metadata. A ragged spec
+kernel, from the same ``query_start_loc`` / ``seq_lens`` metadata. The two kernels write disjoint
+rows, so the decode kernel runs on a side stream forked from the caller's and joined back before the
+call returns: the prefill blocks take each SM the memory-bound decode leaves instead of waiting for
+its last wave. A ragged spec
 (``kv_storage="ragged"``) has only the prefill kernel: :meth:`JitKernel.ragged_attention` launches
 it once for every row of the batch, one-query rows included.
 """
@@ -37,6 +40,9 @@ _GEOMETRY = ("decode_threads", "decode_smem", "decode_tile_keys", "prefill_threa
              "prefill_block_m", "prefill_block_n", "params_size")
 MAX_SPLITS = 64  # kMaxSplits in templates/decode.cuh
 _DEFAULT_SMEM_LIMIT = 48 * 1024
+# A call that may hold prefill rows runs its decode kernel on a side stream beside the prefill kernel
+# (JitKernel.mixed_on_two_streams; False: both on the caller's stream, one after the other).
+MIXED_ON_TWO_STREAMS = True
 
 
 _STRUCT_CODE = {"ptr": "Q", "i64": "q", "i32": "i", "f32": "f"}
@@ -228,6 +234,8 @@ class JitKernel:
         self._default_slopes = default_alibi_slopes(spec, self.device) if spec.alibi else None
         self._split_counters: dict[int, torch.Tensor] = {}  # stream handle -> fused-merge counters
         self._retired_counters: list[torch.Tensor] = []  # outgrown buffers that captured graphs may still use
+        self._side_streams: dict[int, torch.cuda.Stream] = {}  # caller's stream handle -> its decode stream
+        self.mixed_on_two_streams = MIXED_ON_TWO_STREAMS
 
     def max_decode_keys(self, max_pages_per_seq: int) -> int:
         """Most keys one decode row can read: the page table's capacity, or the window if smaller."""
@@ -262,6 +270,19 @@ class JitKernel:
             buf = torch.zeros(max(pairs, 1024), dtype=torch.int32, device=self.device)
             self._split_counters[stream] = buf
         return buf
+
+    def side_stream(self) -> torch.cuda.Stream:
+        """The stream a mixed batch's decode kernel runs on beside the caller's (one per caller stream).
+
+        High priority, so the decode blocks are dispatched before the prefill blocks waiting beside
+        them; the prefill kernel then fills each SM the decode leaves (see ``paged_attention``).
+        """
+        main = torch.cuda.current_stream(self.device).cuda_stream
+        side = self._side_streams.get(main)
+        if side is None:
+            side = torch.cuda.Stream(self.device, priority=-1)  # lower is higher
+            self._side_streams[main] = side
+        return side
 
     def _launch(self, name: str, grid: tuple[int, int, int], block: int, smem: int, args: bytes) -> None:
         stream = torch.cuda.current_stream(self.device).cuda_stream
@@ -314,31 +335,41 @@ class JitKernel:
         if total_q == 0:
             return (out, lse) if return_lse else out
         splits = self.num_splits(batch, self.max_decode_keys(call.max_pages_per_seq))
-        partial_o = partial_lse = counters = None
-        if splits > 1:
-            counters = self.split_counters(batch * spec.num_kv_heads)
-            partial_o = torch.empty(splits, batch, spec.num_qo_heads, spec.head_dim_vo, dtype=torch.float32,
-                                    device=q.device)
-            partial_lse = torch.empty(splits, batch, spec.num_qo_heads, dtype=torch.float32, device=q.device)
         decode_only = max_query_len == 1
-        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-        args = self._pack(params, {
-            "q": ptr(q), "kv_cache": ptr(kv_cache), "o": ptr(out), "lse": ptr(lse), "block_table": ptr(block_table),
-            "seq_lens": ptr(seq_lens), "query_start_loc": ptr(query_start_loc), "sinks": ptr(sinks),
-            "alibi_slopes": ptr(alibi_slopes), "partial_o": ptr(partial_o), "partial_lse": ptr(partial_lse),
-            "split_counters": ptr(counters),
-            "q_stride_token": q.stride(0), "q_stride_head": q.stride(1), "kv_stride_page": kv_cache.stride(0),
-            "kv_stride_kv": kv_cache.stride(1), "block_table_stride": block_table.stride(0), "batch_size": batch,
-            "total_q": total_q, "num_pages": call.num_pages, "num_splits": splits, "prefill_skip_decode_rows": 1,
-            "k_scale": scales[0], "v_scale": scales[1],
-        })
+        main = torch.cuda.current_stream(self.device)
+        # A batch that may hold prefill rows launches both kernels; they write disjoint rows of out / lse
+        # and share no scratch, so the decode runs on a side stream, forked from and joined back into
+        # the caller's (a fork / join that CUDA graph capture records as two branches).
+        side = None if decode_only or not self.mixed_on_two_streams else self.side_stream()
+        if side is not None:
+            side.wait_stream(main)
         g = self.geometry
-        # With split_counters set, the last split of each (sequence, kv head) merges the partials
-        # (merge_splits_last_block): no merge launch.
-        self._launch("decode", (splits, spec.num_kv_heads, batch), g["decode_threads"], g["decode_smem"], args)
+        with torch.cuda.stream(side or main):  # the split scratch belongs to the stream that uses it
+            partial_o = partial_lse = counters = None
+            if splits > 1:
+                counters = self.split_counters(batch * spec.num_kv_heads)
+                partial_o = torch.empty(splits, batch, spec.num_qo_heads, spec.head_dim_vo, dtype=torch.float32,
+                                        device=q.device)
+                partial_lse = torch.empty(splits, batch, spec.num_qo_heads, dtype=torch.float32, device=q.device)
+            ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+            args = self._pack(params, {
+                "q": ptr(q), "kv_cache": ptr(kv_cache), "o": ptr(out), "lse": ptr(lse),
+                "block_table": ptr(block_table), "seq_lens": ptr(seq_lens), "query_start_loc": ptr(query_start_loc),
+                "sinks": ptr(sinks), "alibi_slopes": ptr(alibi_slopes), "partial_o": ptr(partial_o),
+                "partial_lse": ptr(partial_lse), "split_counters": ptr(counters),
+                "q_stride_token": q.stride(0), "q_stride_head": q.stride(1), "kv_stride_page": kv_cache.stride(0),
+                "kv_stride_kv": kv_cache.stride(1), "block_table_stride": block_table.stride(0), "batch_size": batch,
+                "total_q": total_q, "num_pages": call.num_pages, "num_splits": splits, "prefill_skip_decode_rows": 1,
+                "k_scale": scales[0], "v_scale": scales[1],
+            })
+            # With split_counters set, the last split of each (sequence, kv head) merges the partials
+            # (merge_splits_last_block): no merge launch.
+            self._launch("decode", (splits, spec.num_kv_heads, batch), g["decode_threads"], g["decode_smem"], args)
         if not decode_only:
             tiles = math.ceil(total_q * spec.group_size / g["prefill_block_m"]) + batch
             self._launch("prefill", (tiles, spec.num_kv_heads, 1), g["prefill_threads"], g["prefill_smem"], args)
+        if side is not None:
+            main.wait_stream(side)
         return (out, lse) if return_lse else out
 
     def _check_device(self, q: torch.Tensor) -> None:

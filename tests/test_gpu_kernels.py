@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from jitattn import reference
-from jitattn.runtime import load_kernel
+from jitattn.runtime import MIXED_ON_TWO_STREAMS, load_kernel
 from jitattn.testing import random_paged_batch, relative_error
 from tests.conftest import GPU_TOL, precompile
 from tests.gpu_cases import all_cases
@@ -109,6 +109,35 @@ def test_decode_replays_in_cuda_graph(session_cache):
     torch.cuda.synchronize()
     ref = reference.paged_attention(case.spec, *batch.args())
     assert relative_error(out, ref) < 1e-2
+
+
+def test_mixed_batch_decode_on_a_side_stream(session_cache):
+    """A batch with prefill and decode rows runs its decode kernel on a side stream beside the prefill
+    kernel (fork / join): the same bits as both on one stream, and a CUDA graph captures both branches."""
+    case = next(c for c in CASES if c.name == "odd-lengths")
+    batch = random_paged_batch(case.spec, case.q_lens, case.kv_lens, device="cuda", seed=SEED)
+    kernel = load_kernel(case.spec)
+    assert kernel.num_splits(len(case.q_lens), kernel.max_decode_keys(batch.block_table.shape[1])) > 1
+    results = {}
+    try:
+        for two in (False, True):
+            kernel.mixed_on_two_streams = two
+            results[two] = kernel.paged_attention(*batch.args(), return_lse=True)
+        torch.cuda.synchronize()
+        assert torch.equal(results[False][0], results[True][0]) and torch.equal(results[False][1], results[True][1])
+        out = torch.empty_like(results[True][0])
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            kernel.paged_attention(*batch.args(), out=out)
+        batch.q.copy_(torch.randn_like(batch.q))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+    finally:
+        kernel.mixed_on_two_streams = MIXED_ON_TWO_STREAMS
+    ref = reference.paged_attention(case.spec, *batch.args())
+    assert not torch.isnan(out).any() and relative_error(out, ref) < TOL[case.spec.q_dtype]
 
 
 def test_kernel_refuses_bad_call_arguments_before_launch(session_cache):
