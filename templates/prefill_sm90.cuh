@@ -290,19 +290,16 @@ struct Sm90KvLoader {
       }
     }
   }
-  // cp.async of keys [start, start + kBlockN) (K and V) into two swizzled tiles; keys at or past `end`
-  // are zero-filled. `page` must hold fetch(start, end). Ragged rows: k / v row page[0] + row,
-  // token and head strides from Params (the sequence's bounds were checked by sequence_ok).
-  // load() for kFast128B. Thread (row0, sub) copies chunks sub + 4m of its rows: chunk c of row r sits at
-  // column block c / 8, byte (r * 8 + ((c % 8) ^ (r % 8))) * 16 of it. With sub < 4, (sub + 4m') ^ ph =
-  // (sub ^ ph) ^ 4m' (m' = m % 2), so the two in-block offsets are o0 and o0 ^ 64; column blocks
-  // (kBlockN * 128 bytes), passes (32 rows = 4096 bytes; 32 keeps r % 8) and V (the stage's V tile
-  // follows its K tile) are immediates.
+  // load() for kFast128B (same contract). Thread (row0, sub) copies chunks sub + 4m of its rows;
+  // chunk c of row r sits in column block c / 8 at byte (r * 8 + ((c % 8) ^ (r % 8))) * 16. With
+  // sub < 4, (sub + 4m') ^ ph = (sub ^ ph) ^ 4m' (m' = m % 2), so the two in-block offsets are o0 and
+  // o0 ^ 64; column blocks (kBlockN * 128 bytes), passes (32 rows = 4096 bytes; 32 keeps r % 8) and V
+  // (the stage's V tile follows its K tile) are immediates.
   __device__ __forceinline__ void load_128b(const Params& p, KV* sk, int kv_head, int start, int end,
                                             bool& bad) const {
     constexpr int kColBlock = T::kBlockN * 128, kVOff = T::kBlockN * T::kHeadDimQK * 2;
     const uint32_t o0 = smem_u32(sk) + row0 * 128 + ((sub ^ (row0 % 8)) * 16);
-    const uint32_t o1 = o0 ^ 64;  // smem_u32(sk) is 1024-aligned: the XOR stays inside the row
+    const uint32_t o1 = o0 ^ 64;  // a tile starts 1024-aligned: the XOR stays inside the 128-byte row
     static_for<kPasses>([&](auto i_const) {
       constexpr int i = decltype(i_const)::value;
       const int kv_idx = start + i * 32 + row0;
@@ -332,6 +329,9 @@ struct Sm90KvLoader {
       static_for<kChunksPerThread>(copy);
     });
   }
+  // cp.async of keys [start, start + kBlockN) (K and V) into two swizzled tiles; keys at or past `end`
+  // are zero-filled. `page` must hold fetch(start, end). Ragged rows: k / v row page[0] + row,
+  // token and head strides from Params (the sequence's bounds were checked by sequence_ok).
   __device__ __forceinline__ void load(const Params& p, KV* sk, KV* sv, int kv_head, int start, int end,
                                       bool& bad) const {
     if constexpr (kFast128B) {
