@@ -43,6 +43,7 @@ constexpr bool kPrefillSm90Ragged = true;
 // matrix but was slower without the overlap below (H200, 2026-11-29: hd128 causal 4x8192 305 vs 349
 // TFLOP/s, Gemma-2 310 vs 352: with a wait right after each MMA there is no softmax/MMA overlap inside
 // a warpgroup for the turns to protect), and no faster with it (hd128 404.1 vs 404.2; 68/68 GPU tests).
+// Again with the two-register K/V copies (kPrefillSm90FastLoad), same bench: 494.6 vs 494.8, no gain.
 constexpr bool kPrefillSm90PingPong = false;
 // Inside each consumer warpgroup, the S = Q K^T MMAs of tile j are issued before O += P V of tile j - 1
 // and the softmax of tile j runs while those P V MMAs run (FlashAttention-3, Shah et al. 2024,
@@ -52,11 +53,34 @@ constexpr bool kPrefillSm90PingPong = false;
 // kept (same bench): separate K and V barriers with cp.async.mbarrier.arrive arrivals (358 TFLOP/s),
 // no consumer-side proxy fence after the full wait (398: no gain).
 constexpr bool kPrefillSm90Overlap = true;
+// The producer's K/V copies addressed from two registers plus immediates on specs with 128-byte
+// swizzled K and V tiles of one width (Sm90KvLoader::kFast128B). H200, 2026-11-29, side by side with
+// cab859b in one run (jitattn bench, graph ms): hd128 causal 4 x 8192 paged 403.9 -> 496.8 TFLOP/s,
+// ragged 397.2 -> 462.5, Gemma-2 hd256 353.5 -> 387.7. What showed the producer as the limit (same
+// device, cab859b's kernel, hd128 case): with the copies left out 582 TFLOP/s against 402, with
+// exp2 left out 401 (the MUFU is not it), with the O stores left out 417, each block's K/V walk done
+// twice 2x the time less 0.1 ms (little per-block start-up cost); ncu: the producer warps busy
+// issuing (about 20 instructions per cp.async) and the consumers' full-barrier wait the largest stall
+// after the wait for S.
+constexpr bool kPrefillSm90FastLoad = true;
 
 template <bool B>
 struct BoolConstant {
   static constexpr bool value = B;
 };
+
+template <int I>
+struct IntConstant {
+  static constexpr int value = I;
+};
+// f(IntConstant<0>{}), ..., f(IntConstant<N - 1>{}): a loop whose index is a compile-time constant.
+template <int N, int I = 0, class F>
+__device__ __forceinline__ void static_for(F&& f) {
+  if constexpr (I < N) {
+    f(IntConstant<I>{});
+    static_for<N, I + 1>(f);
+  }
+}
 
 template <class S>
 struct PrefillSm90Traits {
@@ -216,6 +240,14 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
+// cp.async of 16 bytes to shared address dst + kDst from gmem + kSrc bytes (src_size 0: zero-fill): the
+// offsets are immediates of the instruction, so a run of copies from one row shares two address registers.
+template <int kDst, int kSrc>
+__device__ __forceinline__ void cp_async_16_at(uint32_t dst, const void* gmem, int src_size) {
+  asm volatile("cp.async.cg.shared.global [%0+%1], [%2+%3], 16, %4;\n" ::"r"(dst), "n"(kDst), "l"(gmem), "n"(kSrc),
+               "r"(src_size));
+}
+
 // The producer warpgroup's K/V loader. 4 threads per key row (each 16-byte chunk sub + 4m, so a warp
 // instruction reads 64 contiguous bytes of 8 rows), 32 rows per pass: one page-table read per row and
 // thread, done one tile ahead (fetch) so the dependent read is off the path to the next cp.async.
@@ -228,6 +260,12 @@ template <class S>
 struct Sm90KvLoader {
   using T = PrefillSm90Traits<S>;
   using KV = typename S::DTypeKV;
+  // Specs with 128-byte swizzled K and V tiles of one width (head dims 64, 128, 192, 256; paged or
+  // ragged): every copy of a pass is addressed from two registers plus immediates (load_128b). The
+  // general path recomputes the swizzled offset and selects both pointers per 16-byte copy, about 20
+  // instructions per cp.async: on hd128 the producer warpgroup (one warp per scheduler) then took
+  // longer per tile than the consumers (kPrefillSm90FastLoad says what was measured).
+  static constexpr bool kFast128B = T::kSwizzle == 64 && T::kHeadDimQK == T::kHeadDimVO && kPrefillSm90FastLoad;
   static constexpr int kPasses = T::kBlockN / 32;
   static constexpr int kChunksPerThread = (T::kChunks + 3) / 4;  // the last one partial at 48, 80, ...
   static constexpr int kChunksPerThreadVO = (T::kChunksVO + 3) / 4;
@@ -252,11 +290,58 @@ struct Sm90KvLoader {
       }
     }
   }
+  // load() for kFast128B (same contract). Thread (row0, sub) copies chunks sub + 4m of its rows;
+  // chunk c of row r sits in column block c / 8 at byte (r * 8 + ((c % 8) ^ (r % 8))) * 16. With
+  // sub < 4, (sub + 4m') ^ ph = (sub ^ ph) ^ 4m' (m' = m % 2), so the two in-block offsets are o0 and
+  // o0 ^ 64; column blocks (kBlockN * 128 bytes), passes (32 rows = 4096 bytes; 32 keeps r % 8) and V
+  // (the stage's V tile follows its K tile) are immediates.
+  __device__ __forceinline__ void load_128b(const Params& p, KV* sk, int kv_head, int start, int end,
+                                            bool& bad) const {
+    constexpr int kColBlock = T::kBlockN * 128, kVOff = T::kBlockN * T::kHeadDimQK * 2;
+    const uint32_t o0 = smem_u32(sk) + row0 * 128 + ((sub ^ (row0 % 8)) * 16);
+    const uint32_t o1 = o0 ^ 64;  // a tile starts 1024-aligned: the XOR stays inside the 128-byte row
+    static_for<kPasses>([&](auto i_const) {
+      constexpr int i = decltype(i_const)::value;
+      const int kv_idx = start + i * 32 + row0;
+      const bool in = kv_idx < end;
+      const KV* kb;
+      const KV* vb;
+      if constexpr (S::kRagged) {
+        const long long r = page[0] + i * 32 + row0;
+        kb = (in ? p.k + r * p.k_stride_token + kv_head * p.k_stride_head : p.k) + sub * 8;
+        vb = (in ? p.v + r * p.v_stride_token + kv_head * p.v_stride_head : p.v) + sub * 8;
+      } else {
+        kb = (in ? kv_row_in_page<S>(p, page[i], kv_head, kv_idx, 0, bad) : p.kv_cache) + sub * 8;
+        vb = kb + p.kv_stride_kv;
+      }
+      const int src_size = in ? 16 : 0;
+      auto copy = [&](auto m_const) {
+        constexpr int m = decltype(m_const)::value;
+        constexpr int kDst = (m / 2) * kColBlock + i * 4096;
+        if constexpr (m % 2 == 0) {
+          cp_async_16_at<kDst, m * 64>(o0, kb, src_size);
+          cp_async_16_at<kDst + kVOff, m * 64>(o0, vb, src_size);
+        } else {
+          cp_async_16_at<kDst, m * 64>(o1, kb, src_size);
+          cp_async_16_at<kDst + kVOff, m * 64>(o1, vb, src_size);
+        }
+      };
+      static_for<kChunksPerThread>(copy);
+    });
+  }
   // cp.async of keys [start, start + kBlockN) (K and V) into two swizzled tiles; keys at or past `end`
   // are zero-filled. `page` must hold fetch(start, end). Ragged rows: k / v row page[0] + row,
   // token and head strides from Params (the sequence's bounds were checked by sequence_ok).
   __device__ __forceinline__ void load(const Params& p, KV* sk, KV* sv, int kv_head, int start, int end,
                                       bool& bad) const {
+    if constexpr (kFast128B) {
+      load_128b(p, sk, kv_head, start, end, bad);
+    } else {
+      load_general(p, sk, sv, kv_head, start, end, bad);
+    }
+  }
+  __device__ __forceinline__ void load_general(const Params& p, KV* sk, KV* sv, int kv_head, int start, int end,
+                                              bool& bad) const {
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const int row = i * 32 + row0, kv_idx = start + row;

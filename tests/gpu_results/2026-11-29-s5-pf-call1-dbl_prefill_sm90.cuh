@@ -1,0 +1,796 @@
+// jitattn: prefill / append over the paged KV cache or ragged K/V on Hopper warpgroup MMA (sm_90a only).
+//
+// Same contract and features as prefill_kernel (prefill.cuh): a block owns kBlockM packed query rows
+// of one KV head (GQA heads packed into rows), walks the visible K/V tiles, skips tiles outside the
+// causal/window bounds and masks elements on boundary tiles only, applies every Spec functor, writes
+// lse, gives rows that see no key 0 / -inf and rows of invalid sequences NaN. What differs is the
+// matrix engine: each consumer warpgroup (4 warps, 64 rows) computes S = Q K^T with
+// wgmma.mma_async m64nNk16 reading Q and K from shared memory through matrix descriptors, and
+// O += P V with P in registers (the A operand) and V from shared memory as an N-major B operand.
+// Q, K and V tiles are kept in a swizzled layout wgmma reads (PTX ISA, "Asynchronous Warpgroup Level
+// Matrix Shared Memory Layout"): a tile is stored as column blocks of kSwizzle elements (128-byte rows
+// when the head dim is a multiple of 64, 64-byte rows for the other multiples of 32 such as 96,
+// 32-byte rows for the odd multiples of 16); inside a block, row r's 16-byte chunks are permuted by
+// an XOR with r's phase in its 8-row group (swizzled_offset), and every 8-row group is one swizzle
+// atom. Warp specialisation: a last warpgroup only gathers the K/V rows (paged or ragged) into
+// kStages stages with cp.async and hands them over through mbarriers (prefill_sm90_kernel says how);
+// setmaxnreg moves its registers to the two (three at paged head dims 32, 48, 80, 96, 112) consumer
+// warpgroups. Served here (PrefillLaunch in attention.cu.j2 picks this kernel in the sm_90a cubin
+// only): 16-bit q/KV/o, head dims any multiple of 16 from 32 to 256, paged or ragged K/V
+// (kPrefillSm90Ragged). FP8 caches keep prefill_kernel.
+//
+// The wgmma m64nN fp32 accumulator of a warpgroup is, per warp, N/8 mma.sync m16n8 C fragments
+// (warp w owns rows 16w .. 16w + 15), and the register A operand of m64k16 is, per warp, an m16k16
+// mma.sync A fragment: the softmax, masking and functor code is prefill_kernel's, indexed [n * 4 + j].
+#pragma once
+
+#include "common.cuh"
+#include "decode.cuh"
+#include "prefill.cuh"
+#include "variant.cuh"
+#include "wgmma_sm90.cuh"
+
+namespace jitattn {
+
+// Dispatch switch read by PrefillLaunch (attention.cu.j2). On since this version passed the GPU test
+// matrix on the H200 (GPU_TESTS.md, 2026-11-29) and ran faster than prefill_kernel (BENCHMARKS.md).
+constexpr bool kPrefillSm90Enabled = true;
+// Ragged (contiguous varlen) K/V on this kernel too: the producer reads k / v rows through
+// kv_start_loc and the token / head strides instead of the page table; head_dim_qk may differ from
+// head_dim_vo (e.g. 192 / 128).
+constexpr bool kPrefillSm90Ragged = true;
+// Consumer warpgroups take turns issuing their MMAs (see prefill_sm90_kernel). Off: it passed the GPU
+// matrix but was slower without the overlap below (H200, 2026-11-29: hd128 causal 4x8192 305 vs 349
+// TFLOP/s, Gemma-2 310 vs 352: with a wait right after each MMA there is no softmax/MMA overlap inside
+// a warpgroup for the turns to protect), and no faster with it (hd128 404.1 vs 404.2; 68/68 GPU tests).
+constexpr bool kPrefillSm90PingPong = false;
+// Inside each consumer warpgroup, the S = Q K^T MMAs of tile j are issued before O += P V of tile j - 1
+// and the softmax of tile j runs while those P V MMAs run (FlashAttention-3, Shah et al. 2024,
+// sec. 3.2). H200, 2026-11-29, hd128 causal 4x8192: 348 -> 404 TFLOP/s (ping-pong on top: 404, no
+// gain). Specs with a key transform keep the loop without overlap (both warpgroups transform each
+// tile in place between two barriers), and so do two-stage specs (see kOverlap). Tried on top and not
+// kept (same bench): separate K and V barriers with cp.async.mbarrier.arrive arrivals (358 TFLOP/s),
+// no consumer-side proxy fence after the full wait (398: no gain).
+constexpr bool kPrefillSm90Overlap = true;
+
+template <bool B>
+struct BoolConstant {
+  static constexpr bool value = B;
+};
+
+template <class S>
+struct PrefillSm90Traits {
+  using DT = typename S::DTypeQ;
+  // Q and K rows are kHeadDimQK wide, V and O rows kHeadDimVO (they differ only for ragged specs, e.g.
+  // 192 / 128); tile shapes and warpgroup counts follow the wider of the two (kHeadDim).
+  static constexpr int kHeadDimQK = S::kHeadDimQK, kHeadDimVO = S::kHeadDimVO;
+  static constexpr int kHeadDim = kHeadDimQK > kHeadDimVO ? kHeadDimQK : kHeadDimVO;
+  // Specs this kernel serves (the rest keep prefill_kernel): 16-bit q and KV of one type, head dims
+  // that are multiples of 16 from 32 to 256 (what AttentionSpec allows).
+  static constexpr bool kSupported = sizeof(DT) == 2 && sizeof(typename S::DTypeKV) == 2 &&
+                                     sizeof(typename S::DTypeO) == 2 && kHeadDimQK % 16 == 0 && kHeadDimQK >= 32 &&
+                                     kHeadDimQK <= 256 && kHeadDimVO % 16 == 0 && kHeadDimVO >= 32 && kHeadDimVO <= 256;
+  // Swizzle width in elements: the widest wgmma layout (128, 64 or 32 bytes per row of a column
+  // block) whose rows tile the head dim. 64 (128-byte swizzle) for head dims 64, 128, 192, 256; 32
+  // (64-byte) for 32, 96, 160, 224; 16 (32-byte) for the odd multiples of 16 (48, 80, ...).
+  // kSwizzle: Q and K tiles; kSwizzleVO: V tiles.
+  static constexpr int swizzle_for(int d) { return d % 64 == 0 ? 64 : d % 32 == 0 ? 32 : 16; }
+  static constexpr int kSwizzle = swizzle_for(kHeadDimQK);
+  static constexpr int kSwizzleVO = swizzle_for(kHeadDimVO);
+  // Warp specialisation (FlashAttention-3's layout): warpgroups 0 .. kConsumerWGs - 1 compute, 64 rows
+  // each; the last warpgroup only loads K/V (cp.async into the stages) and runs on few registers.
+  // Three consumer warpgroups (192 rows, 96-key tiles, as FlashAttention-3 at head dim 96) for the
+  // paged specs of head dims up to 112 that are not multiples of 64, two otherwise. H200, 2026-11-29,
+  // Phi-3 hd96 causal 4 x 8192: 349 TFLOP/s with two (128 x 128 tiles), 387 with three. At three, 160
+  // registers per consumer thread: hd96 spills 12-28 bytes (plain) to 108 (ALiBi + windows); ragged
+  // specs keep two, where tests/test_ragged.py asks for no spills.
+  static constexpr int kConsumerWGs = !S::kRagged && kHeadDim % 64 != 0 && kHeadDim <= 112 ? 3 : 2;
+  static constexpr int kConsumerThreads = 128 * kConsumerWGs;
+  static constexpr int kThreads = kConsumerThreads + 128;
+  static constexpr int kBlockM = 64 * kConsumerWGs;     // packed query rows per block
+  // Keys per tile: S (kBlockN / 2 floats per thread) and O (kHeadDim / 2) share the registers (at
+  // three consumer warpgroups, 160 each: 128-key tiles spilled 164 bytes at hd96, 96-key tiles 28).
+  static constexpr int kBlockN = kConsumerWGs == 3 ? 96 : kHeadDim <= 128 ? 128 : 64;
+  // K/V stages in flight: three where they fit beside Q (up to head_dim 224; 230 KB at 128), else
+  // two (head dims 240, 256).
+  static constexpr int kSmemLimit = 227 * 1024 - 256;
+  static constexpr int kMaxStages =
+      (kSmemLimit - 1024 - kBlockM * kHeadDimQK * 2) / (2 * kBlockN * (kHeadDimQK + kHeadDimVO));
+  static constexpr int kStages = kMaxStages < 3 ? 2 : 3;
+  // setmaxnreg: 384 threads start at 168 registers; the producer gives most of its share to the
+  // consumers (40 x 128 + 232 x 256 = 168 x 384; at 24 the producer's page walk spilled). 512 threads
+  // (three consumer warpgroups) start at 128: 32 x 128 + 160 x 384 = 128 x 512.
+  static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : 40;
+  static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : 232;
+  static constexpr int kChunks = kHeadDimQK / 8;    // 16-byte chunks per Q / K row (a multiple of 2)
+  static constexpr int kChunksVO = kHeadDimVO / 8;  // per V row
+  static constexpr int kQBytes = kBlockM * kHeadDimQK * 2;
+  static constexpr int kStageBytes = kBlockN * (kHeadDimQK + kHeadDimVO) * 2;  // a K tile and a V tile
+  // +1024: the dynamic shared memory base is aligned up to a swizzle atom by hand.
+  static constexpr int kSmemBytes = kQBytes + kStages * kStageBytes + 1024;
+  static_assert(!kSupported || kSmemBytes <= kSmemLimit, "stages exceed the shared memory of one SM");
+  static constexpr int kNTiles = kBlockN / 8;   // n8 column groups of S
+  static constexpr int kDTiles = kHeadDimVO / 8;  // n8 column groups of O
+  static constexpr float kRescaleThreshold = 8.0f;
+  static_assert(!kSupported || (kHeadDimQK % kSwizzle == 0 && kHeadDimVO % kSwizzleVO == 0 && kBlockN % 32 == 0),
+                "tiles are whole swizzle columns");
+};
+
+// ---- wgmma (PTX ISA 9.7.15, sm_90a) ---------------------------------------------------------------
+// Element offset of (row, col) in a swizzled tile of kRows rows (16-bit elements): column blocks of
+// kW elements (rows of 2 * kW bytes: 128, 64 or 32), an 8-row group of a block is one swizzle atom
+// (1024, 512 or 256 bytes), and row r's 16-byte chunk c sits at chunk position c ^ phase(r), phase =
+// r % 8 (128-byte), (r % 8) / 2 (64-byte), (r % 8) / 4 (32-byte): the address bits 4.. XOR bits 7..
+// of the swizzle modes (CUTLASS Swizzle<3,4,3>, <2,4,3>, <1,4,3>). `col` % 8 keeps its place.
+template <int kRows, int kW>
+__device__ __forceinline__ int swizzled_offset(int row, int col) {
+  constexpr int kShift = kW == 64 ? 0 : kW == 32 ? 1 : 2;
+  static_assert(kW == 64 || kW == 32 || kW == 16, "swizzle widths: 128, 64 or 32 bytes");
+  return (col / kW) * kRows * kW + row * kW + ((((col % kW) / 8) ^ ((row % 8) >> kShift)) * 8) + (col % 8);
+}
+
+// Shared-memory matrix descriptor for a tile swizzled kW elements wide: start address, leading and
+// stride byte offsets (all >> 4), layout type in bits 62-63 (1: 128-byte, 2: 64-byte, 3: 32-byte
+// swizzle). K-major operands ignore the leading offset; for an N-major B it is the distance between
+// column blocks. The stride offset is between 8-row groups (one atom: 16 * kW bytes).
+template <int kW>
+__device__ __forceinline__ uint64_t swizzled_desc(const void* smem_ptr, uint32_t lead_bytes) {
+  constexpr uint64_t kLayout = kW == 64 ? 1 : kW == 32 ? 2 : 3;
+  constexpr uint32_t kStrideBytes = 16 * kW;
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem_ptr));
+  return static_cast<uint64_t>((a & 0x3FFFF) >> 4) | (static_cast<uint64_t>((lead_bytes >> 4) & 0x3FFF) << 16) |
+         (static_cast<uint64_t>((kStrideBytes >> 4) & 0x3FFF) << 32) | (kLayout << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Pins accumulator registers in place around asynchronous MMAs: the compiler must not read or move
+// them between an issue and its wait.
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operands(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// Ordinary (generic-proxy) writes to shared memory that wgmma (async proxy) reads next: cp.async
+// results and in-place transforms. Each writing thread fences before the barrier.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// wgmma_ss<N, DT> (A and B from shared memory) and wgmma_rs<N, DT> (A from registers): wgmma_sm90.cuh.
+
+
+// ---- mbarriers (PTX ISA 9.7.13.15), named barriers, setmaxnreg -------------------------------------
+__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+// Waits until the barrier's phase with this parity has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// bar.sync on barrier `id` (0 is __syncthreads) for `count` threads (whole warps).
+__device__ __forceinline__ void named_barrier_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+// bar.arrive: counts this warp towards barrier `id` without waiting.
+__device__ __forceinline__ void named_barrier_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// P (the S accumulators of a 64 x kN tile, one warpgroup's wgmma layout) as register A fragments of
+// O += P V: n8 groups 2kk and 2kk + 1 form k-step kk.
+template <class DT, int kSRegs, int kSteps>
+__device__ __forceinline__ void pack_p_fragments(const float (&s)[kSRegs], uint32_t (&a)[kSteps][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) {
+    a[kk][0] = pack2<DT>(s[(2 * kk) * 4 + 0], s[(2 * kk) * 4 + 1]);
+    a[kk][1] = pack2<DT>(s[(2 * kk) * 4 + 2], s[(2 * kk) * 4 + 3]);
+    a[kk][2] = pack2<DT>(s[(2 * kk + 1) * 4 + 0], s[(2 * kk + 1) * 4 + 1]);
+    a[kk][3] = pack2<DT>(s[(2 * kk + 1) * 4 + 2], s[(2 * kk + 1) * 4 + 3]);
+  }
+}
+
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// The producer warpgroup's K/V loader. 4 threads per key row (each 16-byte chunk sub + 4m, so a warp
+// instruction reads 64 contiguous bytes of 8 rows), 32 rows per pass: one page-table read per row and
+// thread, done one tile ahead (fetch) so the dependent read is off the path to the next cp.async.
+// 128-byte swizzle: the rows of a pass are permuted so that the two rows served by 8 consecutive
+// threads differ by 4: their swizzled chunk sets are disjoint (no shared-memory bank conflicts on the
+// writes). 64-byte swizzle: rows in order; the two rows of 8 threads (2k, 2k + 1) are 64 bytes apart,
+// on disjoint banks. 32-byte swizzle: rows in order, two-way conflicts on the writes (the two
+// column blocks of one chunk step share banks); head dims 48, 80, ... only.
+template <class S>
+struct Sm90KvLoader {
+  using T = PrefillSm90Traits<S>;
+  using KV = typename S::DTypeKV;
+  static constexpr int kPasses = T::kBlockN / 32;
+  static constexpr int kChunksPerThread = (T::kChunks + 3) / 4;  // the last one partial at 48, 80, ...
+  static constexpr int kChunksPerThreadVO = (T::kChunksVO + 3) / 4;
+  int row0;  // row of pass 0
+  int sub;   // first chunk
+  // Paged: the page of each pass's row. Ragged: page[0] is the row of k / v holding key `start` (a
+  // separate member for it changed the paged SASS: register allocation at hd256).
+  int page[kPasses];
+  __device__ __forceinline__ explicit Sm90KvLoader(int tid) {
+    const int q = tid / 4;
+    row0 = T::kSwizzle == 64 ? (q & ~7) | ((q & 6) >> 1) | ((q & 1) << 2) : q;
+    sub = tid % 4;
+  }
+  __device__ __forceinline__ void fetch(const Params& p, int batch, int start, int end) {
+    if constexpr (S::kRagged) {
+      page[0] = p.kv_start_loc[batch] + start;
+    } else {
+#pragma unroll
+      for (int i = 0; i < kPasses; ++i) {
+        const int kv_idx = start + i * 32 + row0;
+        page[i] = kv_idx < end ? page_of<S>(p, batch, kv_idx) : 0;
+      }
+    }
+  }
+  // cp.async of keys [start, start + kBlockN) (K and V) into two swizzled tiles; keys at or past `end`
+  // are zero-filled. `page` must hold fetch(start, end). Ragged rows: k / v row page[0] + row,
+  // token and head strides from Params (the sequence's bounds were checked by sequence_ok).
+  __device__ __forceinline__ void load(const Params& p, KV* sk, KV* sv, int kv_head, int start, int end,
+                                      bool& bad) const {
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int row = i * 32 + row0, kv_idx = start + row;
+      const bool in = kv_idx < end;
+      if constexpr (S::kRagged) {
+        const long long r = page[0] + row;
+        const KV* kb = in ? p.k + r * p.k_stride_token + kv_head * p.k_stride_head : p.k;
+        const KV* vb = in ? p.v + r * p.v_stride_token + kv_head * p.v_stride_head : p.v;
+#pragma unroll 2
+        for (int m = 0; m < kChunksPerThread; ++m) {
+          const int chunk = sub + 4 * m;
+          if (T::kChunks % 4 != 0 && chunk >= T::kChunks) break;
+          cp_async_16(sk + swizzled_offset<T::kBlockN, T::kSwizzle>(row, chunk * 8), in ? kb + chunk * 8 : p.k, in);
+        }
+#pragma unroll 2
+        for (int m = 0; m < kChunksPerThreadVO; ++m) {
+          const int chunk = sub + 4 * m;
+          if (T::kChunksVO % 4 != 0 && chunk >= T::kChunksVO) break;
+          cp_async_16(sv + swizzled_offset<T::kBlockN, T::kSwizzleVO>(row, chunk * 8), in ? vb + chunk * 8 : p.v, in);
+        }
+      } else {
+        const KV* base = in ? kv_row_in_page<S>(p, page[i], kv_head, kv_idx, 0, bad) : p.kv_cache;
+#pragma unroll 2  // fully unrolled, the hoisted 64-bit addresses spill at the producer's 40 registers
+        for (int m = 0; m < kChunksPerThread; ++m) {
+          const int chunk = sub + 4 * m;
+          if (T::kChunks % 4 != 0 && chunk >= T::kChunks) break;
+          const int off = swizzled_offset<T::kBlockN, T::kSwizzle>(row, chunk * 8);
+          cp_async_16(sk + off, in ? base + chunk * 8 : p.kv_cache, in);
+          cp_async_16(sv + off, in ? base + chunk * 8 + p.kv_stride_kv : p.kv_cache, in);
+        }
+      }
+    }
+  }
+};
+
+// Query (kIsQuery) or key transform in place on a swizzled tile of kRows rows, in rotate_half pairs
+// (prefill_transform_rows with swizzled addressing), by the consumer threads. Row r is packed query
+// row / key first + r.
+template <class S, bool kIsQuery, int kRows>
+__device__ __forceinline__ void prefill_sm90_transform_rows(const Params& p, typename S::DTypeQ* tile, int first,
+                                                            int end, int qo_base, int kv_head, int batch, bool& oob) {
+  using T = PrefillSm90Traits<S>;
+  using DT = typename T::DT;
+  constexpr int kHalf = T::kHeadDimQK / 2;
+  for (int i = threadIdx.x; i < kRows * kHalf; i += T::kConsumerThreads) {
+    const int r = i / kHalf, d = i % kHalf;
+    if (first + r >= end) continue;
+    DT* e0 = tile + swizzled_offset<kRows, T::kSwizzle>(r, d);
+    DT* e1 = tile + swizzled_offset<kRows, T::kSwizzle>(r, d + kHalf);
+    const float x0 = to_float(*e0), x1 = to_float(*e1);
+    float y0, y1;
+    if constexpr (kIsQuery) {
+      const PrefillRow q = prefill_row<S>(first + r, end, qo_base, kv_head);
+      y0 = S::query_transform(p, x0, -x1, batch, q.head, q.pos, d, oob);
+      y1 = S::query_transform(p, x1, x0, batch, q.head, q.pos, d + kHalf, oob);
+    } else {
+      y0 = S::key_transform(p, x0, -x1, batch, kv_head, first + r, d, oob);
+      y1 = S::key_transform(p, x1, x0, batch, kv_head, first + r, d + kHalf, oob);
+    }
+    *e0 = from_float<DT>(y0);
+    *e1 = from_float<DT>(y1);
+  }
+}
+
+// Pipeline: stage s of tile j (s = j % kStages) is filled by the producer, which arrives on full[s]
+// once its cp.async landed (and fenced for the async proxy); consumers wait on full[s] with parity
+// (j / kStages) & 1, run S = Q K^T, the softmax and O += P V on it, and arrive on empty[s]; the
+// producer waits on empty[s] before refilling it. No block-wide barrier inside the loop, so the two
+// consumer warpgroups drift apart and the tensor cores serve one while the other runs its softmax.
+template <class S>
+__device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = PrefillSm90Traits<S>;
+  using DT = typename T::DT;
+  constexpr int kN = T::kBlockN, kDQK = T::kHeadDimQK, kDVO = T::kHeadDimVO;
+  extern __shared__ __align__(16) uint8_t smem_sm90[];
+  __shared__ uint64_t full_bar[T::kStages], empty_bar[T::kStages];
+  __shared__ int bad_flag;
+  uint8_t* smem = smem_sm90 + ((1024u - (smem_u32(smem_sm90) & 1023u)) & 1023u);
+  DT* sq = reinterpret_cast<DT*>(smem);
+  DT* skv = reinterpret_cast<DT*>(smem + T::kQBytes);  // [stage][K (kN x QK) | V (kN x VO)], swizzled
+  auto stage_k = [&](int s) {
+    if constexpr (kDQK == kDVO) {
+      return skv + (2 * s) * kN * kDQK;
+    } else {
+      return skv + s * kN * (kDQK + kDVO);
+    }
+  };
+  auto stage_v = [&](int s) {
+    if constexpr (kDQK == kDVO) {
+      return skv + (2 * s + 1) * kN * kDQK;
+    } else {
+      return skv + s * kN * (kDQK + kDVO) + kN * kDQK;
+    }
+  };
+
+  int batch, tile;
+  if (!prefill_find_tile<S, T::kBlockM>(p, gridDim.x - 1 - blockIdx.x, batch, tile)) return;
+  const int kv_head = blockIdx.y;
+  const int q_start = p.query_start_loc[batch];
+  const int qo_len = p.query_start_loc[batch + 1] - q_start;
+  const int kv_len = kv_length<S>(p, batch);
+  const int packed0 = tile * T::kBlockM;
+  const int packed_end = min(qo_len * S::kGroupSize, packed0 + T::kBlockM);
+  const int qo_base = kv_len - qo_len;
+  const int pos_lo = qo_base + packed0 / S::kGroupSize;
+  const int pos_hi = qo_base + (packed_end - 1) / S::kGroupSize;
+  bool bad = !sequence_ok<S>(p, batch, qo_len, kv_len);
+  int kv_begin, kv_end;
+  visible_kv_range<S>(pos_lo, pos_hi, kv_len, kv_begin, kv_end);
+  if (bad) kv_end = kv_begin;
+  const int n_first = (kv_begin / kN) * kN;
+  const int num_tiles = kv_end > n_first ? ceil_div(kv_end - n_first, kN) : 0;
+
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < T::kStages; ++s) {
+      mbar_init(&full_bar[s], 128);
+      mbar_init(&empty_bar[s], T::kConsumerThreads);
+    }
+    bad_flag = 0;
+  }
+  __syncthreads();
+
+  if (threadIdx.x >= T::kConsumerThreads) {  // ---- producer warpgroup ----
+    setmaxnreg_dec<T::kProducerRegs>();
+    Sm90KvLoader<S> loader(threadIdx.x - T::kConsumerThreads);
+    if (num_tiles > 0) loader.fetch(p, batch, n_first, kv_end);
+    // Tile `pending` is issued but not yet published on full[]. Publishing it before blocking on
+    // empty[] matters with two stages: the consumers may be waiting for exactly that tile.
+    int pending = -1;
+    for (int j = 0; j < 2 * num_tiles; ++j) {
+      const int s = j % T::kStages;
+      if (j >= T::kStages) {
+        if (pending >= 0) {
+          cp_async_wait<0>();
+          fence_proxy_async();
+          mbar_arrive(&full_bar[pending % T::kStages]);
+          pending = -1;
+        }
+        mbar_wait(&empty_bar[s], ((j / T::kStages) - 1) & 1);
+      }
+      loader.load(p, stage_k(s), stage_v(s), kv_head, n_first + (j % num_tiles) * kN, kv_end, bad);
+      cp_async_commit();
+      if (pending >= 0) {  // the tile before landed (this one may still be in flight)
+        cp_async_wait<1>();
+        fence_proxy_async();
+        mbar_arrive(&full_bar[pending % T::kStages]);
+      }
+      pending = j;
+      if (j + 1 < 2 * num_tiles) loader.fetch(p, batch, n_first + ((j + 1) % num_tiles) * kN, kv_end);
+    }
+    if (pending >= 0) {
+      cp_async_wait<0>();
+      fence_proxy_async();
+      mbar_arrive(&full_bar[pending % T::kStages]);
+    }
+    if (bad) bad_flag = 1;
+    named_barrier_sync(2, T::kThreads);
+    return;
+  }
+
+  // ---- consumer warpgroups ----
+  setmaxnreg_inc<T::kConsumerRegs>();
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, tig = lane % 4;
+  const int wg_row0 = wg * 64;
+  // Positions of this warpgroup's rows (clamped into the block's rows): finer tile skipping and masking.
+  const int wg_lo = qo_base + min(packed0 + wg_row0, packed_end - 1) / S::kGroupSize;
+  const int wg_hi = qo_base + min(packed0 + wg_row0 + 63, packed_end - 1) / S::kGroupSize;
+  int wg_kv_begin, wg_kv_end;
+  visible_kv_range<S>(wg_lo, wg_hi, kv_len, wg_kv_begin, wg_kv_end);
+
+  // Q tile -> swizzled shared memory (rows past the sequence zero-filled), by the consumers. The paged
+  // call checks that q's heads are contiguous (stride head_dim_qk); a ragged q may be a padded view.
+  auto q_head_offset = [&](int qo_head) {
+    if constexpr (S::kRagged) {
+      return static_cast<long long>(qo_head) * p.q_stride_head;
+    } else {
+      return qo_head * S::kHeadDimQK;
+    }
+  };
+#pragma unroll
+  for (int c = threadIdx.x; c < T::kBlockM * T::kChunks; c += T::kConsumerThreads) {
+    const int row = c / T::kChunks, chunk = c % T::kChunks;
+    const int packed = packed0 + row;
+    const bool in = packed < packed_end;
+    const int token = packed / S::kGroupSize, qo_head = kv_head * S::kGroupSize + packed % S::kGroupSize;
+    const DT* src = in ? p.q + static_cast<long long>(q_start + token) * p.q_stride_token +
+                             q_head_offset(qo_head) + chunk * 8
+                       : p.q;
+    cp_async_16(sq + swizzled_offset<T::kBlockM, T::kSwizzle>(row, chunk * 8), src, in);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  if constexpr (S::kHasQTransform) {
+    named_barrier_sync(1, T::kConsumerThreads);
+    prefill_sm90_transform_rows<S, true, T::kBlockM>(p, sq, packed0, packed_end, qo_base, kv_head, batch, bad);
+  }
+  fence_proxy_async();
+  named_barrier_sync(1, T::kConsumerThreads);
+
+  // Descriptors: this warpgroup's 64 Q rows (K-major A); K tiles (K-major B); V tiles (N-major B).
+  constexpr int kW = T::kSwizzle, kWV = T::kSwizzleVO;
+  const uint64_t q_desc = swizzled_desc<kW>(sq + wg_row0 * kW, 16);
+  auto kstep_off = [](int kk, int rows) {  // 16-byte units from a tile's start to k-step kk (16 columns)
+    return static_cast<uint64_t>((((kk * 16) / kW) * rows * kW + (kk * 16) % kW) * 2 / 16);
+  };
+
+  const int row0 = packed0 + wg_row0 + warp * 16 + g;  // packed row of accumulator row r: row0 + 8 * r
+  float o[T::kDTiles * 4];
+#pragma unroll
+  for (int i = 0; i < T::kDTiles * 4; ++i) o[i] = 0.f;
+  SoftmaxState st[2];
+  st[0] = st[1] = SoftmaxState{S::kSoftmax ? kNegInf : 0.f, 0.f};
+  constexpr float kScale = q_prescale<S>();
+
+  // Ping-pong (FlashAttention-3): the warpgroups take turns issuing their MMAs (named barriers 3 and
+  // 4), so one runs its softmax while the other's MMAs run. Warpgroup 0 goes first.
+  constexpr bool kPingPong = kPrefillSm90PingPong && !S::kHasKTransform && T::kConsumerWGs == 2;
+  // Which tiles this warpgroup computes: [j_lo, j_hi), the tiles some of its rows can see (a
+  // contiguous range: causal and window bounds only cut tiles off the ends). It still waits for the
+  // others and releases them, so that every stage is released by all consumer threads in order.
+  // Two stages (head_dim 256) keep the loop without overlap: a warpgroup in round j holds tiles j and
+  // j - 1, which leaves the producer nothing to prefetch into (H200, 2026-11-29: Gemma-2 hd256 307 TFLOP/s
+  // with overlap, 355 without).
+  constexpr bool kOverlap = kPrefillSm90Overlap && !S::kHasKTransform && T::kStages >= 3;
+  if constexpr (kOverlap) {
+    const int j_lo0 = min(num_tiles, max(0, wg_kv_begin - n_first) / kN);  // num_tiles is 0 for a bad sequence
+    const int j_hi0 = max(j_lo0, min(num_tiles, wg_kv_end > n_first ? ceil_div(wg_kv_end - n_first, kN) : 0));
+    // Online softmax of the S tile at keys n0 .. n0 + kN - 1, in place (s becomes P, unnormalised).
+    // A raised running max asks for O to be rescaled by alpha[r] (1: no rescale): the caller applies
+    // it once no O += P V is in flight. When the logit is the scaled dot product itself (no logits
+    // transform), the scale is applied inside exp2 (one FFMA per element) and to the row max.
+    constexpr bool kFoldScale = !S::kLogitsNatural && S::kSoftmax && kScale > 0.f;
+    auto softmax_rows = [&](float (&s)[T::kNTiles * 4], int n0, float (&alpha)[2], auto masked) {
+      constexpr bool kMasked = decltype(masked)::value;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        alpha[r] = 1.f;
+        const PrefillRow row = prefill_row<S>(row0 + 8 * r, packed_end, qo_base, kv_head);
+        // Row max and sum in 4 independent chains (n odd/even x e), not one dependent chain of kBlockN / 4.
+        float part[4] = {kNegInf, kNegInf, kNegInf, kNegInf};
+#pragma unroll
+        for (int n = 0; n < T::kNTiles; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int kv_idx = n0 + n * 8 + 2 * tig + e;
+            float v = s[n * 4 + 2 * r + e];
+            if constexpr (!kFoldScale)
+              v = transform_logit<S>(p, v * kScale, batch, row.head, kv_head, row.pos, kv_idx, qo_len, kv_len, bad);
+            if constexpr (kMasked) {
+              const bool ok = kv_idx < kv_end && kv_idx >= kv_begin && structurally_visible<S>(row.pos, kv_idx) &&
+                              custom_visible<S>(p, batch, row.head, kv_head, row.pos, kv_idx, qo_len, kv_len, bad);
+              v = ok ? v : (S::kSoftmax ? kNegInf : 0.f);
+            }
+            s[n * 4 + 2 * r + e] = v;
+            part[(n % 2) * 2 + e] = fmaxf(part[(n % 2) * 2 + e], v);
+          }
+        if constexpr (!S::kSoftmax) continue;
+        float tile_max = group_max<4>(fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3])));
+        if constexpr (kFoldScale) tile_max *= kScale;  // -inf stays -inf
+        if (tile_max > st[r].m + T::kRescaleThreshold) {
+          alpha[r] = rescale_factor(st[r].m, tile_max);
+          st[r].m = tile_max;
+          st[r].d *= alpha[r];
+        }
+        const float m_use = st[r].m == kNegInf ? 0.f : st[r].m;
+        part[0] = part[1] = part[2] = part[3] = 0.f;
+#pragma unroll
+        for (int n = 0; n < T::kNTiles; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float x = s[n * 4 + 2 * r + e];
+            const float pe = fast_exp2(kFoldScale ? fmaf(x, kScale, -m_use) : x - m_use);
+            s[n * 4 + 2 * r + e] = pe;
+            part[(n % 2) * 2 + e] += pe;
+          }
+        st[r].d += (part[0] + part[1]) + (part[2] + part[3]);
+      }
+    };
+    // Elements are masked on boundary tiles only: one branch per tile, not one per element.
+    auto softmax_tile = [&](float (&s)[T::kNTiles * 4], int n0, float (&alpha)[2]) {
+      const bool full_tile = !S::kHasMask && n0 + kN <= kv_len && (!S::kCausal || n0 + kN - 1 <= wg_lo) &&
+                             (S::kWindowLeft < 0 || n0 >= wg_hi - S::kWindowLeft) &&
+                             (S::kWindowRight < 0 || n0 + kN - 1 <= wg_lo + S::kWindowRight);
+      if (full_tile) {
+        softmax_rows(s, n0, alpha, BoolConstant<false>{});
+      } else {
+        softmax_rows(s, n0, alpha, BoolConstant<true>{});
+      }
+    };
+    // Round j issues S(j) = Q K_j^T and then O += P(j-1) V_{j-1} (the tensor cores run them in order),
+    // waits for S(j) only, runs the softmax of tile j while the P V MMAs run, then waits for those,
+    // releases stage j - 1 and applies tile j's O rescale; P(j) waits in registers (bf16 A fragments)
+    // for the next round. The MMAs sit in straight-line code (a prologue round with S only, a steady
+    // loop, an epilogue with P V only): under a branch that ptxas cannot prove uniform it serialises
+    // every wgmma (warning C7520). Ping-pong: the warpgroups take turns issuing a round's MMAs, and
+    // every warpgroup takes num_tiles + 1 turns (idle ones for the tiles it skips).
+    float s[T::kNTiles * 4];
+    uint32_t a[kN / 16][4];
+    int turn = 0;
+    auto turn_begin = [&]() {
+      if constexpr (kPingPong) named_barrier_sync(3 + wg, 256);  // this warpgroup's turn to issue
+    };
+    auto turn_end = [&]() {  // the other warpgroup's turn (warpgroup 1 skips its last: nobody waits)
+      if constexpr (kPingPong) {
+        if (wg == 0 || turn < num_tiles) named_barrier_arrive(3 + (1 - wg), 256);
+        ++turn;
+      }
+    };
+    if constexpr (kPingPong) {
+      if (wg == 1 && num_tiles > 0) named_barrier_arrive(3, 256);
+    }
+    auto wait_full = [&](int j) {
+      mbar_wait(&full_bar[j % T::kStages], (j / T::kStages) & 1);
+      fence_proxy_async();  // the producer fenced its cp.async writes before arriving; this side too
+    };
+    auto skip_tile = [&](int j) {  // no row of this warpgroup sees tile j
+      wait_full(j);
+      mbar_arrive(&empty_bar[j % T::kStages]);
+      turn_begin();
+      turn_end();
+    };
+    auto issue_s = [&](int j) {
+      const uint64_t k_desc = swizzled_desc<kW>(stage_k(j % T::kStages), 16);
+#pragma unroll
+      for (int kk = 0; kk < kDQK / 16; ++kk)
+        wgmma_ss<kN, DT>(s, q_desc + kstep_off(kk, T::kBlockM), k_desc + kstep_off(kk, kN), kk > 0 ? 1 : 0);
+      wgmma_commit();
+    };
+    auto issue_pv = [&](int j) {
+      const uint64_t v_desc = swizzled_desc<kWV>(stage_v(j % T::kStages), kN * kWV * 2);
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk)
+        wgmma_rs<kDVO, DT>(o, a[kk], v_desc + static_cast<uint64_t>(kk * 16 * kWV * 2 / 16), 1);
+      wgmma_commit();
+    };
+    auto rescale_and_pack = [&](const float (&alpha)[2]) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (alpha[r] != 1.f) {
+#pragma unroll
+          for (int d = 0; d < T::kDTiles; ++d) {
+            o[d * 4 + 2 * r] *= alpha[r];
+            o[d * 4 + 2 * r + 1] *= alpha[r];
+          }
+        }
+      }
+      // P as register A fragments of O += P V (n8 groups 2kk, 2kk + 1 = k-step kk).
+      pack_p_fragments<DT>(s, a);
+    };
+
+    for (int rep = 0; rep < 2; ++rep) {
+    const int jb = rep * num_tiles;
+    const int j_lo = jb + j_lo0, j_hi = jb + j_hi0;
+    for (int j = jb; j < j_lo; ++j) skip_tile(j);
+    if (j_lo < j_hi) {
+      {  // prologue: S(j_lo) alone
+        float alpha[2];
+        wait_full(j_lo);
+        turn_begin();
+        wgmma_fence();
+        issue_s(j_lo);
+        turn_end();
+        wgmma_wait<0>();
+        wgmma_fence_operands(s);
+        softmax_tile(s, n_first + (j_lo - jb) * kN, alpha);
+        rescale_and_pack(alpha);
+      }
+      for (int j = j_lo + 1; j < j_hi; ++j) {
+        float alpha[2];
+        wait_full(j);
+        turn_begin();
+        wgmma_fence_operands(o);
+        wgmma_fence();  // o (rescaled) and a (packed) were written by ordinary instructions
+        issue_s(j);
+        issue_pv(j - 1);
+        turn_end();
+        wgmma_wait<1>();  // S(j) done; the P V MMAs may still run
+        wgmma_fence_operands(s);
+        softmax_tile(s, n_first + (j - jb) * kN, alpha);
+        wgmma_wait<0>();
+        wgmma_fence_operands(o);
+        mbar_arrive(&empty_bar[(j - 1) % T::kStages]);  // this thread is done with stage j - 1
+        rescale_and_pack(alpha);
+      }
+      {  // epilogue: O += P V of the last tile
+        turn_begin();
+        wgmma_fence_operands(o);
+        wgmma_fence();
+        issue_pv(j_hi - 1);
+        turn_end();
+        wgmma_wait<0>();
+        wgmma_fence_operands(o);
+        mbar_arrive(&empty_bar[(j_hi - 1) % T::kStages]);
+      }
+    } else if (num_tiles > 0) {
+      turn_begin();  // the turn a warpgroup with tiles spends on its last P V
+      turn_end();
+    }
+    for (int j = j_hi; j < jb + num_tiles; ++j) skip_tile(j);
+    }  // rep
+  } else {
+  if constexpr (kPingPong) {
+    if (wg == 1 && num_tiles > 0) named_barrier_arrive(3, 256);
+  }
+  for (int j = 0; j < num_tiles; ++j) {
+    const int n0 = n_first + j * kN;
+    const int stage = j % T::kStages;
+    mbar_wait(&full_bar[stage], (j / T::kStages) & 1);
+    fence_proxy_async();  // the producer fenced its cp.async writes before arriving; this side too
+    if constexpr (S::kHasKTransform) {  // the cache holds raw keys: both warpgroups transform the tile
+      named_barrier_sync(1, T::kConsumerThreads);
+      prefill_sm90_transform_rows<S, false, kN>(p, stage_k(stage), n0, kv_end, 0, kv_head, batch, bad);
+      fence_proxy_async();
+      named_barrier_sync(1, T::kConsumerThreads);
+    }
+    // A tile none of this warpgroup's rows can see (causal / window): skip it (uniform per warpgroup).
+    const bool skip = n0 >= wg_kv_end || n0 + kN <= wg_kv_begin;
+
+    // S = Q K^T: head_dim / 16 wgmma, 64 x kBlockN per warpgroup.
+    float s[T::kNTiles * 4];
+    if constexpr (kPingPong) named_barrier_sync(3 + wg, 256);  // this warpgroup's turn to issue
+    if (!skip) {
+      const uint64_t k_desc = swizzled_desc<kW>(stage_k(stage), 16);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kDQK / 16; ++kk)
+        wgmma_ss<kN, DT>(s, q_desc + kstep_off(kk, T::kBlockM), k_desc + kstep_off(kk, kN), kk > 0 ? 1 : 0);
+      wgmma_commit();
+    }
+    if constexpr (kPingPong) {  // the other warpgroup's turn (warpgroup 1 skips its last: nobody waits)
+      if (wg == 0 || j + 1 < num_tiles) named_barrier_arrive(3 + (1 - wg), 256);
+    }
+    if (skip) {
+      mbar_arrive(&empty_bar[stage]);
+      continue;
+    }
+    wgmma_wait<0>();
+    wgmma_fence_operands(s);
+    const bool full_tile = !S::kHasMask && n0 + kN <= kv_len && (!S::kCausal || n0 + kN - 1 <= wg_lo) &&
+                           (S::kWindowLeft < 0 || n0 >= wg_hi - S::kWindowLeft) &&
+                           (S::kWindowRight < 0 || n0 + kN - 1 <= wg_lo + S::kWindowRight);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const PrefillRow row = prefill_row<S>(row0 + 8 * r, packed_end, qo_base, kv_head);
+      float tile_max = kNegInf;
+#pragma unroll
+      for (int n = 0; n < T::kNTiles; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int kv_idx = n0 + n * 8 + 2 * tig + e;
+          float v = transform_logit<S>(p, s[n * 4 + 2 * r + e] * kScale, batch, row.head, kv_head, row.pos, kv_idx,
+                                       qo_len, kv_len, bad);
+          if (!full_tile) {
+            const bool ok = kv_idx < kv_end && kv_idx >= kv_begin && structurally_visible<S>(row.pos, kv_idx) &&
+                            custom_visible<S>(p, batch, row.head, kv_head, row.pos, kv_idx, qo_len, kv_len, bad);
+            v = ok ? v : (S::kSoftmax ? kNegInf : 0.f);
+          }
+          s[n * 4 + 2 * r + e] = v;
+          tile_max = fmaxf(tile_max, v);
+        }
+      if constexpr (!S::kSoftmax) continue;
+      tile_max = group_max<4>(tile_max);
+      if (tile_max > st[r].m + T::kRescaleThreshold) {
+        const float alpha = rescale_factor(st[r].m, tile_max);
+        st[r].m = tile_max;
+        st[r].d *= alpha;
+#pragma unroll
+        for (int d = 0; d < T::kDTiles; ++d) {
+          o[d * 4 + 2 * r] *= alpha;
+          o[d * 4 + 2 * r + 1] *= alpha;
+        }
+      }
+      const float m_use = st[r].m == kNegInf ? 0.f : st[r].m;
+#pragma unroll
+      for (int n = 0; n < T::kNTiles; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pe = fast_exp2(s[n * 4 + 2 * r + e] - m_use);
+          s[n * 4 + 2 * r + e] = pe;
+          st[r].d += pe;
+        }
+    }
+
+    // O += P V: P from the S accumulators as register A fragments (n8 groups 2kk, 2kk + 1 = k-step kk).
+    {
+      const uint64_t v_desc = swizzled_desc<kWV>(stage_v(stage), kN * kWV * 2);
+      uint32_t a[kN / 16][4];
+      pack_p_fragments<DT>(s, a);
+      wgmma_fence_operands(o);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk)
+        wgmma_rs<kDVO, DT>(o, a[kk], v_desc + static_cast<uint64_t>(kk * 16 * kWV * 2 / 16), 1);
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_operands(o);
+    }
+    mbar_arrive(&empty_bar[stage]);  // this thread is done with the stage
+  }
+  }  // kOverlap
+  if (bad) bad_flag = 1;
+  named_barrier_sync(2, T::kThreads);  // every bad flag (the producer's page lookups too) is in
+  const float poison = bad_flag ? __int_as_float(0x7fc00000) : 0.f;
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int packed = row0 + 8 * r;
+    const PrefillRow row = prefill_row<S>(packed, packed_end, qo_base, kv_head);
+    st[r].d = group_sum<4>(st[r].d);
+    float lse;
+    const float scale = finalize_state<S>(p, row.head, st[r], lse);
+    if (!row.valid) continue;
+    const long long row_head = static_cast<long long>(q_start + packed / S::kGroupSize) * S::kNumQoHeads + row.head;
+    typename S::DTypeO* out = p.o + row_head * S::kHeadDimVO;
+#pragma unroll
+    for (int d = 0; d < T::kDTiles; ++d) {
+      float v0 = o[d * 4 + 2 * r] * scale, v1 = o[d * 4 + 2 * r + 1] * scale;
+      if constexpr (S::kHasOutTransform) {
+        bool oob = false;
+        const int dim = d * 8 + 2 * tig;
+        v0 = S::output_transform(p, v0, batch, row.head, row.pos, dim, oob);
+        v1 = S::output_transform(p, v1, batch, row.head, row.pos, dim + 1, oob);
+        if (oob) v0 = v1 = __int_as_float(0x7fc00000);
+      }
+      *reinterpret_cast<uint32_t*>(out + d * 8 + 2 * tig) = pack2<typename S::DTypeO>(v0 + poison, v1 + poison);
+    }
+    if (tig == 0 && p.lse != nullptr) p.lse[row_head] = lse + poison;
+  }
+#else
+  __trap();  // only the sm_90a cubin dispatches here (PrefillLaunch)
+#endif
+}
+
+}  // namespace jitattn
