@@ -124,8 +124,11 @@ struct PrefillSm90Traits {
   // setmaxnreg: 384 threads start at 168 registers; the producer gives most of its share to the
   // consumers (40 x 128 + 232 x 256 = 168 x 384; at 24 the producer's page walk spilled). 512 threads
   // (three consumer warpgroups) start at 128: 32 x 128 + 160 x 384 = 128 x 512.
-  static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : 40;
-  static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : 232;
+  // Ragged K/V with head_dim_qk != head_dim_vo and 128-key tiles: the producer's two row loops (Q/K
+  // and V chunk counts differ) spilled 4-36 bytes at 40 (e.g. 64/128, 96/64); 56 x 128 + 224 x 256.
+  static constexpr bool kWideProducer = S::kRagged && kHeadDimQK != kHeadDimVO && kBlockN == 128;
+  static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : kWideProducer ? 56 : 40;
+  static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : kWideProducer ? 224 : 232;
   static constexpr int kChunks = kHeadDimQK / 8;    // 16-byte chunks per Q / K row (a multiple of 2)
   static constexpr int kChunksVO = kHeadDimVO / 8;  // per V row
   static constexpr int kQBytes = kBlockM * kHeadDimQK * 2;

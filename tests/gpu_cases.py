@@ -261,6 +261,9 @@ def ragged_cases() -> list[RaggedCase]:
         RaggedCase("ragged-sinks-window-gqa8-strided", mk(64, 8, 64, sinks=True, window_left=127), q, kv, strided=True),
         RaggedCase("ragged-fp16-256x64-group2", mk(8, 4, 256, 64, q_dtype="float16"), q, kv),
         RaggedCase("ragged-32x256-noncausal", mk(4, 4, 32, 256, causal=False), q, kv),
+        # The pairs whose producer spilled at 40 registers (tests/test_ragged.py SPILLING_MIXED_DIMS): 56 / 224.
+        RaggedCase("ragged-64x128-wide-producer", mk(8, 2, 64, 128), [1, 17, 127, 1000], [1, 17, 1000, 1000]),
+        RaggedCase("ragged-48x80-wide-producer", mk(8, 2, 48, 80, window_left=255), q, kv),
         RaggedCase("ragged-custom-transform", mk(8, 2, 128, variant=REL_BIAS), q, kv,
                    lambda d: {"bias": torch.linspace(-0.2, 0.3, 8, device=d), "max_dist": 64.0}),
         RaggedCase("ragged-custom-mask-doc", mk(8, 2, 128, variant=DOC_MASK, causal=False), q, kv, lambda d: _doc_params(d)),

@@ -246,11 +246,11 @@ REQUIRED = {
 }
 COMPILED = {**REQUIRED, **{c.name: c.spec for c in ragged_cases()}}
 ARCHS = ("sm_80", "sm_90a")
-# head_dim_qk != head_dim_vo, both <= 128 (128-key tiles on the wgmma kernel): the sm_90a prefill spills
+# head_dim_qk != head_dim_vo, both <= 128 (128-key tiles on the wgmma kernel): the sm_90a prefill spilled
 # 4-36 bytes when one is 48 or 64 and the other 80..128 (and at 64/48); pairs with 32, pairs above 128
-# and 192/128 do not (swept over all multiples of 16). The spill is the producer warpgroup's, at 40
-# registers: 56 producer / 224 consumer registers for ragged qk != vo specs with 128-key tiles compile
-# all 42 such pairs without spills, but that change has not run on a GPU yet.
+# and 192/128 did not (swept over all multiples of 16). The spill was the producer warpgroup's, at 40
+# registers: ragged qk != vo specs with 128-key tiles now take 56 producer / 224 consumer registers,
+# which compiles all 42 such pairs without spills (two of them run in tests/test_gpu_ragged.py).
 SPILLING_MIXED_DIMS = {
     "qk64-vo128": ragged(8, 2, 64, 128),
     "qk128-vo64": ragged(8, 2, 128, 64),
@@ -290,13 +290,8 @@ def test_ragged_spec_compiles_without_spills(compiled, name, arch):
     assert not any(prefill_spills(entry, name, arch)), f"{name} {arch}: spills in ptxas -v output"
 
 
-_KNOWN_SPILL = pytest.mark.xfail(strict=True, reason="known: the sm_90a wgmma prefill's producer spills at these "
-                                 "head_dim_qk != head_dim_vo pairs (the register split that fixes it is not yet run on a GPU)")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name, arch", [pytest.param(n, a, marks=[_KNOWN_SPILL] if a == "sm_90a" else [])
-                                        for n in sorted(SPILLING_MIXED_DIMS) for a in ARCHS])
+@pytest.mark.parametrize("name, arch", [(n, a) for n in sorted(SPILLING_MIXED_DIMS) for a in ARCHS])
 def test_ragged_mixed_head_dims_compile_without_spills(compiled, name, arch):
     entry = compiled[(SPILLING_MIXED_DIMS[name], arch)]
     assert not any(prefill_spills(entry, name, arch)), f"{name} {arch}: spills in ptxas -v output"
