@@ -274,6 +274,11 @@ constexpr int kMergeThreads = 128;
 // its wait for the whole decode grid (the "last block" pattern: __threadfence, then an atomic count).
 // `scratch`: the block's merge scratch (free again), kGroupSize * (kMaxSplits + 2) + 1 words. (No static
 // __shared__ here: a kernel whose dynamic shared memory is exactly the 48 KB default limit would not launch.)
+// Tried (fifth session, branch h-dc, not merged): at head_dim 128 a warp per head, each lane's first 16
+// partial-output loads issued together with the lse loads and the weights computed by shuffles (one L2
+// round trip and no barrier instead of two and one): decode-hd128-b1x32768 3.35 / 3.34 TB/s with it and
+// without (H200, 2026-11-29, same call, tests/gpu_results/2026-11-29-s5-dc-call3-*): the merge's cost
+// (~3 us of 41) is elsewhere.
 template <class S, int kThreads>
 __device__ __forceinline__ void merge_splits_last_block(const Params& p, float* scratch, int batch, int kv_head,
                                                         int q_row, int qo_idx) {

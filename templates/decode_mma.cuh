@@ -74,6 +74,12 @@ __host__ __device__ constexpr bool decode_mma_reads_cache() {
 // 3.10 -> 3.29 on decode-hd128-b1x32768 (cause not established: the stores of a 256-byte row at a
 // 272-byte stride are conflict-free, but each row then spans three 128-byte lines of shared memory, not
 // two); 4 stages (1 block/SM): 3.18 / 2.25; 2 stages at 3 blocks/SM (168 registers): 4.00 / 3.10.
+// Tried and not merged (fifth session, branch h-dc, H200 2026-11-29, side by side with cab859b,
+// tests/gpu_results/2026-11-29-s5-dc-*): a balanced grid (every (sequence, kv head) pair's tiles laid
+// end to end and cut into one equal share per resident block, cut pairs merged by the fused split
+// merge): decode-hd128-b64x4096 bf16 0.259 ms against 0.245 for this grid (piece starts and merges
+// cost more than the 1.94-wave tail), FP8 0.147 against 0.150 (about the run-to-run spread); and an
+// e4m3 widening that reads the NaN codes as NaN (3 integer ops per 4 values): FP8 0.174 against 0.147.
 #ifndef JITATTN_DECODE_MMA_STAGES
 #define JITATTN_DECODE_MMA_STAGES 3
 #endif
