@@ -43,9 +43,13 @@ namespace jitattn {
 #ifndef JITATTN_FP8_STAGES
 #define JITATTN_FP8_STAGES 2
 #endif
-// FP8 tile pipeline: decode_mma_load_tile_fp8 issues the tile's copies (0: load_kv_rows_paged).
+// FP8 tile pipeline: decode_mma_load_tile issues the tile's copies (0: load_kv_rows_paged).
 #ifndef JITATTN_FP8_LOADER
 #define JITATTN_FP8_LOADER 1
+#endif
+// 16-bit tile pipeline: the same (1) or load_kv_rows_paged (0).
+#ifndef JITATTN_DECODE_MMA_LOADER
+#define JITATTN_DECODE_MMA_LOADER 0
 #endif
 #ifndef JITATTN_FP8_SPLIT_DIMS_BLOCKS
 #define JITATTN_FP8_SPLIT_DIMS_BLOCKS 5
@@ -134,9 +138,10 @@ struct DecodeMmaTraits {
   static constexpr int kTileKeys = kWarps * kWarpKeys;  // keys per pipeline stage
   static constexpr int kPipelineStages =
       kFp8Wide ? JITATTN_FP8_STAGES : (kHeadDim <= 128 ? JITATTN_DECODE_MMA_STAGES : JITATTN_DECODE_MMA_STAGES_WIDE);
-  // FP8 tile pipeline: the copies are issued by decode_mma_load_tile_fp8 where a thread's chunk of a
-  // row is the same on every pass (the threads are whole rows' worth of chunks).
-  static constexpr bool kFp8Loader = JITATTN_FP8_LOADER && kFp8 && !kWholeWindow && kThreads % kKvChunks == 0 &&
+  // Tile pipeline: the copies are issued by decode_mma_load_tile where a thread's chunk of a row is the
+  // same on every pass (the threads are whole rows' worth of chunks).
+  static constexpr bool kTileLoader = (kFp8 ? JITATTN_FP8_LOADER : JITATTN_DECODE_MMA_LOADER) && !kWholeWindow &&
+                                     kThreads % kKvChunks == 0 &&
                                      (kTileKeys * kKvChunks) % kThreads == 0 && (kThreads / kKvChunks) % 8 == 0;
   // Rows are unpadded and XOR-swizzled (load_kv_rows_paged) where a row is 8k chunks: whole-window rows
   // always, pipeline rows under JITATTN_DECODE_MMA_SWIZZLE (16-bit, head dims <= 128: measured there)
@@ -191,25 +196,27 @@ struct DecodeMmaTraits {
   static_assert(decode_mma_reads_cache<S>(), "tensor-core decode: a 16-bit cache, or FP8 with f16-safe weights");
 };
 
-// FP8 tile pipeline (DecodeMmaTraits::kFp8Loader): cp.async of the K and V rows of keys [start, start +
+// Tile pipeline (DecodeMmaTraits::kTileLoader): cp.async of the K and V rows of keys [start, start +
 // kTileKeys), as load_kv_rows_paged (page ids from KvPages, a page id out of range sets `bad` and reads
 // page 0, rows at or past `end` zero-filled), with the per-thread constants hoisted: thread t copies
 // chunk t % kKvChunks of rows t / kKvChunks + i * (kThreads / kKvChunks), so its chunk, its swizzle and
 // the head's offset in a page are fixed, and a row's address is page * kv_stride_page + slot * stride.
-// (load_kv_rows_paged spent 44 instructions per K/V chunk pair here, ptxas sm_90a, 2026-11-29.)
+// (load_kv_rows_paged spent 44 instructions per K/V chunk pair here with an FP8 cache, ptxas sm_90a,
+// 2026-11-29.)
 template <class S>
-__device__ __forceinline__ void decode_mma_load_tile_fp8(
+__device__ __forceinline__ void decode_mma_load_tile(
     const Params& p, typename S::DTypeKV* sk, typename S::DTypeKV* sv, int kv_head, int start, int end,
     const KvPages<S, DecodeMmaTraits<S>::kTileKeys, DecodeMmaTraits<S>::kThreads>& pages, bool& bad) {
   using T = DecodeMmaTraits<S>;
   using KV = typename S::DTypeKV;
   constexpr int kC = T::kKvChunks, kStep = T::kThreads / kC, kIters = T::kTileKeys / kStep;
+  constexpr int kVec = 16 / static_cast<int>(sizeof(KV));  // KV elements per 16-byte chunk
   static_assert(kIters == KvPages<S, T::kTileKeys, T::kThreads>::kIters, "KvPages' rows are this loader's rows");
   const int row0 = threadIdx.x / kC, chunk = threadIdx.x % kC;
-  const int dst0 = row0 * T::kRowStride + (T::kSwizzle ? (chunk ^ (row0 % 8)) : chunk) * 16;  // kStep % 8 == 0
+  const int dst0 = row0 * T::kRowStride + (T::kSwizzle ? (chunk ^ (row0 % 8)) : chunk) * kVec;  // kStep % 8 == 0
   constexpr long long kSlotStride = S::kLayoutHND ? S::kHeadDimQK : static_cast<long long>(S::kNumKvHeads) * S::kHeadDimQK;
   const KV* base = p.kv_cache + (S::kLayoutHND ? static_cast<long long>(kv_head) * S::kPageSize * S::kHeadDimQK
-                                               : static_cast<long long>(kv_head) * S::kHeadDimQK) + chunk * 16;
+                                               : static_cast<long long>(kv_head) * S::kHeadDimQK) + chunk * kVec;
 #pragma unroll
   for (int i = 0; i < kIters; ++i) {
     const int kv_idx = start + row0 + i * kStep;  // >= 0
@@ -595,8 +602,8 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
   // tile to issue, fetched right after the previous issue, so their latency hides behind a tile.
   using Pages = KvPages<S, T::kTileKeys, T::kThreads>;
   auto load_stage = [&](int s, int start, const Pages& pg, bool& bad_ref) {
-    if constexpr (T::kFp8Loader) {
-      decode_mma_load_tile_fp8<S>(p, stage_k(s), stage_v(s), kv_head, start, hi, pg, bad_ref);
+    if constexpr (T::kTileLoader) {
+      decode_mma_load_tile<S>(p, stage_k(s), stage_v(s), kv_head, start, hi, pg, bad_ref);
     } else {
       load_kv_rows_paged<S, T::kTileKeys, T::kRowStride, T::kThreads, T::kSwizzle>(p, stage_k(s), stage_v(s), kv_head,
                                                                                    start, hi, pg, bad_ref);

@@ -64,7 +64,7 @@ def test_every_e4m3_code_is_read_exactly(spec, k_scale, v_scale, session_cache):
 
 
 def test_out_of_range_page_id_gives_a_nan_row(session_cache):
-    """The FP8 tile pipeline issues its copies itself (decode_mma_load_tile_fp8): a page id outside the
+    """The FP8 tile pipeline issues its copies itself (decode_mma_load_tile): a page id outside the
     cache in a decode row's table turns that row into NaN (no out-of-bounds read); the others are right."""
     spec = AttentionSpec(64, 8, 128, kv_dtype="float8_e4m3fn", kv_layout="HND", page_size=64)
     batch = random_paged_batch(spec, [1, 1, 1], [300, 2000, 77], device="cuda", seed=11)
