@@ -1,5 +1,7 @@
 """CPU tests of the runtime's host-side decisions (no GPU needed)."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -79,7 +81,8 @@ def _dry_kernel(spec, monkeypatch):
     real_paged, real_ragged = runtime.check_paged_call, runtime.check_ragged_call
     monkeypatch.setattr(runtime, "check_paged_call", lambda *a, **kw: real_paged(*a, **{**kw, "for_kernel": False}))
     monkeypatch.setattr(runtime, "check_ragged_call", lambda *a, **kw: real_ragged(*a, **{**kw, "for_kernel": False}))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=7))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _STREAMS[-1])
+    monkeypatch.setattr(torch.cuda, "stream", _fake_stream_context)
     kernel = object.__new__(runtime.JitKernel)
     kernel.spec, kernel.device = spec, torch.device("cpu")
     kernel._packer, kernel._field_order = runtime.params_packer(spec)
@@ -89,10 +92,38 @@ def _dry_kernel(spec, monkeypatch):
     kernel._num_sms, kernel._decode_blocks_per_sm = 132, 2
     kernel._default_slopes = default_alibi_slopes(spec, "cpu") if spec.alibi else None
     kernel._split_counters, kernel._retired_counters = {}, []
+    kernel.mixed_on_two_streams, kernel._side_streams = False, {}
     launches = []
-    kernel._module = SimpleNamespace(launch=lambda name, grid, block, smem, args, stream: launches.append(
-        (name, grid, block, dict(zip(kernel._field_order, kernel._packer.unpack(args))))))
+    kernel.launch_streams = []  # the stream handle of each launch
+
+    def launch(name, grid, block, smem, args, stream):
+        launches.append((name, grid, block, dict(zip(kernel._field_order, kernel._packer.unpack(args)))))
+        kernel.launch_streams.append(stream)
+
+    kernel._module = SimpleNamespace(launch=launch)
     return kernel, launches
+
+
+class _FakeStream:
+    """A CUDA stream stand-in that records which streams it was made to wait for."""
+
+    def __init__(self, handle: int):
+        self.cuda_stream, self.waited_for = handle, []
+
+    def wait_stream(self, other: "_FakeStream") -> None:
+        self.waited_for.append(other.cuda_stream)
+
+
+_STREAMS = [_FakeStream(7)]  # the current stream is the last
+
+
+@contextlib.contextmanager
+def _fake_stream_context(stream):
+    _STREAMS.append(stream)
+    try:
+        yield
+    finally:
+        _STREAMS.pop()
 
 
 def test_paged_call_host_side(monkeypatch):
@@ -115,6 +146,29 @@ def test_paged_call_host_side(monkeypatch):
     given = torch.empty(7, 8, 64, dtype=torch.bfloat16)
     assert kernel.paged_attention(*b.args(), out=given, max_query_len=5) is given
     assert launches[0][3]["lse"] == 0 and launches[0][3]["o"] == given.data_ptr()
+
+
+def test_mixed_call_forks_the_decode_onto_a_side_stream(monkeypatch):
+    """With mixed_on_two_streams, the decode kernel goes to the side stream after it waits for the
+    caller's, the prefill kernel to the caller's stream, which then waits for the side stream; a pure
+    decode call (max_query_len=1) stays on the caller's stream."""
+    from jitattn import AttentionSpec
+    from jitattn.testing import random_paged_batch
+
+    spec = AttentionSpec(8, 2, 64)
+    kernel, launches = _dry_kernel(spec, monkeypatch)
+    main, side = _STREAMS[-1], _FakeStream(8)
+    main.waited_for.clear()
+    kernel.mixed_on_two_streams, kernel.side_stream = True, lambda: side
+    b = random_paged_batch(spec, [1, 5, 1], [30, 4000, 17])
+    kernel.paged_attention(*b.args())
+    assert [name for name, *_ in launches] == ["decode", "prefill"] and kernel.launch_streams == [8, 7]
+    assert side.waited_for == [7] and main.waited_for == [8]
+    assert launches[0][3]["partial_o"] != 0  # split scratch allocated (here: on the CPU) for the side stream
+    launches.clear(), kernel.launch_streams.clear(), side.waited_for.clear(), main.waited_for.clear()
+    kernel.paged_attention(*b.args(), max_query_len=1)
+    assert [name for name, *_ in launches] == ["decode"] and kernel.launch_streams == [7]
+    assert side.waited_for == [] and main.waited_for == []
 
 
 def test_ragged_call_host_side(monkeypatch):
