@@ -47,9 +47,13 @@ namespace jitattn {
 #ifndef JITATTN_FP8_LOADER
 #define JITATTN_FP8_LOADER 1
 #endif
-// 16-bit tile pipeline: the same (1) or load_kv_rows_paged (0).
+// 16-bit tile pipeline: the same (1) or load_kv_rows_paged (0). bf16 hd128: 3592 -> 2984 SASS
+// instructions, 184 -> 150 registers (sm_90a). H200, 2026-11-29 18:40 UTC, one call, graph ms, each beside
+// cuDNN in its own bench run (tests/gpu_results/2026-11-29-s5-final-*): decode-hd128-b64x4096 0.249 ->
+// 0.248 (page 1: 0.256 -> 0.253, page 16: 0.249 -> 0.247, page 64: 0.251 -> 0.247), 1x32768 3.24 -> 3.28
+// TB/s; test_gpu_kernels.py with it on: 81 passed.
 #ifndef JITATTN_DECODE_MMA_LOADER
-#define JITATTN_DECODE_MMA_LOADER 0
+#define JITATTN_DECODE_MMA_LOADER 1
 #endif
 #ifndef JITATTN_FP8_SPLIT_DIMS_BLOCKS
 #define JITATTN_FP8_SPLIT_DIMS_BLOCKS 5
