@@ -6,7 +6,7 @@ S=$PWD/.snap_pf
 mkdir -p /tmp/src && tar -xf $S/src.tar -C /tmp/src
 F=templates/prefill_sm90.cuh
 for v in nold noexp nopv nosm noepi dbl; do cp -r /tmp/src /tmp/v_$v; done
-cp $S/dbl_prefill_sm90.cuh /tmp/v_dbl/$F
+cp $S/dbl_prefill_sm90.cuh /tmp/v_dbl/$F  # recorded as 2026-11-29-s5-pf-call1-dbl_prefill_sm90.patch (against cab859b)
 sed -i 's/^      loader.load(p, stage_k(s), stage_v(s), kv_head, n_first + j \* kN, kv_end, bad);$/      \/\/ knockout/' /tmp/v_nold/$F
 sed -i 's/fast_exp2(kFoldScale ? fmaf(x, kScale, -m_use) : x - m_use)/(kFoldScale ? fmaf(x, kScale, -m_use) : x - m_use)/' /tmp/v_noexp/$F
 sed -i 's/^        issue_pv(j - 1);$/        \/\/ knockout/' /tmp/v_nopv/$F
