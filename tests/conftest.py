@@ -69,6 +69,22 @@ def session_cache(session_cache_dir, monkeypatch) -> Path:
 GPU_TOL = {"bfloat16": 1e-2, "float16": 5e-3}
 
 
+def replay_on_new_q(call, q, out) -> None:
+    """Capture ``call()`` (which writes ``out``) in a CUDA graph on a fresh stream, then write new random
+    values into ``q``, poison ``out`` with NaN and replay: ``out`` then holds the kernels' answer for
+    the new ``q`` (needs a CUDA device; the kernels must be loaded before, outside the capture)."""
+    import torch
+
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        call()
+    q.copy_(torch.randn_like(q))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+
+
 def precompile(specs, root: Path) -> None:
     """Build every spec for this GPU's arch up front, in parallel (device time is the scarce thing)."""
     import torch

@@ -16,7 +16,7 @@ import torch
 from jitattn import reference
 from jitattn.runtime import MIXED_ON_TWO_STREAMS, load_kernel
 from jitattn.testing import random_paged_batch, relative_error
-from tests.conftest import GPU_TOL, precompile
+from tests.conftest import GPU_TOL, precompile, replay_on_new_q
 from tests.gpu_cases import all_cases
 
 pytestmark = pytest.mark.gpu
@@ -98,15 +98,7 @@ def test_decode_replays_in_cuda_graph(session_cache):
     kernel = load_kernel(case.spec)
     out = torch.empty_like(batch.q)
     kernel.paged_attention(*batch.args(), out=out, max_query_len=1)  # warm-up outside capture
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        kernel.paged_attention(*batch.args(), out=out, max_query_len=1)
-    fresh = torch.randn_like(batch.q)
-    batch.q.copy_(fresh)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    replay_on_new_q(lambda: kernel.paged_attention(*batch.args(), out=out, max_query_len=1), batch.q, out)
     ref = reference.paged_attention(case.spec, *batch.args())
     assert relative_error(out, ref) < 1e-2
 
@@ -126,14 +118,7 @@ def test_mixed_batch_decode_on_a_side_stream(session_cache):
         torch.cuda.synchronize()
         assert torch.equal(results[False][0], results[True][0]) and torch.equal(results[False][1], results[True][1])
         out = torch.empty_like(results[True][0])
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            kernel.paged_attention(*batch.args(), out=out)
-        batch.q.copy_(torch.randn_like(batch.q))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+        replay_on_new_q(lambda: kernel.paged_attention(*batch.args(), out=out), batch.q, out)
     finally:
         kernel.mixed_on_two_streams = MIXED_ON_TWO_STREAMS
     ref = reference.paged_attention(case.spec, *batch.args())

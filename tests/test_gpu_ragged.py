@@ -21,7 +21,7 @@ import torch
 from jitattn import reference
 from jitattn.runtime import load_kernel
 from jitattn.testing import random_ragged_batch, relative_error
-from tests.conftest import GPU_TOL, precompile
+from tests.conftest import GPU_TOL, precompile, replay_on_new_q
 from tests.gpu_cases import ragged_cases
 
 pytestmark = pytest.mark.gpu
@@ -118,12 +118,5 @@ def test_ragged_replays_in_cuda_graph(session_cache):
     out = torch.empty(batch.q.shape[0], case.spec.num_qo_heads, case.spec.head_dim_vo, dtype=batch.q.dtype,
                       device="cuda")
     kernel.ragged_attention(*batch.args(), out=out)  # warm-up outside capture
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        kernel.ragged_attention(*batch.args(), out=out)
-    batch.q.copy_(torch.randn_like(batch.q))
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    replay_on_new_q(lambda: kernel.ragged_attention(*batch.args(), out=out), batch.q, out)
     assert relative_error(out, reference.ragged_attention(case.spec, *batch.args())) < 1e-2
