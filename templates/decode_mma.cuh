@@ -55,6 +55,11 @@ namespace jitattn {
 #ifndef JITATTN_DECODE_MMA_LOADER
 #define JITATTN_DECODE_MMA_LOADER 1
 #endif
+// Whole-window mode (gpt-oss sliding): the same loop for the window's copies (1) or load_kv_rows_paged
+// (0). Not yet timed on a GPU: off.
+#ifndef JITATTN_DECODE_MMA_WINDOW_LOADER
+#define JITATTN_DECODE_MMA_WINDOW_LOADER 0
+#endif
 #ifndef JITATTN_FP8_SPLIT_DIMS_BLOCKS
 #define JITATTN_FP8_SPLIT_DIMS_BLOCKS 5
 #endif
@@ -160,6 +165,10 @@ struct DecodeMmaTraits {
   static constexpr int kQRowStride = kHeadDim + 8;
   static constexpr int kStageBytes = 2 * kTileKeys * kRowStride * static_cast<int>(sizeof(KV));  // K and V of one tile
   static constexpr int kStages = kWholeWindow ? kWindowTiles : kPipelineStages;
+  // Whole window: its copies issued by decode_mma_load_tile too (JITATTN_DECODE_MMA_WINDOW_LOADER).
+  static constexpr bool kWindowLoader = JITATTN_DECODE_MMA_WINDOW_LOADER && kWholeWindow && kSwizzle &&
+                                        kThreads % kKvChunks == 0 && (kStages * kTileKeys * kKvChunks) % kThreads == 0 &&
+                                        (kThreads / kKvChunks) % 8 == 0;
   static constexpr int kQBytes = 16 * kQRowStride * 2;
   static constexpr int kDTiles = kHeadDim / 8;
   // Whole window, head dims split over the warps: each warp computes the scores of every key of the
@@ -207,15 +216,17 @@ struct DecodeMmaTraits {
 // the head's offset in a page are fixed, and a row's address is page * kv_stride_page + slot * stride.
 // (load_kv_rows_paged spent 44 instructions per K/V chunk pair here with an FP8 cache, ptxas sm_90a,
 // 2026-11-29.)
-template <class S>
+// kRows: a pipeline stage's keys, or the whole window's (DecodeMmaTraits::kWindowLoader).
+template <class S, int kRows = DecodeMmaTraits<S>::kTileKeys>
 __device__ __forceinline__ void decode_mma_load_tile(
     const Params& p, typename S::DTypeKV* sk, typename S::DTypeKV* sv, int kv_head, int start, int end,
-    const KvPages<S, DecodeMmaTraits<S>::kTileKeys, DecodeMmaTraits<S>::kThreads>& pages, bool& bad) {
+    const KvPages<S, kRows, DecodeMmaTraits<S>::kThreads>& pages, bool& bad) {
   using T = DecodeMmaTraits<S>;
   using KV = typename S::DTypeKV;
-  constexpr int kC = T::kKvChunks, kStep = T::kThreads / kC, kIters = T::kTileKeys / kStep;
+  constexpr int kC = T::kKvChunks, kStep = T::kThreads / kC, kIters = kRows / kStep;
   constexpr int kVec = 16 / static_cast<int>(sizeof(KV));  // KV elements per 16-byte chunk
-  static_assert(kIters == KvPages<S, T::kTileKeys, T::kThreads>::kIters, "KvPages' rows are this loader's rows");
+  static_assert(kIters == KvPages<S, kRows, T::kThreads>::kIters && kRows % kStep == 0,
+                "KvPages' rows are this loader's rows");
   const int row0 = threadIdx.x / kC, chunk = threadIdx.x % kC;
   const int dst0 = row0 * T::kRowStride + (T::kSwizzle ? (chunk ^ (row0 % 8)) : chunk) * kVec;  // kStep % 8 == 0
   constexpr long long kSlotStride = S::kLayoutHND ? S::kHeadDimQK : static_cast<long long>(S::kNumKvHeads) * S::kHeadDimQK;
@@ -621,8 +632,12 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
     using AllPages = KvPages<S, T::kStages * T::kTileKeys, T::kThreads>;
     AllPages all;
     all.fetch(p, batch, lo, hi);
-    load_kv_rows_paged<S, T::kStages * T::kTileKeys, T::kRowStride, T::kThreads, T::kSwizzle>(
-        p, stage_k(0), stage_v(0), kv_head, lo, hi, all, bad);
+    if constexpr (T::kWindowLoader) {
+      decode_mma_load_tile<S, T::kStages * T::kTileKeys>(p, stage_k(0), stage_v(0), kv_head, lo, hi, all, bad);
+    } else {
+      load_kv_rows_paged<S, T::kStages * T::kTileKeys, T::kRowStride, T::kThreads, T::kSwizzle>(
+          p, stage_k(0), stage_v(0), kv_head, lo, hi, all, bad);
+    }
     cp_async_commit();
   } else {
 #pragma unroll

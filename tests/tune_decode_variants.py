@@ -25,25 +25,24 @@ from jitattn.spec import AttentionSpec
 HD128 = AttentionSpec(32, 8, 128)
 HD128_HND = AttentionSpec(32, 8, 128, kv_layout="HND")
 GEMMA = AttentionSpec(16, 8, 256, logits_soft_cap=50.0, window_left=4095, sm_scale=256 ** -0.5)
+GPT_OSS = AttentionSpec(64, 8, 64, window_left=127, sinks=True, sm_scale=64 ** -0.5)  # whole-window mode
 # case name -> (spec, batch, kv_len)
 CASES = {
     "b64x4096": (HD128, 64, 4096),
     "b64x4096-hnd": (HD128_HND, 64, 4096),
     "b1x32768": (HD128, 1, 32768),
     "gemma2-b64x8192": (GEMMA, 64, 8192),
+    "gpt-oss-sliding-b256x8192": (GPT_OSS, 256, 8192),
 }
 # variant -> (switches, cases, split overrides {case: [splits]}); "base" is --base-templates as they are.
 # A switch whose name holds "=>" replaces text in decode_mma.cuh instead: "old=>new" (value unused).
-QF_ZERO = "    if constexpr (T::kRowHalves == 1) qf[kk][1] = qf[kk][3] = 0u;  // rows g + 8: padding (zero), one register for all"
+# The variants measured in the fourth session (stages, swizzle, merge batching, Gemma-2 tiles) are in
+# BENCHMARKS.md (history v17) and decode_mma.cuh's comments; these are the open ones.
 VARIANTS = {
-    "base": ({}, ["b64x4096", "b1x32768", "gemma2-b64x8192"], {}),
-    "new": ({}, ["b64x4096", "b1x32768", "gemma2-b64x8192"], {}),
-    "noqz": ({QF_ZERO + "=>": None}, ["b64x4096", "b1x32768"], {}),
-    "mb32": ({"JITATTN_MERGE_BATCH": 32}, ["b64x4096", "b1x32768"], {}),
-    "g-k4b4": ({"JITATTN_DECODE_MAX_KEYS_PER_THREAD": 4, "JITATTN_DECODE_MIN_BLOCKS": 4}, ["gemma2-b64x8192"], {}),
-    "g-k4b5": ({"JITATTN_DECODE_MAX_KEYS_PER_THREAD": 4, "JITATTN_DECODE_MIN_BLOCKS": 5,
-                "JITATTN_DECODE_STAGE_BYTES": "(32 * 1024)"}, ["gemma2-b64x8192"], {}),
-    "g-k2b6": ({"JITATTN_DECODE_MAX_KEYS_PER_THREAD": 2, "JITATTN_DECODE_MIN_BLOCKS": 6}, ["gemma2-b64x8192"], {}),
+    "base": ({}, ["b64x4096", "b1x32768", "gpt-oss-sliding-b256x8192"], {}),
+    "new": ({}, ["b64x4096", "b1x32768", "gpt-oss-sliding-b256x8192"], {}),
+    # The whole window's copies through decode_mma_load_tile (gpt-oss: 2280 -> 2016 SASS instructions).
+    "ww-loader": ({"JITATTN_DECODE_MMA_WINDOW_LOADER": 1}, ["gpt-oss-sliding-b256x8192"], {}),
 }
 DIAG = ("JITATTN_DIAG_",)
 
@@ -103,7 +102,7 @@ def time_all(root: Path, out: str | None, rounds: int) -> None:
     from jitattn.bench import time_graph_ms
     from jitattn.testing import random_paged_batch, relative_error
 
-    batches, refs, rows = {}, {}, []
+    batches, refs = {}, {}
     for c, (spec, b, n) in CASES.items():
         batches[c] = random_paged_batch(spec, [1] * b, [n] * b, device="cuda", seed=1)
         refs[c] = reference.paged_attention(spec, *batches[c].args(), **batches[c].kwargs())
