@@ -141,6 +141,31 @@ __device__ __forceinline__ void e4m3x4_to_f16x4_scaled(uint32_t q, uint32_t& lo,
   lo = ((q << 8) & 0x80008000u) | ((q << 7) & 0x3f803f80u);
 }
 
+// The converter instead (JITATTN_FP8_CVT, sm_89 and later: cvt.rn.f16x2.e4m3x2, PTX ISA 7.8): the
+// same two registers, holding the values themselves (exact: every e4m3 value is an f16), the NaN codes
+// read as NaN; one byte permute and two conversions per 4 values. Off until timed on a GPU.
+#ifndef JITATTN_FP8_CVT
+#define JITATTN_FP8_CVT 0
+#endif
+#if JITATTN_FP8_CVT && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define JITATTN_E4M3_BY_CVT 1
+#else
+#define JITATTN_E4M3_BY_CVT 0
+#endif
+// What the widened values are multiplied by to be the cache's values (the logit and output scales
+// take it): 2^8 after the bit moves, 1 after the converter.
+constexpr float kE4m3Unscale = JITATTN_E4M3_BY_CVT ? 1.f : 256.f;
+
+__device__ __forceinline__ void e4m3x4_to_f16x4(uint32_t q, uint32_t& lo, uint32_t& hi) {
+#if JITATTN_E4M3_BY_CVT
+  const uint32_t pairs = __byte_perm(q, 0u, 0x3120);  // bytes 0, 2 | 1, 3
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(lo), "=r"(hi) : "r"(pairs));
+#else
+  e4m3x4_to_f16x4_scaled(q, lo, hi);
+#endif
+}
+
 // D = A * B + D for one m16n8k16 tile: A row-major 16x16, B "col" 16x8, fp32 accumulate.
 template <class T>
 __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);

@@ -286,7 +286,7 @@ __device__ __forceinline__ void decode_mma_q_fp8(const Params& p, uint32_t (&qf)
       e = min(max(15 - x2, -120), 120);
     }
     row_scale[r] = pow2(e);
-    qk_scale[r] = q_prescale<S>() * p.k_scale * 256.f * pow2(-e);
+    qk_scale[r] = q_prescale<S>() * p.k_scale * kE4m3Unscale * pow2(-e);
   }
 #pragma unroll
   for (int kk = 0; kk < T::kHeadDim / 16; ++kk)
@@ -316,8 +316,8 @@ __device__ __forceinline__ void decode_mma_qk_fp8(float (&s0)[4], float (&s1)[4]
   const int row = lane % 8 + ((lane / 8) % 2) * 8;  // x4: lanes 0-7 keys 0-7, 8-15 keys 8-15, then again
   auto mma2 = [&](int kk, uint32_t k0, uint32_t k1) {  // chunk kk: keys 0-7 (k0) and 8-15 (k1)
     uint32_t b[2][2];
-    e4m3x4_to_f16x4_scaled(k0, b[0][0], b[0][1]);
-    e4m3x4_to_f16x4_scaled(k1, b[1][0], b[1][1]);
+    e4m3x4_to_f16x4(k0, b[0][0], b[0][1]);
+    e4m3x4_to_f16x4(k1, b[1][0], b[1][1]);
     mma_16816<__half>(s0, qf[kk], b[0][0], b[0][1]);
     mma_16816<__half>(s1, qf[kk], b[1][0], b[1][1]);
   };
@@ -348,8 +348,8 @@ __device__ __forceinline__ void decode_mma_pv_fp8(float (&o)[2 * kN][4], const u
   const int row = lane % 8 + ((lane / 8) % 2) * 8;
   auto mma2 = [&](int i, uint32_t v0, uint32_t v1) {  // chunk c0 + i: keys 0-7 (v0) and 8-15 (v1)
     uint32_t b[2][2];
-    e4m3x4_to_f16x4_scaled(v0, b[0][0], b[0][1]);
-    e4m3x4_to_f16x4_scaled(v1, b[1][0], b[1][1]);
+    e4m3x4_to_f16x4(v0, b[0][0], b[0][1]);
+    e4m3x4_to_f16x4(v1, b[1][0], b[1][1]);
     if constexpr (T::kRowHalves == 1) {  // rows g + 8 are padding: their accumulators are scratch
       o[2 * i][2] = o[2 * i][3] = o[2 * i + 1][2] = o[2 * i + 1][3] = 0.f;
     }
@@ -380,8 +380,8 @@ __device__ __forceinline__ void decode_mma_out_pair(const float (&o)[N][4], int 
   if constexpr (T::kFp8) {
     const int j = i / 2, e = i % 2;
     dim = 16 * j + 4 * tig + 2 * e + tile0 * 8;
-    v[0] = o[2 * j][2 * r + e] * 256.f;
-    v[1] = o[2 * j + 1][2 * r + e] * 256.f;
+    v[0] = o[2 * j][2 * r + e] * kE4m3Unscale;
+    v[1] = o[2 * j + 1][2 * r + e] * kE4m3Unscale;
   } else {
     dim = (tile0 + i) * 8 + 2 * tig;
     v[0] = o[i][2 * r];

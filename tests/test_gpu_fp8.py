@@ -1,7 +1,7 @@
 """The FP8 (e4m3) cache on the tensor-core decode, exactly, on the GPU (``pytest -m gpu``).
 
-decode_mma.cuh widens e4m3 bytes to f16 in registers with bit moves (common.cuh,
-e4m3x4_to_f16x4_scaled) and reorders Q's dims to match the K fragments; these tests put every
+decode_mma.cuh widens e4m3 bytes to f16 in registers (common.cuh, e4m3x4_to_f16x4: bit moves, or
+the converter under JITATTN_FP8_CVT) and reorders Q's dims to match the K fragments; these tests put every
 e4m3 code (the NaN codes 0x7f / 0xff left out) into K and V rows and check that the decode reads each
 one exactly. Each sequence has one key, so p = 1 and the output is V's row times v_scale (exact in
 bf16 and f16: e4m3 values fit both), and the lse is the logit q.k * k_scale (q one-hot, times 3.0,
@@ -61,6 +61,32 @@ def test_every_e4m3_code_is_read_exactly(spec, k_scale, v_scale, session_cache):
     dims = (torch.arange(batch)[:, None] % 8) * 16 + torch.arange(16)[None, :]
     want_lse = 3.0 * k_scale * exact.cpu().gather(1, dims)
     torch.testing.assert_close(lse.float().cpu(), want_lse, rtol=2e-6, atol=1e-7)
+
+
+def _fp8_cvt_on() -> bool:
+    from jitattn.render import template_dir
+
+    return "#define JITATTN_FP8_CVT 1\n" in (template_dir() / "common.cuh").read_text()
+
+
+@pytest.mark.parametrize("spec", SPECS[:2], ids=lambda s: s.name)
+@pytest.mark.parametrize("code", [0x7F, 0xFF])
+def test_nan_codes_read_as_nan(spec, code, session_cache):
+    """An e4m3 NaN code in a visible K or V element makes its rows NaN, as in the reference (only with
+    the converter: the bit moves read it as +-480, as README says)."""
+    if not _fp8_cvt_on():
+        pytest.skip("JITATTN_FP8_CVT is 0: the tensor-core decode reads the NaN codes as +-480 (README)")
+    batch = random_paged_batch(spec, [1, 1, 1], [40, 300, 7], device="cuda", seed=5)
+    for where in ("k", "v"):
+        cache = batch.kv_cache.clone()
+        page = int(batch.block_table[1, 299 // 16])  # NHD page of sequence 1's last key (inside any window)
+        cache.view(torch.uint8)[page, 0 if where == "k" else 1, 299 % 16, 0, 5] = code
+        out = load_kernel(spec).paged_attention(batch.q, cache, batch.block_table, batch.seq_lens,
+                                                batch.query_start_loc, **batch.scales)
+        torch.cuda.synchronize()
+        ref = reference.paged_attention(spec, batch.q, cache, batch.block_table, batch.seq_lens,
+                                        batch.query_start_loc, **batch.kwargs())
+        assert torch.equal(torch.isnan(out), torch.isnan(ref)) and torch.isnan(out[1]).any(), where
 
 
 def test_out_of_range_page_id_gives_a_nan_row(session_cache):

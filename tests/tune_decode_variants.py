@@ -26,6 +26,7 @@ HD128 = AttentionSpec(32, 8, 128)
 HD128_HND = AttentionSpec(32, 8, 128, kv_layout="HND")
 GEMMA = AttentionSpec(16, 8, 256, logits_soft_cap=50.0, window_left=4095, sm_scale=256 ** -0.5)
 GPT_OSS = AttentionSpec(64, 8, 64, window_left=127, sinks=True, sm_scale=64 ** -0.5)  # whole-window mode
+FP8 = AttentionSpec(32, 8, 128, kv_dtype="float8_e4m3fn")
 # case name -> (spec, batch, kv_len)
 CASES = {
     "b64x4096": (HD128, 64, 4096),
@@ -33,16 +34,20 @@ CASES = {
     "b1x32768": (HD128, 1, 32768),
     "gemma2-b64x8192": (GEMMA, 64, 8192),
     "gpt-oss-sliding-b256x8192": (GPT_OSS, 256, 8192),
+    "fp8-b64x4096": (FP8, 64, 4096),
 }
 # variant -> (switches, cases, split overrides {case: [splits]}); "base" is --base-templates as they are.
 # A switch whose name holds "=>" replaces text in decode_mma.cuh instead: "old=>new" (value unused).
 # The variants measured in the fourth session (stages, swizzle, merge batching, Gemma-2 tiles) are in
 # BENCHMARKS.md (history v17) and decode_mma.cuh's comments; these are the open ones.
 VARIANTS = {
-    "base": ({}, ["b64x4096", "b1x32768", "gpt-oss-sliding-b256x8192"], {}),
-    "new": ({}, ["b64x4096", "b1x32768", "gpt-oss-sliding-b256x8192"], {}),
+    "base": ({}, ["b64x4096", "b1x32768", "gpt-oss-sliding-b256x8192", "fp8-b64x4096"], {}),
+    "new": ({}, ["b64x4096", "b1x32768", "gpt-oss-sliding-b256x8192", "fp8-b64x4096"], {}),
     # The whole window's copies through decode_mma_load_tile (gpt-oss: 2280 -> 2016 SASS instructions).
     "ww-loader": ({"JITATTN_DECODE_MMA_WINDOW_LOADER": 1}, ["gpt-oss-sliding-b256x8192"], {}),
+    # e4m3 widened by cvt.rn.f16x2.e4m3x2 instead of bit moves (FP8 decode 3208 -> 3032 SASS instructions;
+    # the NaN codes then read as NaN: tests/test_gpu_fp8.py::test_nan_codes_read_as_nan).
+    "fp8-cvt": ({"JITATTN_FP8_CVT": 1}, ["fp8-b64x4096"], {}),
 }
 DIAG = ("JITATTN_DIAG_",)
 
@@ -59,7 +64,7 @@ def prepare(root: Path, base_templates: Path | None) -> None:
 
 
 def apply(dst: Path, switches: dict) -> None:
-    """Set a variant's switches in the template copy at ``dst`` (decode.cuh / decode_mma.cuh)."""
+    """Set a variant's switches in the template copy at ``dst`` (common.cuh / decode.cuh / decode_mma.cuh)."""
     for macro, value in switches.items():
         if "=>" in macro:
             a, b = macro.split("=>")
@@ -68,7 +73,7 @@ def apply(dst: Path, switches: dict) -> None:
             path.write_text(path.read_text().replace(a + "\n", b + ("\n" if b else ""), 1))
             continue
         hits = 0
-        for path in (dst / "decode.cuh", dst / "decode_mma.cuh"):
+        for path in (dst / "common.cuh", dst / "decode.cuh", dst / "decode_mma.cuh"):
             text = path.read_text()
             if value is None:  # a diagnostic #ifdef switch: defined at the top of the header
                 text, n = text.replace("#pragma once\n", f"#pragma once\n#define {macro}\n", 1), 1
