@@ -343,33 +343,37 @@ class JitKernel:
         side = None if decode_only or not self.mixed_on_two_streams else self.side_stream()
         if side is not None:
             side.wait_stream(main)
-        g = self.geometry
-        with torch.cuda.stream(side or main):  # the split scratch belongs to the stream that uses it
-            partial_o = partial_lse = counters = None
-            if splits > 1:
-                counters = self.split_counters(batch * spec.num_kv_heads)
-                partial_o = torch.empty(splits, batch, spec.num_qo_heads, spec.head_dim_vo, dtype=torch.float32,
-                                        device=q.device)
-                partial_lse = torch.empty(splits, batch, spec.num_qo_heads, dtype=torch.float32, device=q.device)
-            ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-            args = self._pack(params, {
-                "q": ptr(q), "kv_cache": ptr(kv_cache), "o": ptr(out), "lse": ptr(lse),
-                "block_table": ptr(block_table), "seq_lens": ptr(seq_lens), "query_start_loc": ptr(query_start_loc),
-                "sinks": ptr(sinks), "alibi_slopes": ptr(alibi_slopes), "partial_o": ptr(partial_o),
-                "partial_lse": ptr(partial_lse), "split_counters": ptr(counters),
-                "q_stride_token": q.stride(0), "q_stride_head": q.stride(1), "kv_stride_page": kv_cache.stride(0),
-                "kv_stride_kv": kv_cache.stride(1), "block_table_stride": block_table.stride(0), "batch_size": batch,
-                "total_q": total_q, "num_pages": call.num_pages, "num_splits": splits, "prefill_skip_decode_rows": 1,
-                "k_scale": scales[0], "v_scale": scales[1],
-            })
-            # With split_counters set, the last split of each (sequence, kv head) merges the partials
-            # (merge_splits_last_block): no merge launch.
-            self._launch("decode", (splits, spec.num_kv_heads, batch), g["decode_threads"], g["decode_smem"], args)
-        if not decode_only:
-            tiles = math.ceil(total_q * spec.group_size / g["prefill_block_m"]) + batch
-            self._launch("prefill", (tiles, spec.num_kv_heads, 1), g["prefill_threads"], g["prefill_smem"], args)
-        if side is not None:
-            main.wait_stream(side)
+        try:
+            g = self.geometry
+            with torch.cuda.stream(side or main):  # the split scratch belongs to the stream that uses it
+                partial_o = partial_lse = counters = None
+                if splits > 1:
+                    counters = self.split_counters(batch * spec.num_kv_heads)
+                    partial_o = torch.empty(splits, batch, spec.num_qo_heads, spec.head_dim_vo, dtype=torch.float32,
+                                            device=q.device)
+                    partial_lse = torch.empty(splits, batch, spec.num_qo_heads, dtype=torch.float32, device=q.device)
+                ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+                args = self._pack(params, {
+                    "q": ptr(q), "kv_cache": ptr(kv_cache), "o": ptr(out), "lse": ptr(lse),
+                    "block_table": ptr(block_table), "seq_lens": ptr(seq_lens), "query_start_loc": ptr(query_start_loc),
+                    "sinks": ptr(sinks), "alibi_slopes": ptr(alibi_slopes), "partial_o": ptr(partial_o),
+                    "partial_lse": ptr(partial_lse), "split_counters": ptr(counters),
+                    "q_stride_token": q.stride(0), "q_stride_head": q.stride(1),
+                    "kv_stride_page": kv_cache.stride(0), "kv_stride_kv": kv_cache.stride(1),
+                    "block_table_stride": block_table.stride(0), "batch_size": batch, "total_q": total_q,
+                    "num_pages": call.num_pages, "num_splits": splits, "prefill_skip_decode_rows": 1,
+                    "k_scale": scales[0], "v_scale": scales[1],
+                })
+                # With split_counters set, the last split of each (sequence, kv head) merges the partials
+                # (merge_splits_last_block): no merge launch.
+                self._launch("decode", (splits, spec.num_kv_heads, batch), g["decode_threads"], g["decode_smem"], args)
+            if not decode_only:
+                tiles = math.ceil(total_q * spec.group_size / g["prefill_block_m"]) + batch
+                self._launch("prefill", (tiles, spec.num_kv_heads, 1), g["prefill_threads"], g["prefill_smem"], args)
+        finally:  # joined even when a launch raises: the caller's stream must not run ahead of the
+            # decode kernel already queued, and a CUDA graph capture must not end with a fork unjoined
+            if side is not None:
+                main.wait_stream(side)
         return (out, lse) if return_lse else out
 
     def _check_device(self, q: torch.Tensor) -> None:

@@ -171,6 +171,34 @@ def test_mixed_call_forks_the_decode_onto_a_side_stream(monkeypatch):
     assert side.waited_for == [] and main.waited_for == []
 
 
+@pytest.mark.parametrize("fails", ["decode", "prefill"])
+def test_mixed_call_joins_the_side_stream_when_a_launch_raises(monkeypatch, fails):
+    """A launch that raises between the fork and the join still joins the side stream back into the
+    caller's: otherwise the caller's stream would not wait for a decode kernel already queued (its
+    tensors freed and reused under it), and a CUDA graph capture would end unjoined, hiding the error."""
+    from jitattn import AttentionSpec
+    from jitattn.testing import random_paged_batch
+
+    spec = AttentionSpec(8, 2, 64)
+    kernel, launches = _dry_kernel(spec, monkeypatch)
+    main, side = _STREAMS[-1], _FakeStream(8)
+    main.waited_for.clear()
+    kernel.mixed_on_two_streams, kernel.side_stream = True, lambda: side
+    real_launch = kernel._module.launch
+
+    def launch(name, *args):
+        if name == fails:
+            raise RuntimeError(f"CUDA error: {name} launch failed")
+        real_launch(name, *args)
+
+    kernel._module.launch = launch
+    b = random_paged_batch(spec, [1, 5, 1], [30, 4000, 17])
+    with pytest.raises(RuntimeError, match=f"{fails} launch failed"):
+        kernel.paged_attention(*b.args())
+    assert side.waited_for == [7] and main.waited_for == [8]
+    assert _STREAMS[-1] is main  # the side stream is no longer current
+
+
 def test_ragged_call_host_side(monkeypatch):
     from jitattn import AttentionSpec
     from jitattn.testing import random_ragged_batch
