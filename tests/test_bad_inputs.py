@@ -250,3 +250,18 @@ def test_random_batch_helpers_refuse_bad_arguments():
         with pytest.raises(ValueError, match=rf"{bad}: expected a list of ints, one per sequence"):
             random_paged_batch(SPEC, q_lens, kv_lens)
     assert random_paged_batch(SPEC, (1, 2), range(3, 5)).q.shape[0] == 3  # tuples and ranges are fine
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "flex"])
+@pytest.mark.parametrize("value", ["no", 1, None, torch.tensor(True)])
+def test_backends_refuse_a_validate_that_is_not_a_bool(backend, value):
+    """``validate`` must be True or False in every backend's callable, as in the jit kernel's
+    (check_flag): the torch backends took any value ('no' validated, None did not)."""
+    b, r = paged(), ragged()
+    match = r"validate=.*: expected True or False"
+    with pytest.raises(ValueError, match=match):
+        get_backend(backend).build(SPEC, DeviceInfo.parse("cpu"))(*b.args(), validate=value)
+    if backend != "flex":  # flex serves no ragged spec
+        with pytest.raises(ValueError, match=match):
+            get_backend(backend).build(RAGGED, DeviceInfo.parse("cpu"))(r.q, r.k, r.v, r.query_start_loc,
+                                                                          r.kv_start_loc, validate=value)

@@ -20,6 +20,17 @@ def new_out(spec: AttentionSpec, q: torch.Tensor, out: torch.Tensor | None) -> t
                        device=q.device)
 
 
+def check_flags(return_lse: Any, validate: Any) -> None:
+    """A backend callable's two boolean options, refused before any work unless True or False
+    (:func:`jitattn.checks.check_flag`, as the jit kernel does).
+
+    Raises:
+        ValueError: naming the argument and the value.
+    """
+    check_flag("return_lse", return_lse)
+    check_flag("validate", validate)
+
+
 def finish(result: torch.Tensor, lse: torch.Tensor | None, out: torch.Tensor | None,
            return_lse: bool) -> Any:
     """Copy ``result`` into ``out`` when the caller gave one; return ``out`` (and lse) per the contract.

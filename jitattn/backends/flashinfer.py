@@ -31,7 +31,7 @@ import torch
 
 from jitattn.backends.base import (Backend, DeviceInfo, PagedAttentionFn, cuda_reasons, dtype_reasons,
                                    variant_reasons)
-from jitattn.backends.common import check_call, finish
+from jitattn.backends.common import check_call, check_flags, finish
 from jitattn.reference import torch_dtype
 from jitattn.spec import AttentionSpec
 
@@ -88,6 +88,7 @@ class FlashInferBackend(Backend):
         def flashinfer_paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, *, out=None,
                                        return_lse: bool = False, max_query_len: int | None = None,
                                        validate: bool = False, **kwargs: Any):
+            check_flags(return_lse, validate)
             check_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc, {**kwargs, "out": out},
                        values=validate)
             indptr, indices, last_len = _page_metadata(spec, block_table, seq_lens)

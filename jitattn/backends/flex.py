@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from jitattn.backends.base import Backend, DeviceInfo, PagedAttentionFn, cuda_reasons, dtype_reasons
-from jitattn.backends.common import check_call, finish, query_positions
+from jitattn.backends.common import check_call, check_flags, finish, query_positions
 from jitattn.backends.reference import missing_torch_functors
 from jitattn.reference import default_alibi_slopes, torch_dtype
 from jitattn.spec import AttentionSpec
@@ -77,6 +77,7 @@ class FlexBackend(Backend):
                                  return_lse: bool = False, max_query_len: int | None = None, sinks=None,
                                  alibi_slopes=None, params=None, k_scale: float = 1.0, v_scale: float = 1.0,
                                  validate: bool = False):
+            check_flags(return_lse, validate)
             check_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc,
                        {"sinks": sinks, "alibi_slopes": alibi_slopes, "params": params, "out": out,
                         "k_scale": k_scale, "v_scale": v_scale}, values=validate)

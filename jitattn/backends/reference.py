@@ -13,7 +13,7 @@ from typing import Any
 
 from jitattn import reference
 from jitattn.backends.base import Backend, DeviceInfo, PagedAttentionFn
-from jitattn.backends.common import check_call, check_ragged, finish
+from jitattn.backends.common import check_call, check_flags, check_ragged, finish
 from jitattn.spec import AttentionSpec
 
 
@@ -48,6 +48,7 @@ class ReferenceBackend(Backend):
             def reference_ragged_attention(q, k, v, query_start_loc, kv_start_loc, *, out=None,
                                            return_lse: bool = False, max_query_len: int | None = None,
                                            validate: bool = True, **kwargs: Any):
+                check_flags(return_lse, validate)
                 check_ragged(spec, q, k, v, query_start_loc, kv_start_loc, {**kwargs, "out": out})
                 res = reference.ragged_attention(spec, q, k, v, query_start_loc, kv_start_loc, return_lse=True,
                                                  **kwargs)
@@ -58,6 +59,7 @@ class ReferenceBackend(Backend):
         def reference_paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, *, out=None,
                                       return_lse: bool = False, max_query_len: int | None = None,
                                       validate: bool = True, **kwargs: Any):
+            check_flags(return_lse, validate)
             check_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc, {**kwargs, "out": out})
             res = reference.paged_attention(spec, q, kv_cache, block_table, seq_lens, query_start_loc,
                                             return_lse=True, **kwargs)

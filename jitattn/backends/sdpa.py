@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from jitattn.backends.base import Backend, DeviceInfo, PagedAttentionFn, dtype_reasons, variant_reasons
-from jitattn.backends.common import check_call, check_ragged, finish, new_out
+from jitattn.backends.common import check_call, check_flags, check_ragged, finish, new_out
 from jitattn.checks import check_flag
 from jitattn.reference import gather_kv
 from jitattn.spec import AttentionSpec
@@ -59,6 +59,7 @@ class SdpaBackend(Backend):
         def sdpa_paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, *, out=None,
                                  return_lse: bool = False, max_query_len: int | None = None, validate: bool = True,
                                  **kwargs: Any):
+            check_flags(return_lse, validate)
             _refuse_lse(return_lse)
             # It reads the metadata on the host anyway, so it always checks the values (validate is moot).
             check_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc, {**kwargs, "out": out}, values=True)
@@ -79,6 +80,7 @@ class SdpaBackend(Backend):
 def _ragged_fn(spec: AttentionSpec) -> PagedAttentionFn:
     def sdpa_ragged_attention(q, k, v, query_start_loc, kv_start_loc, *, out=None, return_lse: bool = False,
                               max_query_len: int | None = None, validate: bool = True, **kwargs: Any):
+        check_flags(return_lse, validate)
         _refuse_lse(return_lse)
         check_ragged(spec, q, k, v, query_start_loc, kv_start_loc, {**kwargs, "out": out}, values=True)
         result = new_out(spec, q, None)
