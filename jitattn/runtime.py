@@ -195,6 +195,11 @@ def choose_num_splits(blocks: int, slots: int, max_useful: int, *, min_wave_fill
     return s
 
 
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class JitKernel:
     """The compiled kernels of one spec, loaded on one CUDA device.
 
@@ -234,6 +239,7 @@ class JitKernel:
         self._default_slopes = default_alibi_slopes(spec, self.device) if spec.alibi else None
         self._split_counters: dict[int, torch.Tensor] = {}  # stream handle -> fused-merge counters
         self._retired_counters: list[torch.Tensor] = []  # outgrown buffers that captured graphs may still use
+        self._unzeroed_counters: set[int] = set()  # streams whose buffer was made under capture, not yet zeroed
         self._side_streams: dict[int, torch.cuda.Stream] = {}  # caller's stream handle -> its decode stream
         self.mixed_on_two_streams = MIXED_ON_TWO_STREAMS
 
@@ -261,14 +267,28 @@ class JitKernel:
         larger buffer, but the smaller ones are kept alive: a CUDA graph captured earlier holds their
         address, and freeing them would let its replays count in memory that is no longer zeroed.
         (One graph replayed on two streams at once would share one buffer: not supported.)
+
+        Under CUDA graph capture a new buffer's zero fill is only recorded into that graph: until the
+        graph replays, the memory holds whatever it held. So such a buffer is zeroed again at its next
+        use: eagerly (then it is known zero) or, in another capture, recorded into that graph too (a
+        graph captured later may replay first).
         """
         stream = torch.cuda.current_stream(self.device).cuda_stream
+        capturing = _capturing()
         buf = self._split_counters.get(stream)
         if buf is None or buf.numel() < pairs:
             if buf is not None:
                 self._retired_counters.append(buf)
             buf = torch.zeros(max(pairs, 1024), dtype=torch.int32, device=self.device)
             self._split_counters[stream] = buf
+            if capturing:
+                self._unzeroed_counters.add(stream)
+            else:
+                self._unzeroed_counters.discard(stream)
+        elif stream in self._unzeroed_counters:
+            buf.zero_()
+            if not capturing:
+                self._unzeroed_counters.discard(stream)
         return buf
 
     def side_stream(self) -> torch.cuda.Stream:

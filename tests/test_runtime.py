@@ -60,6 +60,7 @@ def test_outgrown_split_counters_stay_alive(monkeypatch):
 
     kernel = object.__new__(JitKernel)  # the buffer policy only: no cubin, no GPU
     kernel.device, kernel._split_counters, kernel._retired_counters = torch.device("cpu"), {}, []
+    kernel._unzeroed_counters = set()
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=7))
     small = kernel.split_counters(64)
     assert small.numel() >= 64 and not small.any()
@@ -68,6 +69,33 @@ def test_outgrown_split_counters_stay_alive(monkeypatch):
     assert large.numel() >= 5000 and large is not small
     assert any(t is small for t in kernel._retired_counters)  # still referenced, so never freed
     assert kernel.split_counters(64) is large
+
+
+def test_split_counters_made_under_capture_are_zeroed_at_their_next_use(monkeypatch):
+    """A counter buffer allocated while a CUDA graph is being captured is zero only once that graph
+    replays (the capture records the fill, runs nothing). Its next use zeroes it again: eagerly, or
+    recorded into the next captured graph (which may replay first); else the fused merge would count
+    from garbage, never see its last split and leave the rows unwritten, for every later call too."""
+    from types import SimpleNamespace
+
+    from jitattn import runtime
+    from jitattn.runtime import JitKernel
+
+    kernel = object.__new__(JitKernel)
+    kernel.device, kernel._split_counters, kernel._retired_counters = torch.device("cpu"), {}, []
+    kernel._unzeroed_counters = set()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=7))
+    capturing = [True]
+    monkeypatch.setattr(runtime, "_capturing", lambda: capturing[0], raising=False)
+    buf = kernel.split_counters(64)  # graph 1 captures the allocation
+    buf.fill_(12345)  # on a GPU: whatever the memory held, the captured fill has not run
+    again = kernel.split_counters(64)  # graph 2 captures a use: its own fill recorded
+    assert again is buf and not buf.any()
+    buf.fill_(12345)
+    capturing[0] = False
+    assert kernel.split_counters(64) is buf and not buf.any()  # the first eager use zeroes it
+    buf[3] = 1  # eager launches leave it zero; this shows no fill runs per call once it is known zero
+    assert kernel.split_counters(64) is buf and buf[3] == 1
 
 
 def _dry_kernel(spec, monkeypatch):
@@ -91,7 +119,7 @@ def _dry_kernel(spec, monkeypatch):
                        "params_size": kernel._packer.size}
     kernel._num_sms, kernel._decode_blocks_per_sm = 132, 2
     kernel._default_slopes = default_alibi_slopes(spec, "cpu") if spec.alibi else None
-    kernel._split_counters, kernel._retired_counters = {}, []
+    kernel._split_counters, kernel._retired_counters, kernel._unzeroed_counters = {}, [], set()
     kernel.mixed_on_two_streams, kernel._side_streams = False, {}
     launches = []
     kernel.launch_streams = []  # the stream handle of each launch
