@@ -275,6 +275,22 @@ def check_flag(name: str, value: Any) -> bool:
     return bool(value)
 
 
+def check_max_query_len(value: Any) -> int | None:
+    """The ``max_query_len`` hint: None or an int >= 0 (numpy's integers too), never a bool.
+
+    It picks the kernels (1 launches only the decode kernel), so ``True`` (equal to 1), ``1.0``,
+    ``"1"`` or a tensor are refused rather than read.
+
+    Raises:
+        ValueError: naming the value.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not hasattr(value, "__index__") or isinstance(value, torch.Tensor) or value < 0:
+        _fail(f"max_query_len={value!r}: expected None or an int >= 0 (the longest query count of the batch)")
+    return int(value)
+
+
 def check_scale(name: str, value: Any) -> float:
     """An FP8 dequantisation scale (``k_scale`` / ``v_scale``): a positive finite Python number.
 

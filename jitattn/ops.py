@@ -35,7 +35,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from jitattn.backends import DeviceInfo, get_backend
-from jitattn.checks import check_flag, check_scales, check_spec
+from jitattn.checks import check_flag, check_max_query_len, check_scales, check_spec
 from jitattn.reference import torch_dtype
 from jitattn.selector import _build_cached, select_cached
 from jitattn.spec import AttentionSpec, live_spec
@@ -164,6 +164,7 @@ def paged_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor
     check_spec(spec, "jitattn.ops.paged_attention(spec, q, kv_cache, block_table, seq_lens, query_start_loc, ...)")
     check_scales(spec, k_scale, v_scale)
     check_flag("return_lse", return_lse)
+    max_query_len = check_max_query_len(max_query_len)
     text = spec.canonical_text
     device = q.device
     name = _backend_name(text, device.type, -1 if device.index is None else device.index, phase, return_lse,

@@ -30,8 +30,8 @@ import torch
 from jitattn import cuda_driver
 from jitattn.build import archs_for_capability
 from jitattn.cache import CacheEntry, KernelCache
-from jitattn.checks import (check_flag, check_metadata_values, check_paged_call, check_ragged_call,
-                            check_ragged_metadata_values, check_scales)
+from jitattn.checks import (check_flag, check_max_query_len, check_metadata_values, check_paged_call,
+                            check_ragged_call, check_ragged_metadata_values, check_scales)
 from jitattn.reference import default_alibi_slopes, torch_dtype
 from jitattn.render import KERNEL_NAMES, params_fields, params_layout
 from jitattn.spec import AttentionSpec
@@ -342,6 +342,7 @@ class JitKernel:
         call = check_paged_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc, sinks=sinks,
                                 alibi_slopes=alibi_slopes, params=params, out=out, for_kernel=True)
         self._check_device(q)
+        max_query_len = check_max_query_len(max_query_len)
         if check_flag("validate", validate):
             check_metadata_values(spec, seq_lens, query_start_loc, block_table, call.num_pages, call.total_q)
             if max_query_len is not None:

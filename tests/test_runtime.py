@@ -2,6 +2,7 @@
 
 import contextlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -247,3 +248,21 @@ def test_ragged_call_host_side(monkeypatch):
         kernel.ragged_attention(r.q, r.k, r.v, r.query_start_loc, r.kv_start_loc, params={"bias": -2.0},
                                 return_lse=True)
     assert launches == []
+
+
+@pytest.mark.parametrize("value", [True, 1.0, "1", torch.tensor(1), -1])
+def test_max_query_len_must_be_a_count(monkeypatch, value):
+    """max_query_len picks the kernels (1: decode only, the other rows left unwritten), so it must be
+    None or an int >= 0: True compared equal to 1 and dropped the prefill rows, '1' reached the
+    validate comparison as a TypeError, a tensor compared elementwise."""
+    from jitattn import AttentionSpec
+    from jitattn.testing import random_paged_batch
+
+    spec = AttentionSpec(8, 2, 64)
+    kernel, launches = _dry_kernel(spec, monkeypatch)
+    b = random_paged_batch(spec, [1, 5], [30, 40])
+    with pytest.raises(ValueError, match=r"max_query_len=.*: expected None or an int >= 0"):
+        kernel.paged_attention(*b.args(), max_query_len=value, validate=True)
+    assert launches == []
+    kernel.paged_attention(*b.args(), max_query_len=np.int64(5), validate=True)  # numpy ints are ints
+    assert [name for name, *_ in launches] == ["decode", "prefill"]
