@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Annotated, Iterator, NoReturn, Optional
 
 import typer
+import typer.core
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -48,7 +49,42 @@ from jitattn.cache import MANIFEST, CacheWriteError, KernelCache
 from jitattn.merge_module import MergeModule, is_module_json
 from jitattn.spec import AttentionSpec
 
+# The click that typer runs on: its own copy (typer.core._click, typer >= 0.2x) or the click package.
+_click = getattr(typer.core, "_click", None) or typer.core.click
+
+
+class _OneLineUsageError(_click.exceptions.UsageError):
+    """click's own parse errors (a value it cannot convert, an unknown option or command, a missing
+    option value), shown as jitattn's other usage errors: one ``jitattn: error:`` line, exit 2."""
+
+    def show(self, file=None) -> None:
+        typer.echo(f"jitattn: error: {self.format_message()}", file=file, err=file is None)
+
+
+@contextlib.contextmanager
+def _one_line_click_errors() -> Iterator[None]:
+    try:
+        yield
+    except (_OneLineUsageError, getattr(_click.exceptions, "NoArgsIsHelpError", ())):
+        raise  # already one line; or a bare command, whose help click prints
+    except _click.exceptions.UsageError as exc:
+        raise _OneLineUsageError(" ".join(exc.format_message().split()), exc.ctx) from None
+
+
+class _Group(typer.core.TyperGroup):
+    """The root command group: parse errors of the root and of every subcommand pass through here."""
+
+    def make_context(self, *args, **kwargs):
+        with _one_line_click_errors():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx):
+        with _one_line_click_errors():
+            return super().invoke(ctx)
+
+
 app = typer.Typer(
+    cls=_Group,
     name="jitattn",
     help="JIT kernel-specialisation compiler for attention: warm the kernel cache, look after it, ship it, "
          "select backends, benchmark.",

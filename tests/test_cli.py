@@ -189,6 +189,29 @@ def test_bad_option_value_is_a_usage_error(tmp_path):
                                   "for the default)", proc.stderr
 
 
+
+@pytest.mark.parametrize("args, message", [
+    (("warmup", "-j", "abc"), "Invalid value for '--jobs' / '-j'"),
+    (("warmup", "--page-size", "16k"), "Invalid value for '--page-size'"),
+    (("warmup", "--nope"), "No such option: --nope"),
+    (("frobnicate",), "No such command 'frobnicate'"),
+    (("cache", "ls", "--jsn"), "No such option: --jsn"),
+    (("select", "--model"), "Option '--model' requires an argument"),
+])
+def test_command_line_parse_errors_are_one_line(tmp_path, args, message):
+    """A value click cannot parse, an unknown option or command: one `jitattn: error:` line and exit 2,
+    like every other usage error (click printed its usage text, a hint and the error on four lines)."""
+    proc = jitattn(*args, "--model", str(GEMMA), cache=tmp_path / "c") if args[0] == "warmup" else \
+        jitattn(*args, cache=tmp_path / "c")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jitattn: error: ") and message in lines[0], proc.stderr
+
+
+def test_no_arguments_still_prints_the_help(tmp_path):
+    proc = jitattn(cache=tmp_path)
+    assert "warmup" in proc.stdout + proc.stderr and "jitattn: error" not in proc.stderr
+
 def test_default_jobs_is_at_least_one():
     assert 1 <= default_jobs() <= (os.cpu_count() or 1)
 
