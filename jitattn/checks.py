@@ -10,6 +10,7 @@ to the affected rows instead of reading out of bounds.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -276,7 +277,7 @@ def check_flag(name: str, value: Any) -> bool:
 
 
 def check_max_query_len(value: Any) -> int | None:
-    """The ``max_query_len`` hint: None or an int >= 0 (numpy's integers too), never a bool.
+    """The ``max_query_len`` hint: None or an int >= 0 (numpy's integers and a SymInt too), never a bool.
 
     It picks the kernels (1 launches only the decode kernel), so ``True`` (equal to 1), ``1.0``,
     ``"1"`` or a tensor are refused rather than read.
@@ -286,9 +287,10 @@ def check_max_query_len(value: Any) -> int | None:
     """
     if value is None:
         return None
-    if isinstance(value, bool) or not hasattr(value, "__index__") or isinstance(value, torch.Tensor) or value < 0:
+    # isinstance only (no hasattr): torch.compile traces this with a SymInt when the value varies
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt, numbers.Integral)) or value < 0:
         _fail(f"max_query_len={value!r}: expected None or an int >= 0 (the longest query count of the batch)")
-    return int(value)
+    return value
 
 
 def check_scale(name: str, value: Any) -> float:

@@ -59,6 +59,17 @@ def test_op_compiles_without_graph_breaks():
     assert torch.equal(compiled(*batch.args()), layer(*batch.args()))
 
 
+
+def test_op_compiles_with_a_max_query_len_that_varies():
+    """A max_query_len that changes between calls becomes a SymInt under torch.compile: its check must
+    trace without a graph break (check_max_query_len once called hasattr, which dynamo refuses)."""
+    spec = AttentionSpec(8, 2, 64)
+    compiled = torch.compile(lambda m, *a: paged_attention(spec, *a, max_query_len=m), fullgraph=True,
+                             backend="aot_eager")
+    for q_lens, m in (([1, 1, 1], 1), ([3, 1, 2], 3), ([3, 1, 2], 4)):
+        batch = random_paged_batch(spec, q_lens, [20, 30, 40])
+        torch.testing.assert_close(compiled(m, *batch.args()), reference.paged_attention(spec, *batch.args()))
+
 def test_op_carries_variant_params_and_torch_functors():
     spec = AttentionSpec(8, 2, 64, variant=REL_BIAS)
     params = {"bias": torch.linspace(-0.2, 0.3, 8), "max_dist": 16.0}
