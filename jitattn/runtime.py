@@ -200,6 +200,19 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def _validating(validate: Any) -> bool:
+    """``validate`` checked (a bool), and refused under CUDA graph capture, which forbids its host reads.
+
+    Raises:
+        ValueError: not a bool; True while the current stream captures a graph.
+    """
+    if check_flag("validate", validate) and _capturing():
+        raise ValueError("validate=True: the metadata checks read the values on the host (a device sync), which "
+                         "CUDA graph capture does not allow; check the batch outside the capture and pass "
+                         "validate=False inside it")
+    return bool(validate)
+
+
 class JitKernel:
     """The compiled kernels of one spec, loaded on one CUDA device.
 
@@ -343,7 +356,7 @@ class JitKernel:
                                 alibi_slopes=alibi_slopes, params=params, out=out, for_kernel=True)
         self._check_device(q)
         max_query_len = check_max_query_len(max_query_len)
-        if check_flag("validate", validate):
+        if _validating(validate):
             check_metadata_values(spec, seq_lens, query_start_loc, block_table, call.num_pages, call.total_q)
             if max_query_len is not None:
                 longest = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if call.batch else 0
@@ -469,7 +482,7 @@ class JitKernel:
         call = check_ragged_call(spec, q, k, v, query_start_loc, kv_start_loc, sinks=sinks, alibi_slopes=alibi_slopes,
                                  params=params, out=out, for_kernel=True)
         self._check_device(q)
-        if check_flag("validate", validate):
+        if _validating(validate):
             check_ragged_metadata_values(query_start_loc, kv_start_loc, call.total_q, call.total_kv)
         total_q, batch = call.total_q, call.batch
         alibi_slopes, out, lse = self._outputs(q, total_q, alibi_slopes, return_lse, out)

@@ -266,3 +266,26 @@ def test_max_query_len_must_be_a_count(monkeypatch, value):
     assert launches == []
     kernel.paged_attention(*b.args(), max_query_len=np.int64(5), validate=True)  # numpy ints are ints
     assert [name for name, *_ in launches] == ["decode", "prefill"]
+
+
+def test_validate_under_graph_capture_is_refused_before_any_work(monkeypatch):
+    """validate=True reads the metadata on the host, a sync that CUDA graph capture forbids: the call
+    says so, naming validate, before anything is captured (the sync raised a CUDA error from inside
+    the checks and invalidated the capture)."""
+    from jitattn import AttentionSpec, runtime
+    from jitattn.testing import random_paged_batch, random_ragged_batch
+
+    monkeypatch.setattr(runtime, "_capturing", lambda: True, raising=False)
+    spec = AttentionSpec(8, 2, 64)
+    kernel, launches = _dry_kernel(spec, monkeypatch)
+    b = random_paged_batch(spec, [1, 5], [30, 40])
+    with pytest.raises(ValueError, match=r"validate=True: .*CUDA graph capture"):
+        kernel.paged_attention(*b.args(), validate=True)
+    kernel.paged_attention(*b.args())  # validate=False: captured as usual
+    assert [name for name, *_ in launches] == ["decode", "prefill"]
+    ragged = AttentionSpec(8, 2, 64, kv_storage="ragged")
+    kernel, launches = _dry_kernel(ragged, monkeypatch)
+    r = random_ragged_batch(ragged, [1, 9], [20, 37])
+    with pytest.raises(ValueError, match=r"validate=True: .*CUDA graph capture"):
+        kernel.ragged_attention(r.q, r.k, r.v, r.query_start_loc, r.kv_start_loc, validate=True)
+    assert launches == []
