@@ -18,6 +18,7 @@ it once for every row of the batch, one-query rows included.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import struct
@@ -379,7 +380,9 @@ class JitKernel:
             side.wait_stream(main)
         try:
             g = self.geometry
-            with torch.cuda.stream(side or main):  # the split scratch belongs to the stream that uses it
+            # the split scratch belongs to the stream that uses it (no stream switch on one stream: the hot
+            # decode-only path pays nothing for the fork)
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 partial_o = partial_lse = counters = None
                 if splits > 1:
                     counters = self.split_counters(batch * spec.num_kv_heads)
@@ -514,6 +517,11 @@ class LoadedOnce:
     def __init__(self) -> None:
         self._loaded: dict[Any, Any] = {}
         self._lock = threading.Lock()
+
+    def clear(self) -> None:
+        """Forget every loaded object (the next get loads again; tools that swap templates use it)."""
+        with self._lock:
+            self._loaded.clear()
 
     def get(self, key: Any, load: Callable[[], Any]) -> Any:
         found = self._loaded.get(key)

@@ -289,3 +289,21 @@ def test_validate_under_graph_capture_is_refused_before_any_work(monkeypatch):
     with pytest.raises(ValueError, match=r"validate=True: .*CUDA graph capture"):
         kernel.ragged_attention(r.q, r.k, r.v, r.query_start_loc, r.kv_start_loc, validate=True)
     assert launches == []
+
+
+def test_loaded_once_loads_each_key_once_until_cleared():
+    """load_kernel's memo: one load per key, reused; clear() (tests/tune_decode_variants.py swaps the
+    templates between variants) makes the next get load again."""
+    from jitattn.runtime import LoadedOnce
+
+    memo, loads = LoadedOnce(), []
+
+    def load(key):
+        loads.append(key)
+        return object()
+
+    a = memo.get("a", lambda: load("a"))
+    assert memo.get("a", lambda: load("a")) is a and memo.get("b", lambda: load("b")) is not a
+    assert loads == ["a", "b"]
+    memo.clear()
+    assert memo.get("a", lambda: load("a")) is not a and loads == ["a", "b", "a"]

@@ -33,12 +33,8 @@ def check_flags(return_lse: Any, validate: Any) -> None:
 
 def finish(result: torch.Tensor, lse: torch.Tensor | None, out: torch.Tensor | None,
            return_lse: bool) -> Any:
-    """Copy ``result`` into ``out`` when the caller gave one; return ``out`` (and lse) per the contract.
-
-    Raises:
-        ValueError: ``return_lse`` is not a bool.
-    """
-    check_flag("return_lse", return_lse)
+    """Copy ``result`` into ``out`` when the caller gave one; return ``out`` (and lse) per the contract
+    (``return_lse`` was checked up front by :func:`check_flags`)."""
     if out is not None and out is not result:
         out.copy_(result)
         result = out

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 
 from jitattn.backends.base import Backend, DeviceInfo, PagedAttentionFn, dtype_reasons, variant_reasons
 from jitattn.backends.common import check_call, check_flags, check_ragged, finish, new_out
-from jitattn.checks import check_flag
 from jitattn.reference import gather_kv
 from jitattn.spec import AttentionSpec
 
@@ -96,8 +95,8 @@ def _ragged_fn(spec: AttentionSpec) -> PagedAttentionFn:
     return sdpa_ragged_attention
 
 
-def _refuse_lse(return_lse: bool) -> None:
-    if check_flag("return_lse", return_lse):
+def _refuse_lse(return_lse: bool) -> None:  # after check_flags: a bool
+    if return_lse:
         raise NotImplementedError("sdpa: cannot return the lse (torch SDPA does not expose it); "
                                   "select a backend with need_lse=True")
 
