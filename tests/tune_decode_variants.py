@@ -42,15 +42,12 @@ CASES = {
 # BENCHMARKS.md (history v17) and decode_mma.cuh's comments; these are the open ones.
 VARIANTS = {
     "base": ({}, ["b64x4096", "b1x32768", "gpt-oss-sliding-b256x8192", "fp8-b64x4096"], {}),
-    "new": ({}, ["b64x4096", "b1x32768", "gpt-oss-sliding-b256x8192", "fp8-b64x4096"], {}),
-    # The whole window's copies through decode_mma_load_tile (gpt-oss: 2280 -> 2016 SASS instructions).
-    "ww-loader": ({"JITATTN_DECODE_MMA_WINDOW_LOADER": 1}, ["gpt-oss-sliding-b256x8192"], {}),
-    # e4m3 widened by cvt.rn.f16x2.e4m3x2 instead of bit moves (FP8 decode 3208 -> 3032 SASS instructions;
-    # the NaN codes then read as NaN: tests/test_gpu_fp8.py::test_nan_codes_read_as_nan).
-    "fp8-cvt": ({"JITATTN_FP8_CVT": 1}, ["fp8-b64x4096"], {}),
-    # Two stages at 3 blocks/SM: ran 4.00 against 4.07 TB/s at 168 registers (fourth session); the hoisted
-    # copies (JITATTN_DECODE_MMA_LOADER) brought the kernel to 150 registers, so 3 blocks need no cap.
-    "st2-b3": ({"JITATTN_DECODE_MMA_STAGES": 2, "JITATTN_DECODE_MMA_MIN_BLOCKS": 3}, ["b64x4096", "b1x32768"], {}),
+    # The sixth session's first call (2026-11-29) turned these two on; kept as the "off" side of the A/B.
+    "ww-loader-off": ({"JITATTN_DECODE_MMA_WINDOW_LOADER": 0}, ["gpt-oss-sliding-b256x8192"], {}),
+    "fp8-bitmoves": ({"JITATTN_FP8_CVT": 0}, ["fp8-b64x4096"], {}),
+    # Split counts beside the rule's (1 for 64x4096 at 2 blocks/SM, 33 for 1x32768).
+    "splits": ({}, ["b64x4096", "b1x32768", "fp8-b64x4096"],
+               {"b64x4096": [2, 3], "b1x32768": [16, 24, 48, 66], "fp8-b64x4096": [1, 2, 4]}),
 }
 DIAG = ("JITATTN_DIAG_",)
 
