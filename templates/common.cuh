@@ -144,7 +144,7 @@ __device__ __forceinline__ void e4m3x4_to_f16x4_scaled(uint32_t q, uint32_t& lo,
 // The converter instead (JITATTN_FP8_CVT, sm_89 and later: cvt.rn.f16x2.e4m3x2, PTX ISA 7.8): the
 // same two registers, holding the values themselves (exact: every e4m3 value is an f16), the NaN codes
 // read as NaN; one byte permute and two conversions per 4 values. FP8 decode hd128 3208 -> 3032 SASS
-// instructions; H200, 2026-11-29 19:27 UTC, side by side in one process (tests/tune_decode_variants.py,
+// instructions; H200, 2026-11-29 19:23 UTC, side by side in one process (tests/tune_decode_variants.py,
 // tests/gpu_results/2026-11-29-s6-first-variants.json): fp8 64x4096 0.1486 -> 0.1433 ms. sm_80 keeps the
 // bit moves (no e4m3 converter there).
 #ifndef JITATTN_FP8_CVT

@@ -56,7 +56,7 @@ namespace jitattn {
 #define JITATTN_DECODE_MMA_LOADER 1
 #endif
 // Whole-window mode (gpt-oss sliding): the same loop for the window's copies (1) or load_kv_rows_paged
-// (0). gpt-oss hd64 2280 -> 2016 SASS instructions; H200, 2026-11-29 19:27 UTC, side by side in one
+// (0). gpt-oss hd64 2280 -> 2016 SASS instructions; H200, 2026-11-29 19:23 UTC, side by side in one
 // process (tests/tune_decode_variants.py, graph ms, median of 5 rounds; tests/gpu_results/2026-11-29-s6-
 // first-variants.json): gpt-oss-sliding 256x8192 0.0258 -> 0.0236 ms.
 #ifndef JITATTN_DECODE_MMA_WINDOW_LOADER
