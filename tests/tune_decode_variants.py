@@ -47,7 +47,7 @@ VARIANTS = {
     "fp8-bitmoves": ({"JITATTN_FP8_CVT": 0}, ["fp8-b64x4096"], {}),
     # Split counts beside the rule's (1 for 64x4096 at 2 blocks/SM, 33 for 1x32768).
     "splits": ({}, ["b64x4096", "b1x32768", "fp8-b64x4096"],
-               {"b64x4096": [2, 3], "b1x32768": [16, 24, 48, 66], "fp8-b64x4096": [1, 2, 4]}),
+               {"b64x4096": [2, 3], "b1x32768": [16, 24, 48, 64], "fp8-b64x4096": [1, 2, 4]}),
 }
 DIAG = ("JITATTN_DIAG_",)
 
@@ -119,7 +119,9 @@ def time_all(root: Path, out: str | None, rounds: int) -> None:
             batch = batches[c]
             k = runtime.load_kernel(CASES[c][0])
             rule = k.num_splits(batch.q.shape[0], k.max_decode_keys(batch.block_table.shape[1]))
-            for s in [None, *splits.get(c, [])]:
+            # the kernel merges at most runtime.MAX_SPLITS partial states (kMaxSplits): 66 forced past it
+            # gave rel err 0.18 on 2026-11-29 (the rule never goes past it)
+            for s in [None, *(x for x in splits.get(c, []) if x <= runtime.MAX_SPLITS)]:
                 def call(k=k, batch=batch, s=s):
                     if s is not None:
                         k.num_splits = lambda b, n, s=s: s
