@@ -232,7 +232,7 @@ class JitKernel:
         self.device = _cuda_device(device)
         self.entry = select_entry(spec, torch.cuda.get_device_capability(self.device))
         # A ragged spec's module holds only the prefill kernel (attention.cu.j2 builds no decode for it).
-        wanted = ("prefill",) if spec.ragged else ("decode", "merge", "prefill")
+        wanted = ("decode", "merge", "prefill") if spec.has_decode else ("prefill",)
         kernels = {k: v for k, v in KERNEL_NAMES.items() if k in wanted}
         self._module = CubinModule(str(self.entry.cubin), self.device.index, kernels,
                                    sha256=self.entry.manifest["artifacts"].get(self.entry.cubin.name))
@@ -248,7 +248,7 @@ class JitKernel:
             if name in kernels and smem > _DEFAULT_SMEM_LIMIT:
                 self._module.set_max_dynamic_smem(name, smem)
         self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self._decode_blocks_per_sm = 0 if spec.ragged else self._module.blocks_per_sm(
+        self._decode_blocks_per_sm = 0 if not spec.has_decode else self._module.blocks_per_sm(
             "decode", self.geometry["decode_threads"], self.geometry["decode_smem"])
         self._default_slopes = default_alibi_slopes(spec, self.device) if spec.alibi else None
         self._split_counters: dict[int, torch.Tensor] = {}  # stream handle -> fused-merge counters

@@ -36,6 +36,8 @@ KV_DTYPES = ("float16", "bfloat16", "float8_e4m3fn")
 KV_LAYOUTS = ("NHD", "HND")
 #: Where K/V come from: the paged KV cache, or contiguous varlen ("ragged") K and V tensors.
 KV_STORAGES = ("paged", "ragged")
+#: Where each query's position comes from: the sequence's last qo_len positions, or a per-token tensor.
+QUERY_POSITIONS = ("implicit", "explicit")
 # Every live spec by its canonical text: the torch custom op (jitattn/ops.py) passes the text and
 # finds the object, with its variant's torch functors, here.
 _LIVE_SPECS: "weakref.WeakValueDictionary[str, AttentionSpec]" = weakref.WeakValueDictionary()
@@ -149,6 +151,13 @@ class AttentionSpec:
             H_kv, head_dim_vo)`` with ``kv_start_loc``, :func:`jitattn.ragged_attention`; FlashInfer's
             BatchPrefillWithRaggedKVCache, flash_attn_varlen). Ragged specs run the tensor-core
             prefill kernel for every row (no decode kernel is built) and take 16-bit K/V only.
+        query_positions: ``"implicit"`` (default: the queries of a sequence are its last ``qo_len``
+            positions, ``kv_len - qo_len + i``) or ``"explicit"``: each query token's position in its
+            sequence's key frame comes from an int32 ``query_positions`` tensor at call time, with the
+            ``functor_batch`` each token's hooks see and a per-sequence ``position_offset`` added to the
+            positions the hooks see (paged specs only; only the prefill kernel is built). Cascade
+            attention (:mod:`jitattn.cascade`) runs its passes through such a spec; few users need it
+            directly.
 
     Raises:
         ValueError: at construction, naming the field, the value and what is allowed.
@@ -172,6 +181,7 @@ class AttentionSpec:
     sinks: bool = False
     variant: Variant | None = None
     kv_storage: str = "paged"
+    query_positions: str = "implicit"
 
     def __post_init__(self) -> None:
         _set = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -190,6 +200,11 @@ class AttentionSpec:
         if self.kv_storage not in KV_STORAGES:
             raise ValueError(f"kv_storage={self.kv_storage!r}: expected one of {KV_STORAGES}")
         ragged = self.kv_storage == "ragged"
+        if self.query_positions not in QUERY_POSITIONS:
+            raise ValueError(f"query_positions={self.query_positions!r}: expected one of {QUERY_POSITIONS}")
+        if self.query_positions == "explicit" and ragged:
+            raise ValueError("query_positions='explicit' with kv_storage='ragged': explicit query positions are "
+                             "for the paged cache only (cascade attention's passes)")
         if self.head_dim_vo != self.head_dim_qk and not ragged:
             raise ValueError(
                 f"head_dim_vo={self.head_dim_vo}, head_dim_qk={self.head_dim_qk}: the paged KV cache holds K and V "
@@ -257,13 +272,26 @@ class AttentionSpec:
         return self.kv_storage == "ragged"
 
     @property
+    def has_decode(self) -> bool:
+        """Whether the spec's module holds the decode kernel: not for ragged K/V nor explicit query
+        positions (their prefill kernel serves every row)."""
+        return not self.ragged and not self.explicit_positions
+
+    @property
+    def explicit_positions(self) -> bool:
+        """True when each query's position is given at call time (``query_positions == "explicit"``)."""
+        return self.query_positions == "explicit"
+
+    @property
     def params(self) -> tuple:
         """The variant's extra parameters (empty without a variant)."""
         return self.variant.params if self.variant else ()
 
     def to_json(self) -> dict[str, Any]:
-        """Every field, defaults filled in; the variant as its canonical dict."""
+        """Every field, defaults filled in (``query_positions`` only when explicit); the variant as its canonical dict."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if data["query_positions"] == "implicit":  # added later: absent at its default, so older keys hold
+            del data["query_positions"]
         data["variant"] = self.variant.to_json() if self.variant else None
         return data
 
@@ -331,6 +359,8 @@ class AttentionSpec:
             parts.append("sinks")
         if self.variant:
             parts.append(self.variant.name)
+        if self.explicit_positions:
+            parts.append("qpos")
         return "_".join(parts) + "_" + self.key[:8]
 
     def replace(self, **changes: Any) -> "AttentionSpec":
@@ -368,6 +398,8 @@ class AttentionSpec:
             feats.append("sinks")
         if self.variant:
             feats.append(f"variant={self.variant.name}")
+        if self.explicit_positions:
+            feats.append("explicit query positions")
         dims = f"{self.head_dim_qk}" + (f"/{self.head_dim_vo}" if self.head_dim_vo != self.head_dim_qk else "")
         storage = "ragged K/V" if self.ragged else f"{self.kv_layout} p{self.page_size}"
         dtypes = self.q_dtype + (f" (KV {self.kv_dtype})" if self.kv_dtype != self.q_dtype else "")
