@@ -160,6 +160,81 @@ __device__ __forceinline__ PrefillRow prefill_row(int packed, int packed_end, in
                     packed < packed_end};
 }
 
+// ---- explicit query positions (S::kExplicitPositions; cascade attention's passes) -------------------
+// Query token t has position P = query_positions[t] in its sequence's key frame (causal / window
+// bounds, the tile range), its hooks see batch functor_batch[t], and the positions the hooks see are
+// shifted by the sequence's position_offset (query P + off, key j + off). P is arbitrary per token (not
+// monotonic, possibly >= kv_len), so a block's key range comes from the min / max P over its rows.
+// Each block loads its tokens' P and batch once into shared memory (ExplicitRows): a group of threads
+// (a warp of prefill_kernel, a consumer warpgroup of prefill_sm90_kernel) loads the tokens of its own
+// packed rows and each of its warps leaves the min / max P it saw in lo / hi; after one barrier every
+// thread reads its rows' P and batch into registers and the block's (or warpgroup's) range from lo / hi.
+template <class S>
+__host__ __device__ constexpr bool hooks_see_rows() {  // whether any hook reads batch / positions (else functor_batch is not read)
+  return S::kHasTransform || S::kHasMask || S::kHasQTransform || S::kHasKTransform || S::kHasOutTransform;
+}
+
+template <class S, int kBlockM, int kWarps>
+struct ExplicitRows {
+  // Tokens of kBlockM packed rows starting anywhere (a tile may start inside a token's GQA group).
+  static constexpr int kTokens = (kBlockM - 1) / S::kGroupSize + 2;
+  int pos[kTokens];    // token tok0 + i: position in the key frame
+  int batch[kTokens];  // token tok0 + i: the batch its hooks see
+  int lo[kWarps];      // min / max position over the tokens each loading warp loaded
+  int hi[kWarps];
+};
+
+// The block's ExplicitRows (one static shared object per kernel that calls this).
+template <class S, int kBlockM, int kWarps>
+__device__ __forceinline__ ExplicitRows<S, kBlockM, kWarps>& explicit_rows() {
+  __shared__ ExplicitRows<S, kBlockM, kWarps> rows;
+  return rows;
+}
+
+// A group of kGroupThreads threads (whole warps; `tid`: this thread's index in it, `warp`: its warp's
+// slot in x.lo / x.hi) loads the tokens of packed rows [a, b] (inclusive, both inside the sequence):
+// x.pos / x.batch at token - tok0. Every warp of the group writes its slot (INT_MAX / INT_MIN: none).
+template <class S, int kGroupThreads, class X>
+__device__ __forceinline__ void explicit_rows_load(const Params& p, X& x, int q_start, int tok0, int a, int b,
+                                                   int tid, int warp) {
+  int lo = 0x7fffffff, hi = -0x7fffffff - 1;
+  for (int t = a / S::kGroupSize + tid; t <= b / S::kGroupSize; t += kGroupThreads) {
+    const int pos = p.query_positions[q_start + t];
+    x.pos[t - tok0] = pos;
+    if constexpr (hooks_see_rows<S>()) x.batch[t - tok0] = p.functor_batch[q_start + t];
+    lo = min(lo, pos);
+    hi = max(hi, pos);
+  }
+  lo = __reduce_min_sync(0xffffffffu, lo);
+  hi = __reduce_max_sync(0xffffffffu, hi);
+  if (tid % 32 == 0) {
+    x.lo[warp] = lo;
+    x.hi[warp] = hi;
+  }
+}
+
+// Min / max over slots [first, first + n) of x.lo / x.hi.
+template <int kN, class X>
+__device__ __forceinline__ void explicit_rows_range(const X& x, int first, int& lo, int& hi) {
+  lo = x.lo[first];
+  hi = x.hi[first];
+#pragma unroll
+  for (int i = 1; i < kN; ++i) {
+    lo = min(lo, x.lo[first + i]);
+    hi = max(hi, x.hi[first + i]);
+  }
+}
+
+// What the hooks of one query row see: its position in the key frame (masks), the position and batch
+// the hooks get, and the offset added to key positions for the hooks. Implicit positions: pos for both,
+// the sequence index, no offset.
+struct RowFrame {
+  int pos;    // key frame: causal / window bounds
+  int hpos;   // hooks' query position (pos + offset)
+  int batch;  // hooks' batch
+  int koff;   // added to key positions for the hooks
+};
+
 // S = Q K^T for the warp's kMTiles x 16 rows and kBlockN keys (fp32 accumulators).
 template <class S>
 __device__ __forceinline__ void prefill_qk(float (&s)[PrefillTraits<S>::kMTiles][PrefillTraits<S>::kNTiles][4],
@@ -226,9 +301,12 @@ __device__ __forceinline__ void prefill_pv(float (&o)[PrefillTraits<S>::kMTiles]
 // Applies the query (kIsQuery) or key transform in place to `rows` rows of a shared-memory tile, in
 // rotate_half pairs (dim, dim + D/2) so no element is read after its partner was overwritten. Row r
 // is packed query row first + r (queries) or key first + r (keys); rows at or past `end` are skipped.
-template <class S, bool kIsQuery>
+// Explicit positions (S::kExplicitPositions): a query row's position and batch come from `x` (token
+// row / group - tok0, offset `off`); keys are at first + r + off (batch: the sequence's first token's).
+template <class S, bool kIsQuery, class X = int>
 __device__ __forceinline__ void prefill_transform_rows(const Params& p, typename S::DTypeQ* tile, int rows, int first,
-                                                       int end, int qo_base, int kv_head, int batch, bool& oob) {
+                                                       int end, int qo_base, int kv_head, int batch, bool& oob,
+                                                       const X* x = nullptr, int tok0 = 0, int off = 0) {
   using T = PrefillTraits<S>;
   using DT = typename T::DT;
   constexpr int kHalf = T::kHeadDim / 2;
@@ -240,11 +318,17 @@ __device__ __forceinline__ void prefill_transform_rows(const Params& p, typename
     float y0, y1;
     if constexpr (kIsQuery) {
       const PrefillRow q = prefill_row<S>(first + r, end, qo_base, kv_head);
-      y0 = S::query_transform(p, x0, -x1, batch, q.head, q.pos, d, oob);
-      y1 = S::query_transform(p, x1, x0, batch, q.head, q.pos, d + kHalf, oob);
+      int qpos = q.pos, qbatch = batch;
+      if constexpr (S::kExplicitPositions) {
+        const int i = (first + r) / S::kGroupSize - tok0;
+        qpos = x->pos[i] + off;
+        qbatch = x->batch[i];
+      }
+      y0 = S::query_transform(p, x0, -x1, qbatch, q.head, qpos, d, oob);
+      y1 = S::query_transform(p, x1, x0, qbatch, q.head, qpos, d + kHalf, oob);
     } else {
-      y0 = S::key_transform(p, x0, -x1, batch, kv_head, first + r, d, oob);
-      y1 = S::key_transform(p, x1, x0, batch, kv_head, first + r, d + kHalf, oob);
+      y0 = S::key_transform(p, x0, -x1, batch, kv_head, first + r + off, d, oob);
+      y1 = S::key_transform(p, x1, x0, batch, kv_head, first + r + off, d + kHalf, oob);
     }
     row[d] = from_float<DT>(y0);
     row[d + kHalf] = from_float<DT>(y1);
@@ -276,8 +360,36 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
   const int packed0 = tile * T::kBlockM;
   const int packed_end = min(qo_len * S::kGroupSize, packed0 + T::kBlockM);
   const int qo_base = kv_len - qo_len;  // position of this sequence's first query
-  const int pos_lo = qo_base + packed0 / S::kGroupSize;
-  const int pos_hi = qo_base + (packed_end - 1) / S::kGroupSize;
+  // Explicit positions: each warp loads the tokens of its rows (clamped into the sequence's rows);
+  // frame[mt][r]: what row (mt, r)'s masks and hooks see (registers, read once).
+  ExplicitRows<S, T::kBlockM, T::kNumWarps>* xr = nullptr;  // shared memory only where positions are explicit
+  const int tok0 = packed0 / S::kGroupSize;
+  int xoff = 0, kbatch = batch;  // hooks: position offset; the key transform's batch
+  RowFrame frame[MT][2];
+  int pos_lo, pos_hi;
+  if constexpr (S::kExplicitPositions) {
+    const int w = threadIdx.x / 32, w_row0 = packed0 + w * T::kWarpRows;
+    xr = &explicit_rows<S, T::kBlockM, T::kNumWarps>();
+    explicit_rows_load<S, 32>(p, *xr, q_start, tok0, min(w_row0, packed_end - 1),
+                              min(w_row0 + T::kWarpRows - 1, packed_end - 1), threadIdx.x % 32, w);
+    if constexpr (hooks_see_rows<S>()) {
+      xoff = p.position_offset[batch];
+      kbatch = p.functor_batch[q_start];
+    }
+    __syncthreads();
+    explicit_rows_range<T::kNumWarps>(*xr, 0, pos_lo, pos_hi);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int i = min(w_row0 + (threadIdx.x % 32) / 4 + mt * 16 + 8 * r, packed_end - 1) / S::kGroupSize - tok0;
+        const int pos = xr->pos[i];
+        frame[mt][r] = RowFrame{pos, pos + xoff, hooks_see_rows<S>() ? xr->batch[i] : batch, xoff};
+      }
+  } else {
+    pos_lo = qo_base + packed0 / S::kGroupSize;
+    pos_hi = qo_base + (packed_end - 1) / S::kGroupSize;
+  }
   bool bad = !sequence_ok<S>(p, batch, qo_len, kv_len);
   int kv_begin, kv_end;
   visible_kv_range<S>(pos_lo, pos_hi, kv_len, kv_begin, kv_end);
@@ -313,7 +425,8 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
   if constexpr (S::kHasQTransform) {
     cp_async_wait<T::kStages - 1>();  // Q (the oldest group) has landed; the tiles may still be in flight
     __syncthreads();
-    prefill_transform_rows<S, true>(p, sq, T::kBlockM, packed0, packed_end, qo_base, kv_head, batch, bad);
+    prefill_transform_rows<S, true>(p, sq, T::kBlockM, packed0, packed_end, qo_base, kv_head, batch, bad, xr, tok0,
+                                    xoff);
     __syncthreads();
   }
 
@@ -348,7 +461,8 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
       __syncthreads();
     }
     if constexpr (S::kHasKTransform) {  // the cache holds raw keys: transform this tile in place
-      prefill_transform_rows<S, false>(p, stage_k(stage), T::kBlockN, n0, kv_end, 0, kv_head, batch, bad);
+      prefill_transform_rows<S, false>(p, stage_k(stage), T::kBlockN, n0, kv_end, 0, kv_head, kbatch, bad, xr, 0,
+                                       xoff);
       __syncthreads();
     }
 
@@ -365,17 +479,20 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const PrefillRow row = prefill_row<S>(row0 + mt * 16 + 8 * r, packed_end, qo_base, kv_head);
+        RowFrame f{row.pos, row.pos, batch, 0};
+        if constexpr (S::kExplicitPositions) f = frame[mt][r];
         float tile_max = kNegInf;
 #pragma unroll
         for (int n = 0; n < T::kNTiles; ++n)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int kv_idx = n0 + n * 8 + 2 * tig + e;
-            float v = transform_logit<S>(p, s[mt][n][2 * r + e] * kScale, batch, row.head, kv_head, row.pos, kv_idx,
-                                         qo_len, kv_len, bad);
+            float v = transform_logit<S>(p, s[mt][n][2 * r + e] * kScale, f.batch, row.head, kv_head, f.hpos,
+                                         kv_idx + f.koff, qo_len, kv_len, bad);
             if (!full_tile) {
-              const bool ok = kv_idx < kv_end && kv_idx >= kv_begin && structurally_visible<S>(row.pos, kv_idx) &&
-                              custom_visible<S>(p, batch, row.head, kv_head, row.pos, kv_idx, qo_len, kv_len, bad);
+              const bool ok = kv_idx < kv_end && kv_idx >= kv_begin && structurally_visible<S>(f.pos, kv_idx) &&
+                              custom_visible<S>(p, f.batch, row.head, kv_head, f.hpos, kv_idx + f.koff, qo_len,
+                                                kv_len, bad);
               v = ok ? v : (S::kSoftmax ? kNegInf : 0.f);
             }
             s[mt][n][2 * r + e] = v;
@@ -418,6 +535,8 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
     for (int r = 0; r < 2; ++r) {
       const int packed = row0 + mt * 16 + 8 * r;
       const PrefillRow row = prefill_row<S>(packed, packed_end, qo_base, kv_head);
+      RowFrame f{row.pos, row.pos, batch, 0};
+      if constexpr (S::kExplicitPositions) f = frame[mt][r];
       st[mt][r].d = group_sum<4>(st[mt][r].d);
       float lse;
       const float scale = finalize_state<S>(p, row.head, st[mt][r], lse);
@@ -430,8 +549,8 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
         if constexpr (S::kHasOutTransform) {
           bool oob = false;
           const int dim = d * 8 + 2 * tig;
-          v0 = S::output_transform(p, v0, batch, row.head, row.pos, dim, oob);
-          v1 = S::output_transform(p, v1, batch, row.head, row.pos, dim + 1, oob);
+          v0 = S::output_transform(p, v0, f.batch, row.head, f.hpos, dim, oob);
+          v1 = S::output_transform(p, v1, f.batch, row.head, f.hpos, dim + 1, oob);
           if (oob) v0 = v1 = __int_as_float(0x7fc00000);
         }
         *reinterpret_cast<uint32_t*>(out + d * 8 + 2 * tig) = pack2<typename S::DTypeO>(v0 + poison, v1 + poison);

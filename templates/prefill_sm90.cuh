@@ -383,9 +383,11 @@ struct Sm90KvLoader {
 // Query (kIsQuery) or key transform in place on a swizzled tile of kRows rows, in rotate_half pairs
 // (prefill_transform_rows with swizzled addressing), by the consumer threads. Row r is packed query
 // row / key first + r.
-template <class S, bool kIsQuery, int kRows>
+// Explicit positions: as prefill_transform_rows (x, tok0, off).
+template <class S, bool kIsQuery, int kRows, class X = int>
 __device__ __forceinline__ void prefill_sm90_transform_rows(const Params& p, typename S::DTypeQ* tile, int first,
-                                                            int end, int qo_base, int kv_head, int batch, bool& oob) {
+                                                            int end, int qo_base, int kv_head, int batch, bool& oob,
+                                                            const X* x = nullptr, int tok0 = 0, int off = 0) {
   using T = PrefillSm90Traits<S>;
   using DT = typename T::DT;
   constexpr int kHalf = T::kHeadDimQK / 2;
@@ -398,11 +400,17 @@ __device__ __forceinline__ void prefill_sm90_transform_rows(const Params& p, typ
     float y0, y1;
     if constexpr (kIsQuery) {
       const PrefillRow q = prefill_row<S>(first + r, end, qo_base, kv_head);
-      y0 = S::query_transform(p, x0, -x1, batch, q.head, q.pos, d, oob);
-      y1 = S::query_transform(p, x1, x0, batch, q.head, q.pos, d + kHalf, oob);
+      int qpos = q.pos, qbatch = batch;
+      if constexpr (S::kExplicitPositions) {
+        const int i = (first + r) / S::kGroupSize - tok0;
+        qpos = x->pos[i] + off;
+        qbatch = x->batch[i];
+      }
+      y0 = S::query_transform(p, x0, -x1, qbatch, q.head, qpos, d, oob);
+      y1 = S::query_transform(p, x1, x0, qbatch, q.head, qpos, d + kHalf, oob);
     } else {
-      y0 = S::key_transform(p, x0, -x1, batch, kv_head, first + r, d, oob);
-      y1 = S::key_transform(p, x1, x0, batch, kv_head, first + r, d + kHalf, oob);
+      y0 = S::key_transform(p, x0, -x1, batch, kv_head, first + r + off, d, oob);
+      y1 = S::key_transform(p, x1, x0, batch, kv_head, first + r + off, d + kHalf, oob);
     }
     *e0 = from_float<DT>(y0);
     *e1 = from_float<DT>(y1);
@@ -450,8 +458,30 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
   const int packed0 = tile * T::kBlockM;
   const int packed_end = min(qo_len * S::kGroupSize, packed0 + T::kBlockM);
   const int qo_base = kv_len - qo_len;
-  const int pos_lo = qo_base + packed0 / S::kGroupSize;
-  const int pos_hi = qo_base + (packed_end - 1) / S::kGroupSize;
+  // Explicit positions (prefill.cuh, ExplicitRows): each consumer warpgroup loads the tokens of its
+  // rows (clamped into the sequence's rows); the block's range (the producer's tiles) is over all of them.
+  constexpr int kConsumerWarps = T::kConsumerThreads / 32;
+  ExplicitRows<S, T::kBlockM, kConsumerWarps>* xr = nullptr;  // shared memory only where positions are explicit
+  const int tok0 = packed0 / S::kGroupSize;
+  int xoff = 0, kbatch = batch;  // hooks: position offset; the key transform's batch
+  int pos_lo, pos_hi;
+  if constexpr (S::kExplicitPositions) {
+    xr = &explicit_rows<S, T::kBlockM, kConsumerWarps>();
+    if (threadIdx.x < T::kConsumerThreads) {
+      const int wg_first = packed0 + (threadIdx.x / 128) * 64;
+      explicit_rows_load<S, 128>(p, *xr, q_start, tok0, min(wg_first, packed_end - 1),
+                                 min(wg_first + 63, packed_end - 1), threadIdx.x % 128, threadIdx.x / 32);
+    }
+    if constexpr (hooks_see_rows<S>()) {
+      xoff = p.position_offset[batch];
+      kbatch = p.functor_batch[q_start];
+    }
+    __syncthreads();
+    explicit_rows_range<kConsumerWarps>(*xr, 0, pos_lo, pos_hi);
+  } else {
+    pos_lo = qo_base + packed0 / S::kGroupSize;
+    pos_hi = qo_base + (packed_end - 1) / S::kGroupSize;
+  }
   bool bad = !sequence_ok<S>(p, batch, qo_len, kv_len);
   int kv_begin, kv_end;
   visible_kv_range<S>(pos_lo, pos_hi, kv_len, kv_begin, kv_end);
@@ -513,8 +543,13 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
   const int g = lane / 4, tig = lane % 4;
   const int wg_row0 = wg * 64;
   // Positions of this warpgroup's rows (clamped into the block's rows): finer tile skipping and masking.
-  const int wg_lo = qo_base + min(packed0 + wg_row0, packed_end - 1) / S::kGroupSize;
-  const int wg_hi = qo_base + min(packed0 + wg_row0 + 63, packed_end - 1) / S::kGroupSize;
+  int wg_lo, wg_hi;
+  if constexpr (S::kExplicitPositions) {
+    explicit_rows_range<4>(*xr, 4 * wg, wg_lo, wg_hi);
+  } else {
+    wg_lo = qo_base + min(packed0 + wg_row0, packed_end - 1) / S::kGroupSize;
+    wg_hi = qo_base + min(packed0 + wg_row0 + 63, packed_end - 1) / S::kGroupSize;
+  }
   int wg_kv_begin, wg_kv_end;
   visible_kv_range<S>(wg_lo, wg_hi, kv_len, wg_kv_begin, wg_kv_end);
 
@@ -542,7 +577,8 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
   cp_async_wait<0>();
   if constexpr (S::kHasQTransform) {
     named_barrier_sync(1, T::kConsumerThreads);
-    prefill_sm90_transform_rows<S, true, T::kBlockM>(p, sq, packed0, packed_end, qo_base, kv_head, batch, bad);
+    prefill_sm90_transform_rows<S, true, T::kBlockM>(p, sq, packed0, packed_end, qo_base, kv_head, batch, bad, xr,
+                                                     tok0, xoff);
   }
   fence_proxy_async();
   named_barrier_sync(1, T::kConsumerThreads);
@@ -555,6 +591,16 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
   };
 
   const int row0 = packed0 + wg_row0 + warp * 16 + g;  // packed row of accumulator row r: row0 + 8 * r
+  // Explicit positions: what row r's masks and hooks see (registers, read once).
+  RowFrame frame[2];
+  if constexpr (S::kExplicitPositions) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int i = min(row0 + 8 * r, packed_end - 1) / S::kGroupSize - tok0;
+      const int pos = xr->pos[i];
+      frame[r] = RowFrame{pos, pos + xoff, hooks_see_rows<S>() ? xr->batch[i] : batch, xoff};
+    }
+  }
   float o[T::kDTiles * 4];
 #pragma unroll
   for (int i = 0; i < T::kDTiles * 4; ++i) o[i] = 0.f;
@@ -586,6 +632,8 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
       for (int r = 0; r < 2; ++r) {
         alpha[r] = 1.f;
         const PrefillRow row = prefill_row<S>(row0 + 8 * r, packed_end, qo_base, kv_head);
+        RowFrame f{row.pos, row.pos, batch, 0};
+        if constexpr (S::kExplicitPositions) f = frame[r];
         // Row max and sum in 4 independent chains (n odd/even x e), not one dependent chain of kBlockN / 4.
         float part[4] = {kNegInf, kNegInf, kNegInf, kNegInf};
 #pragma unroll
@@ -595,10 +643,12 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
             const int kv_idx = n0 + n * 8 + 2 * tig + e;
             float v = s[n * 4 + 2 * r + e];
             if constexpr (!kFoldScale)
-              v = transform_logit<S>(p, v * kScale, batch, row.head, kv_head, row.pos, kv_idx, qo_len, kv_len, bad);
+              v = transform_logit<S>(p, v * kScale, f.batch, row.head, kv_head, f.hpos, kv_idx + f.koff, qo_len,
+                                     kv_len, bad);
             if constexpr (kMasked) {
-              const bool ok = kv_idx < kv_end && kv_idx >= kv_begin && structurally_visible<S>(row.pos, kv_idx) &&
-                              custom_visible<S>(p, batch, row.head, kv_head, row.pos, kv_idx, qo_len, kv_len, bad);
+              const bool ok = kv_idx < kv_end && kv_idx >= kv_begin && structurally_visible<S>(f.pos, kv_idx) &&
+                              custom_visible<S>(p, f.batch, row.head, kv_head, f.hpos, kv_idx + f.koff, qo_len,
+                                                kv_len, bad);
               v = ok ? v : (S::kSoftmax ? kNegInf : 0.f);
             }
             s[n * 4 + 2 * r + e] = v;
@@ -755,7 +805,7 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
     fence_proxy_async();  // the producer fenced its cp.async writes before arriving; this side too
     if constexpr (S::kHasKTransform) {  // the cache holds raw keys: both warpgroups transform the tile
       named_barrier_sync(1, T::kConsumerThreads);
-      prefill_sm90_transform_rows<S, false, kN>(p, stage_k(stage), n0, kv_end, 0, kv_head, batch, bad);
+      prefill_sm90_transform_rows<S, false, kN>(p, stage_k(stage), n0, kv_end, 0, kv_head, kbatch, bad, xr, 0, xoff);
       fence_proxy_async();
       named_barrier_sync(1, T::kConsumerThreads);
     }
@@ -788,17 +838,20 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const PrefillRow row = prefill_row<S>(row0 + 8 * r, packed_end, qo_base, kv_head);
+      RowFrame f{row.pos, row.pos, batch, 0};
+      if constexpr (S::kExplicitPositions) f = frame[r];
       float tile_max = kNegInf;
 #pragma unroll
       for (int n = 0; n < T::kNTiles; ++n)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int kv_idx = n0 + n * 8 + 2 * tig + e;
-          float v = transform_logit<S>(p, s[n * 4 + 2 * r + e] * kScale, batch, row.head, kv_head, row.pos, kv_idx,
-                                       qo_len, kv_len, bad);
+          float v = transform_logit<S>(p, s[n * 4 + 2 * r + e] * kScale, f.batch, row.head, kv_head, f.hpos,
+                                       kv_idx + f.koff, qo_len, kv_len, bad);
           if (!full_tile) {
-            const bool ok = kv_idx < kv_end && kv_idx >= kv_begin && structurally_visible<S>(row.pos, kv_idx) &&
-                            custom_visible<S>(p, batch, row.head, kv_head, row.pos, kv_idx, qo_len, kv_len, bad);
+            const bool ok = kv_idx < kv_end && kv_idx >= kv_begin && structurally_visible<S>(f.pos, kv_idx) &&
+                            custom_visible<S>(p, f.batch, row.head, kv_head, f.hpos, kv_idx + f.koff, qo_len,
+                                              kv_len, bad);
             v = ok ? v : (S::kSoftmax ? kNegInf : 0.f);
           }
           s[n * 4 + 2 * r + e] = v;
@@ -852,6 +905,8 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
   for (int r = 0; r < 2; ++r) {
     const int packed = row0 + 8 * r;
     const PrefillRow row = prefill_row<S>(packed, packed_end, qo_base, kv_head);
+    RowFrame f{row.pos, row.pos, batch, 0};
+    if constexpr (S::kExplicitPositions) f = frame[r];
     st[r].d = group_sum<4>(st[r].d);
     float lse;
     const float scale = finalize_state<S>(p, row.head, st[r], lse);
@@ -864,8 +919,8 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
       if constexpr (S::kHasOutTransform) {
         bool oob = false;
         const int dim = d * 8 + 2 * tig;
-        v0 = S::output_transform(p, v0, batch, row.head, row.pos, dim, oob);
-        v1 = S::output_transform(p, v1, batch, row.head, row.pos, dim + 1, oob);
+        v0 = S::output_transform(p, v0, f.batch, row.head, f.hpos, dim, oob);
+        v1 = S::output_transform(p, v1, f.batch, row.head, f.hpos, dim + 1, oob);
         if (oob) v0 = v1 = __int_as_float(0x7fc00000);
       }
       *reinterpret_cast<uint32_t*>(out + d * 8 + 2 * tig) = pack2<typename S::DTypeO>(v0 + poison, v1 + poison);
