@@ -294,12 +294,13 @@ def check_positions(spec: AttentionSpec, query_positions: Any, functor_batch: An
 
 
 def check_position_values(query_positions: torch.Tensor, functor_batch: torch.Tensor) -> None:
-    """Host check of explicit positions (a device sync): positions and hook batches must be >= 0.
+    """Host check of explicit positions (a device sync): the hook batches must be >= 0. (A position may
+    be negative: a query before the sequence's first key, which a causal spec shows no key.)
 
     Raises:
-        ValueError: the first negative entry, named with its index.
+        ValueError: the first negative ``functor_batch`` entry, named with its index.
     """
-    for name, t in (("query_positions", query_positions), ("functor_batch", functor_batch)):
+    for name, t in (("functor_batch", functor_batch),):
         if t.numel() and int(t.min()) < 0:
             i = int((t < 0).nonzero()[0, 0])
             _fail(f"{name}[{i}]={int(t[i])}: expected a value >= 0")

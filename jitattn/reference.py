@@ -160,7 +160,7 @@ def paged_attention(
             1.0 for a 16-bit cache.
         query_positions, functor_batch, position_offset: int32, required by (and only by) a spec with
             ``query_positions="explicit"``: query token ``t`` sits at position ``query_positions[t]``
-            (>= 0, any order, also past the last key) in its sequence's key frame, and the masks use
+            (any order; negative: before the first key; also past the last key) in its sequence's key frame, and the masks use
             that; the hooks see batch ``functor_batch[t]`` (key hooks: that of the sequence's first
             token) and every position plus ``position_offset[b]`` (sequence ``b``). Shapes
             ``(total_q,)``, ``(total_q,)``, ``(batch,)``. A sequence may then bring more queries than keys.
