@@ -263,6 +263,49 @@ def _check_kernel_layout(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.T
             _fail(f"{name}: must be contiguous")
 
 
+POSITION_ARGS = ("query_positions", "functor_batch", "position_offset")
+
+
+def check_positions(spec: AttentionSpec, query_positions: Any, functor_batch: Any, position_offset: Any, *,
+                    total_q: int, batch: int, device: torch.device | None) -> None:
+    """The explicit-position tensors of a paged call: required (int32, contiguous, on ``device``) for a
+    spec with ``query_positions="explicit"``, refused for any other spec.
+
+    Shapes: ``query_positions`` and ``functor_batch`` ``(total_q,)``, ``position_offset`` ``(batch,)``.
+
+    Raises:
+        ValueError: naming the argument, what it is and what the spec needs (before any launch).
+    """
+    given = {"query_positions": query_positions, "functor_batch": functor_batch, "position_offset": position_offset}
+    if not spec.explicit_positions:
+        for name, t in given.items():
+            if t is not None:
+                _fail(f"{name}: given, but the spec has query_positions='implicit' (each sequence's queries are its "
+                      f"last qo_len positions); build the spec with query_positions='explicit' or drop the argument")
+        return
+    for name, t in given.items():
+        n, what = (batch, "batch") if name == "position_offset" else (total_q, "total_q")
+        if t is None:
+            _fail(f"{name}: the spec has query_positions='explicit', so an int32 ({what},) tensor is required")
+        _check_tensor(name, t, dtype=torch.int32, ndim=1, device=device)
+        _check_dim(name, t, 0, n, what)
+        if not t.is_contiguous():
+            _fail(f"{name}: must be contiguous")
+
+
+def check_position_values(query_positions: torch.Tensor, functor_batch: torch.Tensor) -> None:
+    """Host check of explicit positions (a device sync): the hook batches must be >= 0. (A position may
+    be negative: a query before the sequence's first key, which a causal spec shows no key.)
+
+    Raises:
+        ValueError: the first negative ``functor_batch`` entry, named with its index.
+    """
+    for name, t in (("functor_batch", functor_batch),):
+        if t.numel() and int(t.min()) < 0:
+            i = int((t < 0).nonzero()[0, 0])
+            _fail(f"{name}[{i}]={int(t[i])}: expected a value >= 0")
+
+
 def check_flag(name: str, value: Any) -> bool:
     """A boolean call option (``return_lse``, ``validate``): ``True`` or ``False`` (numpy's bool too).
 
@@ -368,9 +411,9 @@ def check_metadata_values(spec: AttentionSpec, seq_lens: torch.Tensor, query_sta
 
     Raises:
         ValueError: query_start_loc not starting at 0 and ending at ``total_q`` or decreasing, a
-            negative seq_lens entry, a sequence with more queries than keys, a sequence longer than
-            its block_table row holds, or a page id (of the pages the sequence uses) outside
-            ``[0, num_pages)``.
+            negative seq_lens entry, a sequence with more queries than keys (implicit positions only:
+            explicit ones may bring any number), a sequence longer than its block_table row holds, or
+            a page id (of the pages the sequence uses) outside ``[0, num_pages)``.
     """
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -384,7 +427,7 @@ def check_metadata_values(spec: AttentionSpec, seq_lens: torch.Tensor, query_sta
             _fail(f"seq_lens[{b}]={kv_len}: expected a KV length >= 0")
         if qo_len < 0:
             _fail(f"query_start_loc: decreases at sequence {b} ({qsl[b]} -> {qsl[b + 1]})")
-        if qo_len > kv_len:
+        if qo_len > kv_len and not spec.explicit_positions:
             _fail(f"seq_lens[{b}]={kv_len} but the sequence brings {qo_len} queries; seq_lens counts new tokens too")
         if kv_len > capacity:
             _fail(f"seq_lens[{b}]={kv_len} exceeds block_table capacity {block_table.shape[1]} pages x "

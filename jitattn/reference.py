@@ -19,8 +19,8 @@ from typing import Mapping
 
 import torch
 
-from jitattn.checks import (check_flag, check_metadata_values, check_paged_call, check_ragged_call,
-                            check_ragged_metadata_values, check_scales, check_spec)
+from jitattn.checks import (check_flag, check_metadata_values, check_paged_call, check_position_values,
+                            check_positions, check_ragged_call, check_ragged_metadata_values, check_scales, check_spec)
 from jitattn.spec import AttentionSpec
 from jitattn.trace import ParamView
 from jitattn.variant import alibi_slopes as _alibi_slopes
@@ -134,6 +134,9 @@ def paged_attention(
     return_lse: bool = False,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    query_positions: torch.Tensor | None = None,
+    functor_batch: torch.Tensor | None = None,
+    position_offset: torch.Tensor | None = None,
     compute_dtype: torch.dtype = torch.float32,
     max_score_bytes: int = 1 << 30,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -155,6 +158,12 @@ def paged_attention(
         return_lse: also return the natural-log lse, float32 ``(total_q, num_qo_heads)``.
         k_scale, v_scale: an FP8 cache holds ``K / k_scale`` and ``V / v_scale`` (per-tensor scales);
             1.0 for a 16-bit cache.
+        query_positions, functor_batch, position_offset: int32, required by (and only by) a spec with
+            ``query_positions="explicit"``: query token ``t`` sits at position ``query_positions[t]``
+            (any order; negative: before the first key; also past the last key) in its sequence's key frame, and the masks use
+            that; the hooks see batch ``functor_batch[t]`` (key hooks: that of the sequence's first
+            token) and every position plus ``position_offset[b]`` (sequence ``b``). Shapes
+            ``(total_q,)``, ``(total_q,)``, ``(batch,)``. A sequence may then bring more queries than keys.
         compute_dtype: float32 (default) or float64 arithmetic.
         max_score_bytes: query rows are processed in chunks so one score matrix stays under this.
 
@@ -182,12 +191,19 @@ def paged_attention(
                          "kv_start_loc) for a ragged spec")
     call = check_paged_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc, sinks=sinks,
                             alibi_slopes=alibi_slopes, params=params)
+    check_positions(spec, query_positions, functor_batch, position_offset, total_q=call.total_q, batch=call.batch,
+                    device=q.device)
     check_metadata_values(spec, seq_lens, query_start_loc, block_table, call.num_pages, call.total_q)
+    explicit = None
+    if spec.explicit_positions:
+        check_position_values(query_positions, functor_batch)
+        explicit = (query_positions.tolist(), functor_batch.tolist(), position_offset.tolist())
     k_scale, v_scale = check_scales(spec, k_scale, v_scale)
     return _attention(spec, q, query_start_loc, seq_lens.tolist(),
                       lambda b, kv_len: gather_kv(spec, kv_cache, block_table, b, kv_len), "seq_lens[{b}]={n}",
                       sinks=sinks, alibi_slopes=alibi_slopes, params=params, return_lse=return_lse, k_scale=k_scale,
-                      v_scale=v_scale, compute_dtype=compute_dtype, max_score_bytes=max_score_bytes)
+                      v_scale=v_scale, compute_dtype=compute_dtype, max_score_bytes=max_score_bytes,
+                      explicit=explicit)
 
 
 def ragged_attention(
@@ -255,9 +271,15 @@ def ragged_attention(
 
 def _attention(spec: AttentionSpec, q: torch.Tensor, query_start_loc: torch.Tensor, lens: list[int], fetch_kv,
                len_name: str, *, sinks, alibi_slopes, params, return_lse: bool, k_scale: float = 1.0,
-               v_scale: float = 1.0, compute_dtype: torch.dtype, max_score_bytes: int):
+               v_scale: float = 1.0, compute_dtype: torch.dtype, max_score_bytes: int,
+               explicit: tuple[list[int], list[int], list[int]] | None = None):
     """The reference core: ``fetch_kv(b, kv_len)`` gives sequence ``b``'s K ``(kv_len, H_kv, head_dim_qk)``
-    and V ``(kv_len, H_kv, head_dim_vo)``; everything else as :func:`paged_attention`."""
+    and V ``(kv_len, H_kv, head_dim_vo)``; ``explicit`` the host lists (query positions, functor batch,
+    position offset) of explicit positions; everything else as :func:`paged_attention`.
+
+    Every position below is the one the hooks see; the masks and ALiBi depend only on differences of
+    positions, so adding an explicit sequence's offset to the query and key positions alike leaves them
+    as they are in the key frame."""
     if spec.sinks and sinks is None:
         raise ValueError("sinks: the spec has sinks=True, so a float32 (num_qo_heads,) tensor is required")
     softmax = spec.variant is None or spec.variant.softmax
@@ -277,26 +299,29 @@ def _attention(spec: AttentionSpec, q: torch.Tensor, query_start_loc: torch.Tens
     sink_c = sinks.to(compute_dtype) if spec.sinks else None
     for b, kv_len in enumerate(lens):
         q0, q1 = qsl[b], qsl[b + 1]
-        if q1 - q0 > kv_len:
+        if q1 - q0 > kv_len and explicit is None:
             raise ValueError(f"sequence {b}: {q1 - q0} queries but {len_name.format(b=b, b1=b + 1, n=kv_len)}; "
                              f"the queries are the last tokens of the keys (the KV length counts new tokens too)")
         if q1 == q0:
             continue
         k, v = fetch_kv(b, kv_len)
-        kv_pos = torch.arange(kv_len, device=q.device)
+        offset = explicit[2][b] if explicit else 0
+        kv_pos = torch.arange(offset, offset + kv_len, device=q.device)
         k = k.to(compute_dtype) * k_scale
         if k_hook is not None:
-            k = _transform_vectors(k_hook, k, b, kv_pos, view)
+            k = _transform_vectors(k_hook, k, explicit[1][q0] if explicit else b, kv_pos, view)
         k = k.repeat_interleave(spec.group_size, dim=1)  # (L, Hq, D)
         v = (v.to(compute_dtype) * v_scale).repeat_interleave(spec.group_size, dim=1)
         rows = max(1, max_score_bytes // max(1, 8 * spec.num_qo_heads * max(kv_len, 1)))
-        for r0 in range(q0, q1, rows):
-            r1 = min(q1, r0 + rows)
-            qo_pos = torch.arange(kv_len - (q1 - r0), kv_len - (q1 - r1), device=q.device)
+        for r0, r1, hb in _row_chunks(q0, q1, rows, explicit[1] if explicit else None, b):
+            if explicit:
+                qo_pos = torch.tensor(explicit[0][r0:r1], device=q.device, dtype=torch.int64) + offset
+            else:
+                qo_pos = torch.arange(kv_len - (q1 - r0), kv_len - (q1 - r1), device=q.device)
             qc = q[r0:r1].to(compute_dtype)
             if q_hook is not None:
-                qc = _transform_vectors(q_hook, qc, b, qo_pos, view)
-            s = _scores(spec, qc, k, b, qo_pos, kv_pos, view)
+                qc = _transform_vectors(q_hook, qc, hb, qo_pos, view)
+            s = _scores(spec, qc, k, hb, qo_pos, kv_pos, view)
             if softmax:
                 o, l = _softmax_out(s, v, sink_c)
                 lse[r0:r1] = l.float()
@@ -305,6 +330,20 @@ def _attention(spec: AttentionSpec, q: torch.Tensor, query_start_loc: torch.Tens
             if out_hook is not None:
                 heads = torch.arange(spec.num_qo_heads, device=q.device)[None, :, None]
                 dim = torch.arange(spec.head_dim_vo, device=q.device)[None, None, :]
-                o = out_hook(o, b, heads, qo_pos[:, None, None], dim, view).to(o.dtype).expand_as(o)
+                o = out_hook(o, hb, heads, qo_pos[:, None, None], dim, view).to(o.dtype).expand_as(o)
             out[r0:r1] = o.to(out.dtype)
     return (out, lse) if return_lse else out
+
+
+def _row_chunks(q0: int, q1: int, rows: int, hook_batch: list[int] | None, b: int):
+    """(r0, r1, batch the hooks see) for rows [q0, q1) in chunks of at most ``rows``: runs of one
+    ``hook_batch`` value with explicit positions (the hooks take one batch index per call), else ``b``."""
+    start = q0
+    while start < q1:
+        end = min(q1, start + rows)
+        hb = b
+        if hook_batch is not None:
+            hb = hook_batch[start]
+            end = next((i for i in range(start + 1, end) if hook_batch[i] != hb), end)
+        yield start, end, hb
+        start = end

@@ -32,7 +32,8 @@ from jitattn import cuda_driver
 from jitattn.build import archs_for_capability
 from jitattn.cache import CacheEntry, KernelCache
 from jitattn.checks import (check_flag, check_max_query_len, check_metadata_values, check_paged_call,
-                            check_ragged_call, check_ragged_metadata_values, check_scales)
+                            check_position_values, check_positions, check_ragged_call, check_ragged_metadata_values,
+                            check_scales)
 from jitattn.reference import default_alibi_slopes, torch_dtype
 from jitattn.render import KERNEL_NAMES, params_fields, params_layout
 from jitattn.spec import AttentionSpec
@@ -327,7 +328,9 @@ class JitKernel:
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, sinks: torch.Tensor | None = None,
                         alibi_slopes: torch.Tensor | None = None, params: Mapping[str, Any] | None = None,
                         return_lse: bool = False, out: torch.Tensor | None = None, max_query_len: int | None = None,
-                        validate: bool = False, k_scale: float = 1.0, v_scale: float = 1.0
+                        validate: bool = False, k_scale: float = 1.0, v_scale: float = 1.0,
+                        query_positions: torch.Tensor | None = None, functor_batch: torch.Tensor | None = None,
+                        position_offset: torch.Tensor | None = None
                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention over the paged KV cache; same contract as :func:`jitattn.reference.paged_attention`.
 
@@ -339,6 +342,9 @@ class JitKernel:
             k_scale, v_scale: per-tensor dequantisation scales of an FP8 cache (Python floats, so no
                 device sync; 1.0 for a 16-bit cache).
             out: optional preallocated output ``(total_q, num_qo_heads, head_dim_vo)``.
+            query_positions, functor_batch, position_offset: int32 ``(total_q,)``, ``(total_q,)``,
+                ``(batch,)``, required by a spec with ``query_positions="explicit"`` (semantics:
+                :func:`jitattn.reference.paged_attention`); its prefill kernel then serves every row.
 
         Returns:
             ``out`` and, when ``return_lse``, lse float32 ``(total_q, num_qo_heads)`` (natural log).
@@ -356,9 +362,13 @@ class JitKernel:
         call = check_paged_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc, sinks=sinks,
                                 alibi_slopes=alibi_slopes, params=params, out=out, for_kernel=True)
         self._check_device(q)
+        check_positions(spec, query_positions, functor_batch, position_offset, total_q=call.total_q,
+                        batch=call.batch, device=q.device)
         max_query_len = check_max_query_len(max_query_len)
         if _validating(validate):
             check_metadata_values(spec, seq_lens, query_start_loc, block_table, call.num_pages, call.total_q)
+            if spec.explicit_positions:
+                check_position_values(query_positions, functor_batch)
             if max_query_len is not None:
                 longest = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if call.batch else 0
                 if longest > max_query_len:
@@ -368,6 +378,24 @@ class JitKernel:
         total_q, batch = call.total_q, call.batch
         alibi_slopes, out, lse = self._outputs(q, total_q, alibi_slopes, return_lse, out)
         if total_q == 0:
+            return (out, lse) if return_lse else out
+        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+        fields = {
+            "q": ptr(q), "kv_cache": ptr(kv_cache), "o": ptr(out), "lse": ptr(lse),
+            "block_table": ptr(block_table), "seq_lens": ptr(seq_lens), "query_start_loc": ptr(query_start_loc),
+            "sinks": ptr(sinks), "alibi_slopes": ptr(alibi_slopes),
+            "q_stride_token": q.stride(0), "q_stride_head": q.stride(1),
+            "kv_stride_page": kv_cache.stride(0), "kv_stride_kv": kv_cache.stride(1),
+            "block_table_stride": block_table.stride(0), "batch_size": batch, "total_q": total_q,
+            "num_pages": call.num_pages, "k_scale": scales[0], "v_scale": scales[1],
+        }
+        if spec.explicit_positions:  # the prefill kernel serves every row (no decode kernel is built)
+            args = self._pack(params, {**fields, "query_positions": ptr(query_positions),
+                                       "functor_batch": ptr(functor_batch), "position_offset": ptr(position_offset),
+                                       "num_splits": 1, "prefill_skip_decode_rows": 0})
+            g = self.geometry
+            tiles = math.ceil(total_q * spec.group_size / g["prefill_block_m"]) + batch
+            self._launch("prefill", (tiles, spec.num_kv_heads, 1), g["prefill_threads"], g["prefill_smem"], args)
             return (out, lse) if return_lse else out
         splits = self.num_splits(batch, self.max_decode_keys(call.max_pages_per_seq))
         decode_only = max_query_len == 1
@@ -389,18 +417,9 @@ class JitKernel:
                     partial_o = torch.empty(splits, batch, spec.num_qo_heads, spec.head_dim_vo, dtype=torch.float32,
                                             device=q.device)
                     partial_lse = torch.empty(splits, batch, spec.num_qo_heads, dtype=torch.float32, device=q.device)
-                ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-                args = self._pack(params, {
-                    "q": ptr(q), "kv_cache": ptr(kv_cache), "o": ptr(out), "lse": ptr(lse),
-                    "block_table": ptr(block_table), "seq_lens": ptr(seq_lens), "query_start_loc": ptr(query_start_loc),
-                    "sinks": ptr(sinks), "alibi_slopes": ptr(alibi_slopes), "partial_o": ptr(partial_o),
-                    "partial_lse": ptr(partial_lse), "split_counters": ptr(counters),
-                    "q_stride_token": q.stride(0), "q_stride_head": q.stride(1),
-                    "kv_stride_page": kv_cache.stride(0), "kv_stride_kv": kv_cache.stride(1),
-                    "block_table_stride": block_table.stride(0), "batch_size": batch, "total_q": total_q,
-                    "num_pages": call.num_pages, "num_splits": splits, "prefill_skip_decode_rows": 1,
-                    "k_scale": scales[0], "v_scale": scales[1],
-                })
+                args = self._pack(params, {**fields, "partial_o": ptr(partial_o), "partial_lse": ptr(partial_lse),
+                                           "split_counters": ptr(counters), "num_splits": splits,
+                                           "prefill_skip_decode_rows": 1})
                 # With split_counters set, the last split of each (sequence, kv head) merges the partials
                 # (merge_splits_last_block): no merge launch.
                 self._launch("decode", (splits, spec.num_kv_heads, batch), g["decode_threads"], g["decode_smem"], args)

@@ -139,7 +139,7 @@ def _random_source(spec: AttentionSpec, q_lens: Sequence[int], kv_lens: Sequence
     if len(q_lens) != len(kv_lens):
         raise ValueError(f"q_lens has {len(q_lens)} entries, kv_lens {len(kv_lens)}")
     for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
-        if ql > kl or ql < 0:
+        if ql < 0 or (ql > kl and not spec.explicit_positions):  # explicit positions: any number of queries
             raise ValueError(f"sequence {b}: q_len={ql} must be in [0, kv_len={kl}]")
     gen = torch.Generator(device=device).manual_seed(seed)
     dt = torch_dtype(spec.q_dtype)
