@@ -108,13 +108,20 @@ struct PrefillSm90Traits {
   // Phi-3 hd96 causal 4 x 8192: 349 TFLOP/s with two (128 x 128 tiles), 387 with three. At three, 160
   // registers per consumer thread: hd96 spills 12-28 bytes (plain) to 108 (ALiBi + windows); ragged
   // specs keep two, where tests/test_ragged.py asks for no spills.
-  static constexpr int kConsumerWGs = !S::kRagged && kHeadDim % 64 != 0 && kHeadDim <= 112 ? 3 : 2;
+  // Explicit query positions keep two as well: at three, hd96 spilled 24 / 52 bytes against 16 / 32 with
+  // implicit positions (each row's position in registers).
+  static constexpr int kConsumerWGs =
+      !S::kRagged && !S::kExplicitPositions && kHeadDim % 64 != 0 && kHeadDim <= 112 ? 3 : 2;
   static constexpr int kConsumerThreads = 128 * kConsumerWGs;
   static constexpr int kThreads = kConsumerThreads + 128;
   static constexpr int kBlockM = 64 * kConsumerWGs;     // packed query rows per block
   // Keys per tile: S (kBlockN / 2 floats per thread) and O (kHeadDim / 2) share the registers (at
   // three consumer warpgroups, 160 each: 128-key tiles spilled 164 bytes at hd96, 96-key tiles 28).
-  static constexpr int kBlockN = kConsumerWGs == 3 ? 96 : kHeadDim <= 128 ? 128 : 64;
+  // Explicit query positions with a logits transform or mask: each row's position, hook position and batch
+  // stay in registers beside S, P and O; at 128-key tiles that spilled (hd128 with hooks on batch and
+  // positions 176 / 188 bytes where implicit positions spill none), so 64-key tiles.
+  static constexpr bool kExplicitNarrow = S::kExplicitPositions && (S::kHasMask || S::kHasTransform);
+  static constexpr int kBlockN = kConsumerWGs == 3 ? 96 : (kHeadDim <= 128 && !kExplicitNarrow) ? 128 : 64;
   // K/V stages in flight: three where they fit beside Q (up to head_dim 224; 230 KB at 128), else
   // two (head dims 240, 256).
   static constexpr int kSmemLimit = 227 * 1024 - 256;
@@ -591,7 +598,8 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
   };
 
   const int row0 = packed0 + wg_row0 + warp * 16 + g;  // packed row of accumulator row r: row0 + 8 * r
-  // Explicit positions: what row r's masks and hooks see (registers, read once).
+  // Explicit positions: what row r's masks and hooks see (registers, read once; re-reading shared memory
+  // at each tile instead spilled more: hd128 with hooks on batch and positions 288 / 352 bytes).
   RowFrame frame[2];
   if constexpr (S::kExplicitPositions) {
 #pragma unroll
