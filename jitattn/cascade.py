@@ -248,7 +248,7 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tens
                       params: Mapping[str, Any] | None = None, return_lse: bool = False,
                       k_scale: float = 1.0, v_scale: float = 1.0, use_cascade: bool | None = None,
                       validate: bool = False, chunks: Sequence[int] | None = None,
-                      attention: Callable[..., Any] | None = None
+                      plan: CascadePlan | None = None, attention: Callable[..., Any] | None = None
                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a batch whose requests share key prefixes, reading each shared level once.
 
@@ -273,6 +273,9 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tens
             tables (ValueError when a shared level ends mid-page).
         validate: check the levels' values on the host first (a device sync).
         chunks: per-level chunk counts (default: :func:`plan_cascade`'s).
+        plan: the batch's :func:`plan_cascade` layout, made once ahead (as FlashInfer's ``plan``): the
+            call then only copies q per state, launches the prefill kernel and merges (planning is
+            some forty small torch operations). Given, the cascade runs (``use_cascade`` is ignored).
         attention: the paged-attention function to run the passes with (default: the jit kernels,
             :func:`jitattn.paged_attention`; :func:`jitattn.reference.paged_attention` runs it in torch).
 
@@ -320,6 +323,10 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tens
     num_requests = levels[-1].query_start_loc.shape[0] - 1
     check_params(spec, dict(params or {}), batch=num_requests, total_q=total_q, device=q.device)
     kw = dict(sinks=sinks, alibi_slopes=alibi_slopes, params=params, k_scale=k_scale, v_scale=v_scale)
+    if plan is not None:
+        if not isinstance(plan, CascadePlan):
+            _fail(f"plan: expected a CascadePlan from plan_cascade, got {type(plan).__name__}")
+        return _cascade(spec, q, kv_cache, plan, total_q, attention, return_lse, kw)
     if use_cascade is None:  # from shapes only (no host read): the block tables' capacities
         prefix = shared[0].block_table.shape[1] * spec.page_size if shared else 0
         suffix = levels[-1].block_table.shape[1] * spec.page_size
@@ -332,13 +339,17 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tens
                   f"{spec.page_size}), so the requests' keys are not one page list each; use the cascade")
         if aligned:
             return _plain(spec, q, kv_cache, levels, total_q, attention, return_lse, kw)
-    return _cascade(spec, q, kv_cache, levels, total_q, attention, return_lse, chunks, kw)
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
+    plan = plan_cascade(spec, levels, total_q, num_sms=num_sms, chunks=chunks)
+    return _cascade(spec, q, kv_cache, plan, total_q, attention, return_lse, kw)
 
 
-def _plain(spec, q, kv_cache, levels, total_q, attention, return_lse, kw):
-    """The un-split batch: each request's block table the concatenation of its segments' pages (every
-    shared level page-aligned), one plain paged call."""
-    dev = q.device
+def plain_metadata(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The un-split batch of page-aligned levels: ``(block_table, seq_lens, query_start_loc)`` for
+    :func:`jitattn.paged_attention`, each request's table the concatenation of its segments' pages
+    (every shared level's segments must fill whole pages; not checked here)."""
+    dev = levels[-1].query_start_loc.device
     req_qsl = levels[-1].query_start_loc
     first_tok = req_qsl[:-1].long().clamp(max=max(total_q - 1, 0))
     rows, lens = [], []
@@ -360,15 +371,22 @@ def _plain(spec, q, kv_cache, levels, total_q, attention, return_lse, kw):
         torch.zeros(len(first_tok), width, dtype=torch.long, device=dev)
     src = (cols - cum.gather(1, level) + base[level]).clamp(0, width - 1)
     table = torch.where(cols < cum[:, -1:], wide.gather(1, src), torch.zeros_like(wide)).to(torch.int32)
-    seq_lens = sum(lens).to(torch.int32)
-    return attention(spec, q, kv_cache, table, seq_lens, req_qsl, return_lse=return_lse, **kw)
+    return table.contiguous(), sum(lens).to(torch.int32), req_qsl
 
 
-def _cascade(spec, q, kv_cache, levels, total_q, attention, return_lse, chunks, kw):
+
+def _plain(spec, q, kv_cache, levels, total_q, attention, return_lse, kw):
+    """The un-split batch, one plain paged call."""
+    table, seq_lens, qsl = plain_metadata(spec, levels, total_q)
+    return attention(spec, q, kv_cache, table, seq_lens, qsl, return_lse=return_lse, **kw)
+
+
+def _cascade(spec, q, kv_cache, plan, total_q, attention, return_lse, kw):
     from jitattn.merge import merge_states
 
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
-    plan = plan_cascade(spec, levels, total_q, num_sms=num_sms, chunks=chunks)
+    if plan.query_positions.shape[0] != plan.num_states * total_q:
+        _fail(f"plan: made for {plan.query_positions.shape[0] // max(plan.num_states, 1)} query tokens, "
+              f"q has {total_q}")
     espec = spec.replace(query_positions="explicit")
     sinks = kw.pop("sinks")
     if spec.sinks:  # sinks join the denominator once: after the merge, not in every level
