@@ -71,10 +71,13 @@ class BenchCase:
     # Also time the same batch from contiguous varlen K/V (a ragged spec): "jitattn-ragged", so the
     # paged row's ratio is paged / contiguous (issue #6: within 10%).
     ragged_twin: bool = False
+    # phase "cascade": (R requests, P shared prefix keys, s own suffix keys); q_lens / kv_lens are the
+    # un-split batch's (1 query, P + s keys each)
+    cascade: tuple[int, int, int] | None = None
 
     @property
     def is_decode(self) -> bool:
-        return self.phase == "decode"
+        return self.phase in ("decode", "cascade")
 
     @property
     def check_seqs(self) -> int:
@@ -136,6 +139,22 @@ def mixed_cases() -> list[BenchCase]:
                       [2048] * 4 + [4096] * 60, "mixed")]
 
 
+def cascade_cases() -> list[BenchCase]:
+    """Issue #9's shared-prefix decode batches: R requests share a P-key prefix and add s keys each.
+
+    ``jitattn`` is the cascade (:func:`jitattn.cascade.cascade_attention`, use_cascade=True); the anchor
+    ``jitattn-plain`` is the same batch through the plain decode call (each request's block table
+    holding the shared prefix pages, then its own; a prefix that ends mid-page has its last page copied
+    per request). TB/s counts the un-split batch's bytes, R (P + s) keys: the cascade's rate is what
+    the plain path would need to match it.
+    """
+    hd128 = AttentionSpec(32, 8, 128)
+    out = []
+    for r, p, s in ((50, 1000, 100), (64, 8192, 256)):
+        out.append(BenchCase(f"cascade-hd128-r{r}-p{p}-s{s}", hd128, [1] * r, [p + s] * r, "cascade", cascade=(r, p, s)))
+    return out
+
+
 def decode_kv_bytes(spec: AttentionSpec, batch: int, kv_len: int) -> int:
     """Bytes of K and V a decode batch of ``batch`` x (1 query, ``kv_len`` keys) must read (window applied)."""
     elem = torch.tensor([], dtype=torch_dtype(spec.kv_dtype)).element_size()
@@ -183,7 +202,7 @@ def example_model_configs() -> list[Path]:
 
 def all_cases(models: list[Path] | None = None) -> list[BenchCase]:
     """DESIGN.md's six, the decode targets, then every layer kind of every model (default: examples/models)."""
-    out = design_cases() + decode_target_cases() + mixed_cases() + ragged_cases()
+    out = design_cases() + decode_target_cases() + mixed_cases() + ragged_cases() + cascade_cases()
     for config in example_model_configs() if models is None else models:
         out += model_cases(config)
     return out
@@ -750,9 +769,48 @@ def needs_dense(case: BenchCase, anchors: tuple[str, ...]) -> bool:
             or ("flex" in anchors and flex_problem(case.spec) is None))
 
 
+def cascade_runners(case: BenchCase, cb: Any) -> dict[str, Runner]:
+    """The cascade and the plain decode call on one :func:`jitattn.testing.random_cascade_batch`."""
+    from jitattn.cascade import cascade_attention, plain_metadata, plan_cascade
+    from jitattn.runtime import load_kernel
+
+    spec, plain = case.spec, cb.plain
+    aligned = all(n % spec.page_size == 0 for n in cb.prefix_lens)
+    if aligned:  # the shared prefix pages themselves in every request's table, as prefix caching does
+        args = (cb.q, cb.kv_cache, *plain_metadata(spec, cb.levels, cb.q.shape[0]))
+        how = "prefix pages shared by every table"
+    else:
+        args = plain.args()
+        how = "prefix ends mid-page: each request's copy"
+    kernel = load_kernel(spec)
+    out = torch.empty_like(cb.q)
+    plan = plan_cascade(spec, cb.levels, cb.q.shape[0],
+                        num_sms=torch.cuda.get_device_properties(cb.q.device).multi_processor_count)
+    chunks = plan.num_states - 1
+    return {"jitattn": Runner(lambda: cascade_attention(spec, cb.q, cb.kv_cache, cb.levels, plan=plan),
+                              note=f"{kernel.entry.arch}, cascade, prefix in {chunks} chunks, planned ahead"),
+            "jitattn-plain": Runner(lambda: kernel.paged_attention(*args, out=out, max_query_len=1),
+                                    note=f"plain decode call, {how}")}
+
+
+def run_cascade_case(case: BenchCase, *, seed: int, check: bool) -> list[Result]:
+    """A cascade case: the cascade against the plain decode call, errors against the un-split reference."""
+    from jitattn import reference
+    from jitattn.testing import random_cascade_batch
+
+    r, p, s = case.cascade
+    cb = random_cascade_batch(case.spec, [p], [r], [s] * r, [1] * r, device="cuda", seed=seed)
+    work, unit = cb.plain.kv_bytes_read / 1e12, "TB/s"
+    ref = reference.paged_attention(case.spec, *cb.plain.args()) if check else None
+    runners, rows = build_runners(case, "jitattn", lambda: cascade_runners(case, cb), unit)
+    return rows + [run_impl(case, impl, runner, work, unit, ref) for impl, runner in runners.items()]
+
+
 def run_case(case: BenchCase, *, seed: int = 0, check: bool = True, anchors: tuple[str, ...] = ANCHORS
              ) -> list[Result]:
     """Time jitattn and every requested anchor on one random batch; errors against the fp32 reference."""
+    if case.phase == "cascade":
+        return run_cascade_case(case, seed=seed, check=check)
     batch = random_paged_batch(case.spec, case.q_lens, case.kv_lens, device="cuda", seed=seed)
     work, unit = case_work(case, batch)
     ref = reference_rows(case, batch) if check else None

@@ -399,6 +399,8 @@ def check_params(spec: AttentionSpec, params: Mapping[str, Any], *, batch: int, 
         _check_tensor(f"params[{name!r}]", value, dtype=_TORCH_DTYPES[p.dtype], ndim=len(p.shape), device=device)
         for d, dim in enumerate(p.shape):
             want = _resolve_dim(dim, batch=batch, total_q=total_q, spec=spec)
+            if spec.explicit_positions and dim in ("batch", "total_q"):
+                want = None  # hooks index them by functor_batch (a cascade's requests), not by this call's rows
             if want is not None and value.shape[d] != want:
                 _fail(f"params[{name!r}]: dim {d} ({dim}) must be {want}, got shape {tuple(value.shape)}")
         if not value.is_contiguous():

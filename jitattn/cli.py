@@ -240,10 +240,12 @@ def parse_spec_arg(text: str) -> list[AttentionSpec]:
 
 
 def collect_targets(models: list[Path], spec_args: list[str], *, dtype: str | None, page_size: int,
-                    kv_layout: str, kv_dtype: str | None = None) -> list[Target]:
+                    kv_layout: str, kv_dtype: str | None = None, cascade: bool = False) -> list[Target]:
     """The distinct specs to build, in order of first mention, each with who asked for it.
 
     Each model also needs the ``merge_state`` module of each of its output dtypes (after its specs).
+    With ``cascade``, every paged spec's explicit-position twin too (the module cascade attention's
+    passes run, :mod:`jitattn.cascade`), after the spec itself.
     """
     from jitattn.models import load_model_config
 
@@ -251,6 +253,8 @@ def collect_targets(models: list[Path], spec_args: list[str], *, dtype: str | No
 
     def add(spec: AttentionSpec, source: str) -> None:
         targets.setdefault(spec, Target(spec, [])).sources.append(source)
+        if cascade and isinstance(spec, AttentionSpec) and spec.has_decode:
+            add(spec.replace(query_positions="explicit"), f"{source} (cascade)")
 
     for path in models:
         model = load_model_config(path, dtype=dtype, kv_layout=kv_layout, page_size=page_size, kv_dtype=kv_dtype)
@@ -354,6 +358,8 @@ def warmup(
     page_size: PageSizeOpt = 16,
     kv_layout: KvLayoutOpt = "NHD",
     kv_dtype: KvDtypeOpt = None,
+    cascade: Annotated[bool, typer.Option(
+        "--cascade", help="Also build each spec's explicit-position twin, which cascade attention runs.")] = False,
 ) -> None:
     """Compile every kernel the models or specs need, for every arch, into the cache (nvcc only, no GPU).
 
@@ -365,7 +371,7 @@ def warmup(
         if jobs is not None and jobs < 1:
             raise UsageError(f"--jobs {jobs}: expected a number of compiles >= 1 (or leave it out for the default)")
         targets = collect_targets(model or [], spec or [], dtype=dtype, page_size=page_size, kv_layout=kv_layout,
-                                  kv_dtype=kv_dtype)
+                                  kv_dtype=kv_dtype, cascade=cascade)
         archs = resolve_archs(arch or [])
         cache = KernelCache()
         nvcc = _check_build_box(cache)
@@ -601,6 +607,8 @@ def cache_export(
     page_size: PageSizeOpt = 16,
     kv_layout: KvLayoutOpt = "NHD",
     kv_dtype: KvDtypeOpt = None,
+    cascade: Annotated[bool, typer.Option(
+        "--cascade", help="Also export each spec's explicit-position twin, which cascade attention runs.")] = False,
 ) -> None:
     """Write exactly the entries the models or specs need, for the archs, into one archive.
 
@@ -614,7 +622,7 @@ def cache_export(
         if not model and not spec:
             raise UsageError("nothing to export: pass --model CONFIG.json and/or --spec JSON_OR_FILE")
         targets = collect_targets(model or [], spec or [], dtype=dtype, page_size=page_size, kv_layout=kv_layout,
-                                  kv_dtype=kv_dtype)
+                                  kv_dtype=kv_dtype, cascade=cascade)
         archs = resolve_archs(arch or [])
         cache = _open_cache()
         wanted = cache_admin.needed(((t.spec, t.sources) for t in targets), archs)

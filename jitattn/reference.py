@@ -107,7 +107,7 @@ def _scores(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, b: int, qo_po
 def _softmax_out(s: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over keys (with sink logits in the denominator) times V: out ``(rows, H, D)``, lse ``(rows, H)``."""
-    m = s.amax(dim=-1)  # (H, rows)
+    m = s.amax(dim=-1) if s.shape[-1] else s.new_full(s.shape[:-1], float("-inf"))  # (H, rows); no key: -inf
     if sinks is not None:
         m = torch.maximum(m, sinks[:, None].to(s.dtype))
     m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)

@@ -265,3 +265,70 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     denom = torch.linalg.vector_norm(r).item()
     num = torch.linalg.vector_norm(o - r).item()
     return num / denom if denom > 0 else num
+
+
+@dataclass
+class CascadeBatch:
+    """A random cascade batch (:func:`random_cascade_batch`) and the same batch un-split.
+
+    ``levels`` index ``kv_cache`` (each prefix and each suffix on its own pages); ``plain`` is a
+    :class:`PagedBatch` of the same queries over each request's whole key sequence (prefix then
+    suffix, copied into a cache of its own), what :func:`jitattn.paged_attention` computes the
+    cascade's result from.
+    """
+
+    q: torch.Tensor
+    kv_cache: torch.Tensor
+    levels: list
+    plain: PagedBatch
+    prefix_lens: list[int]
+    suffix_lens: list[int]
+
+
+def random_cascade_batch(spec: AttentionSpec, prefix_lens: Sequence[int], group_sizes: Sequence[int],
+                         suffix_lens: Sequence[int], q_lens: Sequence[int], *, device: torch.device | str = "cpu",
+                         seed: int = 0, params: dict[str, Any] | None = None) -> CascadeBatch:
+    """Requests in groups sharing a prefix: group ``g`` has ``group_sizes[g]`` consecutive requests
+    sharing ``prefix_lens[g]`` keys; request ``r`` adds ``suffix_lens[r]`` keys of its own and brings
+    ``q_lens[r]`` queries (its last positions). Two levels (:func:`jitattn.cascade.two_level`).
+
+    Raises:
+        ValueError: counts that do not match, or a request with more queries than keys.
+    """
+    from jitattn.cascade import two_level
+
+    if sum(group_sizes) != len(suffix_lens) or len(prefix_lens) != len(group_sizes):
+        raise ValueError(f"group_sizes {list(group_sizes)} must sum to the {len(suffix_lens)} requests and have one "
+                         f"entry per prefix ({len(prefix_lens)})")
+    owner = [g for g, n in enumerate(group_sizes) for _ in range(n)]
+    full = [prefix_lens[g] + s for g, s in zip(owner, suffix_lens)]
+    randn, cpu_gen = _random_source(spec, q_lens, full, device, seed, 1.0)
+    k_pre = [randn(n, spec.num_kv_heads, spec.head_dim_qk) for n in prefix_lens]
+    v_pre = [randn(n, spec.num_kv_heads, spec.head_dim_vo) for n in prefix_lens]
+    k_suf = [randn(n, spec.num_kv_heads, spec.head_dim_qk) for n in suffix_lens]
+    v_suf = [randn(n, spec.num_kv_heads, spec.head_dim_vo) for n in suffix_lens]
+    k_all, v_all = torch.cat(k_pre + k_suf), torch.cat(v_pre + v_suf)
+    scales: dict[str, float] = {}
+    if spec.kv_dtype == "float8_e4m3fn":
+        scales = {"k_scale": max(k_all.float().abs().max().item(), 1e-6) / 448.0,
+                  "v_scale": max(v_all.float().abs().max().item(), 1e-6) / 448.0}
+        q8 = lambda x, s: (x.float() / s).to(torch.float8_e4m3fn)  # noqa: E731
+        k_pre, k_suf = [q8(x, scales["k_scale"]) for x in k_pre], [q8(x, scales["k_scale"]) for x in k_suf]
+        v_pre, v_suf = [q8(x, scales["v_scale"]) for x in v_pre], [q8(x, scales["v_scale"]) for x in v_suf]
+        k_all, v_all = torch.cat(k_pre + k_suf), torch.cat(v_pre + v_suf)
+    cache, table = make_paged_kv(k_all, v_all, [*prefix_lens, *suffix_lens], spec, extra_pages=2, generator=cpu_gen)
+    table = table.to(device)
+    i32 = lambda x: torch.tensor(list(x), dtype=torch.int32, device=device)  # noqa: E731
+    qsl = i32([0, *accumulate(q_lens)])
+    pre_qsl = i32([0, *accumulate(sum(q_lens[r] for r in range(len(owner)) if owner[r] == g)
+                                  for g in range(len(prefix_lens)))])
+    levels = two_level(table[: len(prefix_lens)].contiguous(), i32(prefix_lens), pre_qsl,
+                       table[len(prefix_lens):].contiguous(), i32(suffix_lens), qsl)
+    q = randn(sum(q_lens), spec.num_qo_heads, spec.head_dim_qk)
+    k_full = torch.cat([torch.cat([k_pre[g], k_suf[r]]) for r, g in enumerate(owner)])
+    v_full = torch.cat([torch.cat([v_pre[g], v_suf[r]]) for r, g in enumerate(owner)])
+    full_cache, full_table = make_paged_kv(k_full, v_full, full, spec, generator=cpu_gen)
+    sinks = (torch.randn(spec.num_qo_heads, generator=cpu_gen) + 1.0).to(device) if spec.sinks else None
+    plain = PagedBatch(spec, q, full_cache, full_table.to(device), i32(full), qsl, list(q_lens), full, sinks=sinks,
+                       params=dict(params or {}), scales=scales)
+    return CascadeBatch(q, cache, list(levels), plain, list(prefix_lens), list(suffix_lens))

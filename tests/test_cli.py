@@ -59,6 +59,18 @@ def test_warmup_twice_second_run_all_cached_without_nvcc(tmp_path):
     assert compile_calls(log2) == []
 
 
+def test_warmup_cascade_adds_each_paged_specs_explicit_position_twin(tmp_path):
+    """--cascade: each layer kind's twin (query_positions='explicit') is built right after it (fake nvcc)."""
+    nvcc, log = fake_nvcc(tmp_path, "record")
+    proc = jitattn("warmup", "--model", str(GEMMA), "--cascade", "--arch", "sm_90a", cache=tmp_path / "c",
+                   env={"JITATTN_NVCC": str(nvcc)})
+    assert proc.returncode == 0, proc.stderr
+    assert summary(proc).startswith("compiled 5, cached 0, failed 0 in ")  # 2 kinds, their 2 twins, merge
+    for spec in model_specs(GEMMA):
+        assert spec.replace(query_positions="explicit").name in proc.stdout
+    assert "gemma-2-9b/sliding_attention (cascade)" in proc.stdout
+
+
 @pytest.mark.slow
 def test_warmup_default_archs_jobs_and_dedup(tmp_path):
     proc = jitattn("warmup", "-m", str(GEMMA), "-m", str(GEMMA), "--spec", SMALL.canonical_json(), "-j", "1",

@@ -1,0 +1,404 @@
+"""Cascade attention: a prefix shared by many requests is read once for all of them.
+
+When R requests share a P-token prefix (a system prompt), plain attention reads the prefix R times.
+Cascade attention splits each request's keys into levels: the shared prefix (level 0), each request's
+own suffix (the last level), and optionally more shared levels in between. Attention over one level
+is a batch whose "sequences" are the level's key segments, each with the queries of every request
+that shares it, computed on tensor cores by the prefill kernel; the per-level states (output, lse)
+of each query are then merged by log-sum-exp (:func:`jitattn.merge.merge_states`). Reads go from
+``R x (P + s)`` to ``P + sum(s_i)`` keys. (Ye et al. 2024, "Cascade Inference: Memory Bandwidth
+Efficient Shared Prefix Batch Decoding", FlashInfer blog; the merge is FlashDecoding's.)
+
+Positions continue across the levels: every spec feature sees each query and key at its absolute
+position in the request's sequence (levels in order), through a spec with explicit query positions
+(``AttentionSpec(query_positions="explicit")``): causal and window bounds, ALiBi, soft-cap, and the
+variant's hooks, which see the request's index as ``batch``. Sinks join the denominator once (they
+are folded in after the merge). A long shared level is cut into chunks, which run as separate
+sequences of the same launch, so a few hundred prefix-reading blocks fill the GPU.
+
+:func:`cascade_attention` is the entry point; :func:`cascade_pays` is the measured rule it uses to
+choose between the cascade and the plain paged call when ``use_cascade`` is left to it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from jitattn.checks import _check_tensor, _fail, check_flag, check_params, check_scales, check_spec
+from jitattn.spec import AttentionSpec
+
+#: Keys per chunk of a shared level at least (shorter chunks cost more in merging than they gain).
+MIN_CHUNK_KEYS = 256
+#: Blocks the cascade launch aims at per SM (chunks of the shared levels are added until it is reached).
+BLOCKS_PER_SM = 2
+
+
+@dataclass(frozen=True)
+class CascadeLevel:
+    """One level of a cascade batch: key segments, each shared by a contiguous run of query tokens.
+
+    Args:
+        block_table: int32 ``(num_segments, max_pages)``: the pages of each segment's keys, in order.
+        kv_lens: int32 ``(num_segments,)``: keys in each segment (the last page may be partial: a
+            shared prefix may end mid-page; the next level's keys start on their own pages).
+        query_start_loc: int32 ``(num_segments + 1,)``: segment ``j`` is shared by query tokens
+            ``query_start_loc[j] : query_start_loc[j + 1]`` of ``q`` (0 first, ``total_q`` last). The
+            last level's segments are the requests; every level's boundaries must be boundaries of the
+            next level (segments nest).
+    """
+
+    block_table: torch.Tensor
+    kv_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+
+
+def two_level(prefix_block_table: torch.Tensor, prefix_lens: torch.Tensor, prefix_start_loc: torch.Tensor,
+              suffix_block_table: torch.Tensor, suffix_lens: torch.Tensor, query_start_loc: torch.Tensor
+              ) -> list[CascadeLevel]:
+    """The common case: shared prefixes (level 0), then each request's own suffix (level 1).
+
+    Args:
+        prefix_block_table, prefix_lens: int32 ``(num_prefixes, pages)``, ``(num_prefixes,)``.
+        prefix_start_loc: int32 ``(num_prefixes + 1,)``: the query tokens sharing each prefix (the
+            requests sharing a prefix are consecutive in the batch).
+        suffix_block_table, suffix_lens: int32 ``(batch, pages)``, ``(batch,)``; a suffix may be empty.
+        query_start_loc: int32 ``(batch + 1,)``: each request's query tokens.
+    """
+    return [CascadeLevel(prefix_block_table, prefix_lens, prefix_start_loc),
+            CascadeLevel(suffix_block_table, suffix_lens, query_start_loc)]
+
+
+def cascade_pays(num_requests: int, prefix_len: int, mean_suffix_len: float) -> bool:
+    """The measured rule: whether the cascade beats the plain paged call for R requests sharing a
+    P-key prefix with suffixes of about s keys (decode; H200, see BENCHMARKS.md "Cascade").
+
+    Plain reads ``R (P + s)`` keys, the cascade ``P + R s`` plus fixed costs (the chunked prefix
+    launch, the merge): it pays when it saves at least :data:`CASCADE_MIN_SAVED_KEYS` key reads and
+    at least a fraction :data:`CASCADE_MIN_SAVED_FRACTION` of the plain reads.
+    """
+    plain = num_requests * (prefix_len + mean_suffix_len)
+    saved = plain - (prefix_len + num_requests * mean_suffix_len)
+    return num_requests >= 2 and saved >= CASCADE_MIN_SAVED_KEYS and saved >= CASCADE_MIN_SAVED_FRACTION * plain
+
+
+#: Thresholds of :func:`cascade_pays` (keys of one kv head, summed over the batch).
+CASCADE_MIN_SAVED_KEYS = 32768
+CASCADE_MIN_SAVED_FRACTION = 0.5
+
+
+def _check_levels(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: int, dev: torch.device) -> None:
+    if not isinstance(levels, (list, tuple)) or len(levels) < 1 or not all(isinstance(v, CascadeLevel) for v in levels):
+        _fail(f"levels: expected a non-empty list of CascadeLevel, got {levels!r:.120}")
+    for i, lv in enumerate(levels):
+        _check_tensor(f"levels[{i}].query_start_loc", lv.query_start_loc, dtype=torch.int32, ndim=1, device=dev)
+        n = lv.query_start_loc.shape[0] - 1
+        if n < 1:
+            _fail(f"levels[{i}].query_start_loc: expected shape (num_segments + 1,) with num_segments >= 1, "
+                  f"got {tuple(lv.query_start_loc.shape)}")
+        _check_tensor(f"levels[{i}].kv_lens", lv.kv_lens, dtype=torch.int32, ndim=1, device=dev)
+        if lv.kv_lens.shape[0] != n:
+            _fail(f"levels[{i}].kv_lens: expected shape ({n},) (num_segments, from query_start_loc), "
+                  f"got {tuple(lv.kv_lens.shape)}")
+        _check_tensor(f"levels[{i}].block_table", lv.block_table, dtype=torch.int32, ndim=2, device=dev)
+        if lv.block_table.shape[0] != n or lv.block_table.shape[1] < 1:
+            _fail(f"levels[{i}].block_table: expected shape ({n}, max_pages >= 1), got {tuple(lv.block_table.shape)}")
+
+
+def check_level_values(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: int, num_pages: int) -> None:
+    """Host checks of the levels' values (a device sync): start locations from 0 to ``total_q``, never
+    decreasing; every level's boundaries among the next level's; lengths >= 0 and within each block
+    table row; page ids of the used pages inside the cache.
+
+    Raises:
+        ValueError: the first problem, naming the level, the tensor and the entry.
+    """
+    prev: set[int] | None = None
+    for i, lv in enumerate(levels):
+        qsl = lv.query_start_loc.tolist()
+        if qsl[0] != 0 or qsl[-1] != total_q:
+            _fail(f"levels[{i}].query_start_loc: must start at 0 and end at total_q={total_q}, got {qsl[0]} ... {qsl[-1]}")
+        if any(b < a for a, b in zip(qsl, qsl[1:])):
+            j = next(j for j, (a, b) in enumerate(zip(qsl, qsl[1:])) if b < a)
+            _fail(f"levels[{i}].query_start_loc: decreases at segment {j} ({qsl[j]} -> {qsl[j + 1]})")
+        if prev is not None and not prev <= set(qsl):
+            missing = sorted(prev - set(qsl))[0]
+            _fail(f"levels[{i}].query_start_loc: level {i - 1} has a segment boundary at query {missing} that level "
+                  f"{i} does not; segments must nest (a later level splits the earlier one's segments)")
+        prev = set(qsl)
+        capacity = lv.block_table.shape[1] * spec.page_size
+        table = lv.block_table.cpu()
+        for j, n in enumerate(lv.kv_lens.tolist()):
+            if n < 0 or n > capacity:
+                _fail(f"levels[{i}].kv_lens[{j}]={n}: expected 0 <= kv_len <= block_table capacity "
+                      f"{lv.block_table.shape[1]} pages x {spec.page_size} = {capacity}")
+            used = table[j, : -(-n // spec.page_size)]
+            if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_pages):
+                _fail(f"levels[{i}].block_table[{j}]: page ids must be in [0, {num_pages}), got {used.tolist()}")
+    if levels and levels[-1].query_start_loc.shape[0] - 1 < 1:
+        _fail("levels[-1]: the last level's segments are the requests; expected at least one")
+
+
+@dataclass
+class CascadePlan:
+    """The pseudo-batch of one cascade call (device tensors, built without a host sync).
+
+    ``num_states`` states per query token (one per chunk of every level); the launch's query rows are
+    ``num_states`` copies of q, state-major.
+    """
+
+    num_states: int
+    block_table: torch.Tensor      # (pseudo_batch, pages)
+    seq_lens: torch.Tensor         # (pseudo_batch,)
+    query_start_loc: torch.Tensor  # (pseudo_batch + 1,)
+    query_positions: torch.Tensor  # (num_states * total_q,)
+    functor_batch: torch.Tensor    # (num_states * total_q,)
+    position_offset: torch.Tensor  # (pseudo_batch,)
+
+
+def _segment_of(qsl: torch.Tensor, total_q: int) -> torch.Tensor:
+    """Segment index of every query token (int64 ``(total_q,)``) from a level's start locations."""
+    tokens = torch.arange(total_q, device=qsl.device, dtype=torch.int32)
+    return torch.searchsorted(qsl, tokens, right=True).long() - 1
+
+
+def plan_cascade(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: int, *, num_sms: int,
+                 chunks: Sequence[int] | None = None) -> CascadePlan:
+    """Lay a cascade batch out as one explicit-position batch (shapes only decide the layout).
+
+    Level ``l`` is cut into ``C_l`` chunks of ``L_l`` keys (``L_l`` a multiple of the page size); chunk
+    ``c`` of segment ``j`` becomes a sequence with the pages ``block_table[j, c L_l / page : ...]``,
+    ``clamp(kv_len - c L_l, 0, L_l)`` keys, the queries of the tokens sharing the segment, their
+    positions relative to the chunk's first key and that key's absolute position as the offset.
+
+    Args:
+        chunks: ``C_l`` per level (default: :data:`BLOCKS_PER_SM` blocks per SM for the shared levels,
+            chunks of at least :data:`MIN_CHUNK_KEYS` keys; 1 for the last level).
+    """
+    dev = levels[0].kv_lens.device
+    page = spec.page_size
+    seg = [_segment_of(lv.query_start_loc, total_q) for lv in levels]
+    lens = [lv.kv_lens.long()[s.clamp(max=lv.kv_lens.shape[0] - 1)] for lv, s in zip(levels, seg)]  # per token
+    level_start = torch.zeros(len(levels), total_q, dtype=torch.long, device=dev)
+    for i in range(1, len(levels)):
+        level_start[i] = level_start[i - 1] + lens[i - 1]
+    req_qsl = levels[-1].query_start_loc.long()
+    req = seg[-1]
+    total_kv = level_start[-1] + lens[-1]
+    qo_len = (req_qsl[1:] - req_qsl[:-1])[req]
+    tok = torch.arange(total_q, device=dev)
+    abs_pos = total_kv - qo_len + (tok - req_qsl[req])
+    if chunks is None:
+        chunks = []
+        for i, lv in enumerate(levels):
+            capacity = lv.block_table.shape[1] * page
+            if i == len(levels) - 1 or capacity <= MIN_CHUNK_KEYS:
+                chunks.append(1)
+                continue
+            segments = lv.query_start_loc.shape[0] - 1
+            blocks = (math.ceil(total_q * spec.group_size / 64) + segments) * spec.num_kv_heads
+            want = max(1, math.ceil(BLOCKS_PER_SM * num_sms / max(blocks, 1)))
+            chunks.append(max(1, min(want, capacity // MIN_CHUNK_KEYS)))
+    if len(chunks) != len(levels) or any(int(c) < 1 for c in chunks):
+        _fail(f"chunks={list(chunks)!r}: expected one int >= 1 per level ({len(levels)})")
+    chunk_pages = [math.ceil(lv.block_table.shape[1] / c) for lv, c in zip(levels, chunks)]
+    width = max(chunk_pages)
+    tables, kv_lens, qsls, positions, offsets, hook_batch = [], [], [], [], [], []
+    state = 0
+    for i, (lv, c, cp) in enumerate(zip(levels, chunks, chunk_pages)):
+        n = lv.kv_lens.shape[0]
+        padded = torch.zeros(n, c * cp, dtype=torch.int32, device=dev)
+        padded[:, : lv.block_table.shape[1]] = lv.block_table
+        per_chunk = padded.view(n, c, cp).transpose(0, 1)  # (c, n, cp)
+        if cp < width:
+            per_chunk = torch.nn.functional.pad(per_chunk, (0, width - cp))
+        tables.append(per_chunk.reshape(c * n, width))
+        keys = cp * page
+        first = torch.arange(c, device=dev)[:, None] * keys  # (c, 1): chunk c's first key in the segment
+        kv_lens.append((lv.kv_lens.long()[None, :] - first).clamp(0, keys).reshape(-1))
+        seg_start = level_start[i][lv.query_start_loc[:-1].long().clamp(max=max(total_q - 1, 0))] if total_q else \
+            torch.zeros(n, dtype=torch.long, device=dev)
+        offsets.append((seg_start[None, :] + first).reshape(-1))
+        qsl = lv.query_start_loc.long()[:-1]
+        for k in range(c):
+            qsls.append(qsl + (state + k) * total_q)
+            positions.append(abs_pos - level_start[i] - k * keys)
+            hook_batch.append(req)
+        state += c
+    qsls.append(torch.tensor([state * total_q], device=dev))
+    as32 = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
+    return CascadePlan(num_states=state, block_table=as32(torch.cat(tables)), seq_lens=as32(torch.cat(kv_lens)),
+                       query_start_loc=as32(torch.cat(qsls)), query_positions=as32(torch.cat(positions)),
+                       functor_batch=as32(torch.cat(hook_batch)), position_offset=as32(torch.cat(offsets)))
+
+
+def _fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add each head's sink logit to the merged denominator once: ``lse' = logaddexp(lse, sink)``,
+    ``out' = out * exp(lse - lse')`` (a row that saw no key keeps output 0, lse = sink)."""
+    new = torch.logaddexp(lse, sinks.float()[None, :])
+    w = torch.exp(torch.where(torch.isinf(lse), torch.full_like(lse, -math.inf), lse - new))
+    return (out.float() * w[..., None]).to(out.dtype), new
+
+
+def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor, levels: Sequence[CascadeLevel], *,
+                      sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
+                      params: Mapping[str, Any] | None = None, return_lse: bool = False,
+                      k_scale: float = 1.0, v_scale: float = 1.0, use_cascade: bool | None = None,
+                      validate: bool = False, chunks: Sequence[int] | None = None,
+                      plan: CascadePlan | None = None, attention: Callable[..., Any] | None = None
+                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a batch whose requests share key prefixes, reading each shared level once.
+
+    Request ``r`` (segment ``r`` of the last level) attends to the concatenation, in level order, of
+    the segments its query tokens belong to; its ``qo_len`` queries are the last positions of that
+    sequence, exactly as :func:`jitattn.paged_attention` on the un-split batch, whose result it equals
+    (within the output dtype's rounding: per-level states are merged in fp32 from outputs rounded to
+    ``spec.o_dtype``).
+
+    Args:
+        spec: a paged spec (implicit query positions) with softmax and no output hook.
+        q: ``(total_q, num_qo_heads, head_dim_qk)``.
+        kv_cache: the paged cache all levels' pages index (NHD or HND, as the spec).
+        levels: :class:`CascadeLevel` list (:func:`two_level` builds the usual two).
+        sinks, alibi_slopes, params, k_scale, v_scale: as :func:`jitattn.paged_attention`; ``params``
+            indexed by batch are indexed by the request (the last level's segment).
+        return_lse: also return the natural-log lse, float32 ``(total_q, num_qo_heads)``.
+        use_cascade: None (default): :func:`cascade_pays` decides from the batch's shape (R = the
+            last level's segments, P = the first level's keys per segment, s = the last level's); a
+            batch the plain call cannot express (a shared level that ends mid-page) always runs the
+            cascade. True: always the cascade. False: the plain paged call on the concatenated block
+            tables (ValueError when a shared level ends mid-page).
+        validate: check the levels' values on the host first (a device sync).
+        chunks: per-level chunk counts (default: :func:`plan_cascade`'s).
+        plan: the batch's :func:`plan_cascade` layout, made once ahead (as FlashInfer's ``plan``): the
+            call then only copies q per state, launches the prefill kernel and merges (planning is
+            some forty small torch operations). Given, the cascade runs (``use_cascade`` is ignored).
+        attention: the paged-attention function to run the passes with (default: the jit kernels,
+            :func:`jitattn.paged_attention`; :func:`jitattn.reference.paged_attention` runs it in torch).
+
+    Returns:
+        ``out`` ``(total_q, num_qo_heads, head_dim_vo)`` in ``spec.o_dtype`` and, if asked, the lse.
+
+    Raises:
+        ValueError: a spec the split cannot preserve (explicit positions already, ragged K/V, no softmax,
+            an output hook, a CUDA-string hook reading ``qo_len`` / ``kv_len``), or bad levels (before any
+            launch).
+    """
+    check_spec(spec, "cascade_attention(spec, q, kv_cache, levels, ...)")
+    if spec.ragged or spec.explicit_positions:
+        _fail(f"spec: cascade attention takes a paged spec with implicit query positions, got "
+              f"kv_storage={spec.kv_storage!r}, query_positions={spec.query_positions!r}")
+    v = spec.variant
+    if v is not None and not v.softmax:
+        _fail(f"spec.variant={v.name!r} has no softmax: its levels' weighted sums have no lse to merge by")
+    if v is not None and "output_transform" in v.cuda:
+        _fail(f"spec.variant={v.name!r} has an output_transform: it applies to the finished output, which a "
+              f"cascade only has after the merge; run the plain paged_attention")
+    if v is not None and any(isinstance(v.cuda.get(h), str) and any(w in v.cuda[h] for w in ("qo_len", "kv_len"))
+                             for h in v.cuda):
+        _fail(f"spec.variant={v.name!r}: a CUDA hook reads qo_len / kv_len, which a cascade level does not know "
+              f"for the whole request; write it with positions only, or run the plain paged_attention")
+    check_flag("return_lse", return_lse)
+    check_flag("validate", validate)
+    if use_cascade is not None:
+        check_flag("use_cascade", use_cascade)
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        _fail(f"q: expected a (total_q, num_qo_heads, head_dim_qk) tensor, got {type(q).__name__}"
+              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else ''}")
+    total_q = q.shape[0]
+    _check_levels(spec, levels, total_q, q.device)
+    if validate:
+        if not isinstance(kv_cache, torch.Tensor):
+            _fail(f"kv_cache: expected a torch.Tensor, got {type(kv_cache).__name__}")
+        check_level_values(spec, levels, total_q, kv_cache.shape[0])
+    check_scales(spec, k_scale, v_scale)
+    if attention is None:
+        from jitattn.runtime import paged_attention as attention
+    if spec.sinks and sinks is None:
+        _fail("sinks: the spec has sinks=True, so a float32 (num_qo_heads,) tensor is required")
+    shared = levels[:-1]
+    num_requests = levels[-1].query_start_loc.shape[0] - 1
+    check_params(spec, dict(params or {}), batch=num_requests, total_q=total_q, device=q.device)
+    kw = dict(sinks=sinks, alibi_slopes=alibi_slopes, params=params, k_scale=k_scale, v_scale=v_scale)
+    if plan is not None:
+        if not isinstance(plan, CascadePlan):
+            _fail(f"plan: expected a CascadePlan from plan_cascade, got {type(plan).__name__}")
+        return _cascade(spec, q, kv_cache, plan, total_q, attention, return_lse, kw)
+    if use_cascade is None:  # from shapes only (no host read): the block tables' capacities
+        prefix = shared[0].block_table.shape[1] * spec.page_size if shared else 0
+        suffix = levels[-1].block_table.shape[1] * spec.page_size
+        use_cascade = bool(shared) and cascade_pays(num_requests, prefix, suffix)
+    if not use_cascade or not shared:
+        # whether every shared segment fills whole pages is a value (a host read, only on this path)
+        aligned = all(bool((lv.kv_lens % spec.page_size == 0).all()) for lv in shared)
+        if not aligned and use_cascade is False and shared:
+            _fail("use_cascade=False: a shared level ends mid-page (a kv_lens entry not a multiple of page_size="
+                  f"{spec.page_size}), so the requests' keys are not one page list each; use the cascade")
+        if aligned:
+            return _plain(spec, q, kv_cache, levels, total_q, attention, return_lse, kw)
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
+    plan = plan_cascade(spec, levels, total_q, num_sms=num_sms, chunks=chunks)
+    return _cascade(spec, q, kv_cache, plan, total_q, attention, return_lse, kw)
+
+
+def plain_metadata(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The un-split batch of page-aligned levels: ``(block_table, seq_lens, query_start_loc)`` for
+    :func:`jitattn.paged_attention`, each request's table the concatenation of its segments' pages
+    (every shared level's segments must fill whole pages; not checked here)."""
+    dev = levels[-1].query_start_loc.device
+    req_qsl = levels[-1].query_start_loc
+    first_tok = req_qsl[:-1].long().clamp(max=max(total_q - 1, 0))
+    rows, lens = [], []
+    for lv in levels:
+        seg = _segment_of(lv.query_start_loc, total_q)[first_tok] if total_q else \
+            torch.zeros(0, dtype=torch.long, device=dev)
+        seg = seg.clamp(min=0, max=lv.kv_lens.shape[0] - 1)
+        rows.append(lv.block_table[seg])
+        lens.append(lv.kv_lens[seg].long())
+    # pages of level l start after the previous levels' pages (their lengths are whole pages): column c of
+    # request r's table is column c - cum[r, l] of its level-l row, l the level whose pages hold c
+    wide = torch.cat(rows, dim=1)
+    base = torch.tensor([0, *[r.shape[1] for r in rows]], device=dev).cumsum(0)[:-1]  # level l's first column
+    pages = torch.stack([-(-n // spec.page_size) for n in lens], dim=1)  # (R, L)
+    cum = torch.cat([torch.zeros_like(pages[:, :1]), pages.cumsum(1)], dim=1)  # (R, L + 1)
+    width = wide.shape[1]
+    cols = torch.arange(width, device=dev)[None, :]
+    level = (cols[:, :, None] >= cum[:, None, 1:-1]).sum(-1) if len(rows) > 1 else \
+        torch.zeros(len(first_tok), width, dtype=torch.long, device=dev)
+    src = (cols - cum.gather(1, level) + base[level]).clamp(0, width - 1)
+    table = torch.where(cols < cum[:, -1:], wide.gather(1, src), torch.zeros_like(wide)).to(torch.int32)
+    return table.contiguous(), sum(lens).to(torch.int32), req_qsl
+
+
+
+def _plain(spec, q, kv_cache, levels, total_q, attention, return_lse, kw):
+    """The un-split batch, one plain paged call."""
+    table, seq_lens, qsl = plain_metadata(spec, levels, total_q)
+    return attention(spec, q, kv_cache, table, seq_lens, qsl, return_lse=return_lse, **kw)
+
+
+def _cascade(spec, q, kv_cache, plan, total_q, attention, return_lse, kw):
+    from jitattn.merge import merge_states
+
+    if plan.query_positions.shape[0] != plan.num_states * total_q:
+        _fail(f"plan: made for {plan.query_positions.shape[0] // max(plan.num_states, 1)} query tokens, "
+              f"q has {total_q}")
+    espec = spec.replace(query_positions="explicit")
+    sinks = kw.pop("sinks")
+    if spec.sinks:  # sinks join the denominator once: after the merge, not in every level
+        kw["sinks"] = torch.full_like(sinks, -math.inf)
+    n = plan.num_states
+    qq = q.unsqueeze(0).expand(n, *q.shape).reshape(n * total_q, *q.shape[1:])
+    out, lse = attention(espec, qq, kv_cache, plan.block_table, plan.seq_lens, plan.query_start_loc, return_lse=True,
+                         query_positions=plan.query_positions, functor_batch=plan.functor_batch,
+                         position_offset=plan.position_offset, **kw)
+    v = out.view(n, total_q, *out.shape[1:]).transpose(0, 1)
+    s = lse.view(n, total_q, lse.shape[1]).transpose(0, 1)
+    merged, merged_lse = merge_states(v, s)
+    if spec.sinks:
+        merged, merged_lse = _fold_sinks(merged, merged_lse, sinks)
+    return (merged, merged_lse) if return_lse else merged

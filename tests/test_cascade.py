@@ -1,0 +1,160 @@
+"""Cascade attention (jitattn.cascade), CPU: the composition run with the reference as its attention
+function equals the reference on the un-split batch, for every feature the split preserves; the plan's
+layout; the rule; bad input. The kernels: tests/test_gpu_cascade.py."""
+
+import pytest
+import torch
+
+from jitattn import reference, variant
+from jitattn.cascade import CascadeLevel, cascade_attention, cascade_pays, check_level_values, plan_cascade
+from jitattn.spec import AttentionSpec
+from jitattn.testing import random_cascade_batch
+
+PREFIX_LM = variant.prefix_lm_mask()
+
+CASES = [  # (spec, prefix_lens, group_sizes, suffix_lens, q_lens)
+    (AttentionSpec(8, 2, 32, page_size=4), [13], [3], [5, 0, 9], [1, 1, 1]),  # mid-page prefix, a suffix of 0
+    (AttentionSpec(8, 2, 32, page_size=4, window_left=6), [13], [3], [5, 0, 2], [3, 1, 2]),  # window crossing
+    (AttentionSpec(4, 1, 32, page_size=4, alibi=True, sinks=True), [9, 16], [2, 2], [3, 4, 0, 7], [1, 2, 1, 4]),
+    (AttentionSpec(4, 2, 32, page_size=3, logits_soft_cap=5.0, causal=False), [7], [2], [4, 1], [2, 1]),
+    (AttentionSpec(4, 2, 32, page_size=4, variant=variant.rotary_embedding(32)), [10], [3], [6, 2, 0], [2, 1, 1]),
+    (AttentionSpec(4, 2, 32, page_size=4, causal=False, variant=PREFIX_LM), [8], [3], [3, 5, 1], [3, 2, 1]),
+    (AttentionSpec(8, 2, 32, page_size=4), [5], [2], [0, 0], [3, 5]),  # queries inside the prefix (append)
+]
+
+
+def _params(spec, n):
+    if spec.variant is PREFIX_LM:
+        return {"prefix_len": torch.tensor([4, 11, 9][:n], dtype=torch.int32)}
+    return {}
+
+
+@pytest.mark.parametrize("chunks", [None, [3, 1]], ids=["auto-chunks", "3-prefix-chunks"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0].name)
+def test_cascade_equals_the_unsplit_batch(case, chunks):
+    spec, pre, groups, suf, ql = case
+    batch = random_cascade_batch(spec, pre, groups, suf, ql, seed=7, params=_params(spec, len(suf)))
+    p = batch.plain
+    want, want_lse = reference.paged_attention(spec, *p.args(), **p.kwargs(), return_lse=True)
+    got, got_lse = cascade_attention(spec, batch.q, batch.kv_cache, batch.levels, **p.kwargs(), return_lse=True,
+                                     use_cascade=True, chunks=chunks, validate=True,
+                                     attention=reference.paged_attention)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got_lse, want_lse, rtol=1e-4, atol=1e-4)
+
+
+def test_three_levels():
+    """Levels nest: a prefix shared by all four requests, a second level shared by pairs, then suffixes."""
+    spec = AttentionSpec(4, 2, 32, page_size=4, window_left=9, alibi=True)
+    # requests 0,1 share A + B0; 2,3 share A + B1; two levels from random_cascade_batch, split by hand
+    b = random_cascade_batch(spec, [11], [4], [6, 3, 9, 5], [1, 2, 1, 1], seed=3)
+    l0, l1 = b.levels
+    # level 1's first 4 keys of requests (0, 1) and (2, 3) become a shared middle level: copy them
+    table1 = l1.block_table
+    mid_table = torch.stack([table1[0, :1], table1[2, :1]])  # one page (4 keys) each
+    # the requests' own suffixes then start one page later, and requests 1 and 3 must read the same
+    # first page as 0 and 2: write those pages' K/V into their partners' first pages
+    cache = b.kv_cache.clone()
+    cache[table1[1, 0]] = cache[table1[0, 0]]
+    cache[table1[3, 0]] = cache[table1[2, 0]]
+    levels = [l0, CascadeLevel(mid_table, torch.tensor([4, 4], dtype=torch.int32),
+                               torch.tensor([0, 3, 5], dtype=torch.int32)),
+              CascadeLevel(table1[:, 1:].contiguous(), l1.kv_lens - 4, l1.query_start_loc)]
+    two = cascade_attention(spec, b.q, cache, [l0, l1], use_cascade=True, attention=reference.paged_attention)
+    three = cascade_attention(spec, b.q, cache, levels, use_cascade=True, attention=reference.paged_attention)
+    torch.testing.assert_close(three.float(), two.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_plan_offsets_and_positions():
+    """Two prefix chunks of 8 keys (page 4) then the suffix: offsets 0, 8, 13; a decode query of a
+    request with 13 + 5 keys sits at 17: local 17, 9, 4."""
+    spec = AttentionSpec(8, 2, 32, page_size=4)
+    b = random_cascade_batch(spec, [13], [3], [5, 0, 9], [1, 1, 1], seed=1)
+    plan = plan_cascade(spec, b.levels, 3, num_sms=132, chunks=[2, 1])
+    assert plan.num_states == 3
+    assert plan.position_offset.tolist() == [0, 8, 13, 13, 13]
+    assert plan.seq_lens.tolist() == [8, 5, 5, 0, 9]
+    assert plan.query_start_loc.tolist() == [0, 3, 6, 7, 8, 9]
+    assert plan.query_positions.tolist() == [17, 12, 21, 9, 4, 13, 4, -1, 8]
+    assert plan.functor_batch.tolist() == [0, 1, 2] * 3
+
+
+def test_plain_path_when_prefixes_are_page_aligned():
+    """use_cascade=False (and the rule, when it says no) runs the plain call on concatenated block tables."""
+    spec = AttentionSpec(8, 2, 32, page_size=4)
+    b = random_cascade_batch(spec, [12], [3], [5, 0, 9], [1, 1, 1], seed=2)
+    want = reference.paged_attention(spec, *b.plain.args())
+    seen = []
+
+    def spy(spec_, *args, **kw):
+        seen.append(spec_.explicit_positions)
+        return reference.paged_attention(spec_, *args, **kw)
+
+    got = cascade_attention(spec, b.q, b.kv_cache, b.levels, use_cascade=False, attention=spy)
+    assert seen == [False]
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_one_level_is_the_plain_call():
+    spec = AttentionSpec(8, 2, 32, page_size=4)
+    b = random_cascade_batch(spec, [12], [3], [5, 1, 9], [1, 1, 2], seed=4)
+    want = reference.paged_attention(spec, *b.plain.args())
+    # one level: each request's whole sequence (the plain batch's own tables)
+    level = CascadeLevel(b.plain.block_table, b.plain.seq_lens, b.plain.query_start_loc)
+    for use in (None, True):
+        got = cascade_attention(spec, b.q, b.plain.kv_cache, [level], use_cascade=use,
+                                attention=reference.paged_attention)
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_plain_path_refused_for_a_mid_page_prefix():
+    spec = AttentionSpec(8, 2, 32, page_size=4)
+    b = random_cascade_batch(spec, [13], [2], [5, 1], [1, 1], seed=2)
+    with pytest.raises(ValueError, match=r"use_cascade=False: a shared level ends mid-page"):
+        cascade_attention(spec, b.q, b.kv_cache, b.levels, use_cascade=False, attention=reference.paged_attention)
+
+
+def test_the_rule():
+    assert cascade_pays(64, 8192, 256) and cascade_pays(50, 1000, 100)
+    assert not cascade_pays(1, 8192, 256)  # nothing shared
+    assert not cascade_pays(2, 64, 4096)  # the prefix is a small part of what is read
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda lv: [CascadeLevel(lv[0].block_table, lv[0].kv_lens, torch.tensor([0, 2, 3], dtype=torch.int32)), lv[1]],
+     r"levels\[0\].kv_lens: expected shape \(2,\)"),
+    (lambda lv: [CascadeLevel(lv[0].block_table, lv[0].kv_lens.long(), lv[0].query_start_loc), lv[1]],
+     r"levels\[0\].kv_lens: .*int32"),
+    (lambda lv: [CascadeLevel(lv[0].block_table, lv[0].kv_lens, torch.tensor([0, 2], dtype=torch.int32)), lv[1]],
+     r"levels\[0\].query_start_loc: must start at 0 and end at total_q=3"),
+    (lambda lv: [CascadeLevel(lv[0].block_table, torch.tensor([999], dtype=torch.int32), lv[0].query_start_loc), lv[1]],
+     r"levels\[0\].kv_lens\[0\]=999: expected 0 <= kv_len <= block_table capacity"),
+    (lambda lv: [lv[1], lv[0]], r"levels\[1\].query_start_loc: level 0 has a segment boundary at query 1"),
+    (lambda lv: "levels", r"levels: expected a non-empty list of CascadeLevel"),
+])
+def test_bad_levels_are_named(mutate, match):
+    spec = AttentionSpec(8, 2, 32, page_size=4)
+    b = random_cascade_batch(spec, [13], [3], [5, 0, 9], [1, 1, 1], seed=2)
+    with pytest.raises(ValueError, match=match):
+        cascade_attention(spec, b.q, b.kv_cache, mutate(b.levels), validate=True, use_cascade=True,
+                          attention=reference.paged_attention)
+
+
+@pytest.mark.parametrize("spec, match", [
+    (AttentionSpec(4, 2, 32, variant=variant.sigmoid_attention()), r"has no softmax"),
+    (AttentionSpec(4, 2, 32, query_positions="explicit"), r"implicit query positions"),
+])
+def test_specs_the_split_cannot_preserve_are_refused(spec, match):
+    b = random_cascade_batch(AttentionSpec(4, 2, 32), [16], [2], [1, 1], [1, 1], seed=2)
+    with pytest.raises(ValueError, match=match):
+        cascade_attention(spec, b.q, b.kv_cache, b.levels, attention=reference.paged_attention)
+
+
+def test_check_level_values_catches_a_page_outside_the_cache():
+    spec = AttentionSpec(8, 2, 32, page_size=4)
+    b = random_cascade_batch(spec, [13], [3], [5, 0, 9], [1, 1, 1], seed=2)
+    bad = b.levels[1].block_table.clone()
+    bad[2, 1] = 10 ** 6
+    levels = [b.levels[0], CascadeLevel(bad, b.levels[1].kv_lens, b.levels[1].query_start_loc)]
+    with pytest.raises(ValueError, match=r"levels\[1\].block_table\[2\]: page ids must be in"):
+        check_level_values(spec, levels, 3, b.kv_cache.shape[0])

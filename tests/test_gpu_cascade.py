@@ -1,0 +1,95 @@
+"""Cascade attention on the GPU (``pytest -m gpu``; skipped without CUDA): jitattn.cascade with the jit
+kernels against the fp32 reference on the un-split batch (the same requests, each with its whole key
+sequence), for every feature the split preserves, a prefix that ends mid-page and a suffix of length 0."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import torch
+
+from jitattn import AttentionSpec, reference, variant
+from jitattn.cascade import cascade_attention, plan_cascade
+from jitattn.testing import random_cascade_batch, relative_error
+from tests.conftest import GPU_TOL, precompile, replay_on_new_q
+
+pytestmark = pytest.mark.gpu
+SEED = int(os.environ.get("JITATTN_TEST_SEED", zlib.crc32(os.urandom(4)) % 100000))
+ROPE = variant.rotary_embedding(128)
+PREFIX_LM = variant.prefix_lm_mask()
+
+CASES = {  # name: (spec, prefix_lens, group_sizes, suffix_lens, q_lens)
+    "decode-hd128-mid-page-empty-suffix": (AttentionSpec(32, 8, 128), [1000], [5], [100, 0, 37, 1, 250], [1] * 5),
+    "decode-two-prefixes-page1": (AttentionSpec(32, 8, 128, page_size=1), [300, 77], [3, 2], [5, 0, 9, 40, 2], [1] * 5),
+    "append-hd128-queries-into-the-prefix": (AttentionSpec(32, 8, 128), [999], [3], [20, 0, 3], [17, 5, 9]),
+    "gemma2-window-across-boundary": (AttentionSpec(16, 8, 256, logits_soft_cap=50.0, window_left=511,
+                                                    sm_scale=256 ** -0.5), [700], [4], [300, 2, 0, 600], [1, 3, 1, 1]),
+    "gpt-oss-sinks-window": (AttentionSpec(64, 8, 64, window_left=127, sinks=True), [513], [4], [60, 0, 200, 7],
+                             [1, 1, 2, 1]),
+    "alibi-hd64-hnd": (AttentionSpec(16, 4, 64, alibi=True, kv_layout="HND", page_size=64), [1100], [3],
+                       [0, 90, 333], [1, 4, 1]),
+    "rope-hooks": (AttentionSpec(32, 8, 128, variant=ROPE), [800], [3], [30, 0, 61], [1, 2, 1]),
+    "prefix-lm-params-by-request": (AttentionSpec(16, 4, 128, causal=False, variant=PREFIX_LM), [257], [3],
+                                    [10, 3, 0], [2, 1, 1]),
+    "fp8-hd128": (AttentionSpec(32, 8, 128, kv_dtype="float8_e4m3fn"), [1000], [4], [64, 0, 5, 300], [1] * 4),
+    "batch-129-decode": (AttentionSpec(32, 8, 128), [2048], [129], [(7 * i) % 300 for i in range(129)], [1] * 129),
+}
+
+
+def _params(spec, n):
+    if spec.variant is PREFIX_LM:
+        return {"prefix_len": torch.tensor([100, 300, 5][:n], dtype=torch.int32, device="cuda")}
+    return {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled(session_cache_dir):
+    specs = [c[0] for c in CASES.values()]
+    precompile(specs + [s.replace(query_positions="explicit") for s in specs], session_cache_dir)
+
+
+@pytest.mark.parametrize("chunks", [None, [1, 1], [5, 1]], ids=["auto-chunks", "1-chunk", "5-chunks"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_cascade_against_the_unsplit_reference(name, chunks, session_cache, record):
+    spec, pre, groups, suf, ql = CASES[name]
+    cb = random_cascade_batch(spec, pre, groups, suf, ql, device="cuda", seed=SEED, params=_params(spec, len(suf)))
+    p = cb.plain
+    want, want_lse = reference.paged_attention(spec, *p.args(), **p.kwargs(), return_lse=True)
+    got, lse = cascade_attention(spec, cb.q, cb.kv_cache, cb.levels, **p.kwargs(), return_lse=True,
+                                 use_cascade=True, chunks=chunks, validate=True)
+    torch.cuda.synchronize()
+    err = relative_error(got, want)
+    finite = torch.isfinite(want_lse)
+    lse_err = float((lse[finite] - want_lse[finite]).abs().max()) if finite.any() else 0.0
+    record(rel_err=err, lse_max_abs_err=lse_err, seed=SEED, states=None if chunks is None else sum(chunks))
+    assert not torch.isnan(got).any()
+    assert err < GPU_TOL[spec.q_dtype], err
+    assert lse_err < 2e-2 and torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+
+
+def test_planned_cascade_replays_in_a_cuda_graph(session_cache, record):
+    """plan once, capture the call, replay on new queries: equals the reference for those queries."""
+    spec, pre, groups, suf, ql = CASES["decode-hd128-mid-page-empty-suffix"]
+    cb = random_cascade_batch(spec, pre, groups, suf, ql, device="cuda", seed=SEED + 1)
+    plan = plan_cascade(spec, cb.levels, cb.q.shape[0], num_sms=132)
+    out = torch.empty_like(cb.q)
+    call = lambda: out.copy_(cascade_attention(spec, cb.q, cb.kv_cache, cb.levels, plan=plan))  # noqa: E731
+    call()
+    replay_on_new_q(call, cb.q, out)
+    want = reference.paged_attention(spec, cb.q, *cb.plain.args()[1:])
+    err = relative_error(out, want)
+    record(rel_err=err, seed=SEED)
+    assert err < GPU_TOL[spec.q_dtype], err
+
+
+def test_auto_rule_and_plain_path_agree(session_cache, record):
+    """A page-aligned prefix: use_cascade None (the rule), True and False give the same rows."""
+    spec = AttentionSpec(32, 8, 128)
+    cb = random_cascade_batch(spec, [4096], [16], [64] * 16, [1] * 16, device="cuda", seed=SEED + 2)
+    outs = [cascade_attention(spec, cb.q, cb.kv_cache, cb.levels, use_cascade=u) for u in (None, True, False)]
+    want = reference.paged_attention(spec, *cb.plain.args())
+    errs = [relative_error(o, want) for o in outs]
+    record(rel_err=max(errs), seed=SEED)
+    assert max(errs) < GPU_TOL[spec.q_dtype], errs
