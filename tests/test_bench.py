@@ -80,7 +80,7 @@ def test_all_cases_are_unique_and_cover_the_examples():
     names = [c.name for c in bench.all_cases()]
     assert len(names) == len(set(names))
     extra = ["decode-hd128-b64x4096-fp8", "mixed-hd128-4x2048-prefill+60x4096-decode",
-             "prefill-hd128-causal-b4x8192-vs-ragged"]
+             "prefill-hd128-causal-b4x8192-vs-ragged", "cascade-hd128-r50-p1000-s100", "cascade-hd128-r64-p8192-s256"]
     assert len(names) == len(V0_CASES) + len(extra) + sum(len(bench.model_cases(m)) for m in MODELS)
     assert set(extra) <= set(names)
 
