@@ -72,22 +72,21 @@ def two_level(prefix_block_table: torch.Tensor, prefix_lens: torch.Tensor, prefi
             CascadeLevel(suffix_block_table, suffix_lens, query_start_loc)]
 
 
-def cascade_pays(num_requests: int, prefix_len: int, mean_suffix_len: float) -> bool:
-    """The measured rule: whether the cascade beats the plain paged call for R requests sharing a
-    P-key prefix with suffixes of about s keys (decode; H200, see BENCHMARKS.md "Cascade").
+def cascade_pays(num_requests: int, prefix_len: int, suffix_len: float) -> bool:
+    """The measured rule: whether the cascade beats the plain paged call for R decode requests sharing a
+    P-key prefix, each with about s keys of its own.
 
-    Plain reads ``R (P + s)`` keys, the cascade ``P + R s`` plus fixed costs (the chunked prefix
-    launch, the merge): it pays when it saves at least :data:`CASCADE_MIN_SAVED_KEYS` key reads and
-    at least a fraction :data:`CASCADE_MIN_SAVED_FRACTION` of the plain reads.
+    Measured on the H200 (2026-11-29, hd128 32/8 heads bf16 page 16, both by CUDA-graph replay, the
+    plain call reading the shared prefix pages from every request's table; BENCHMARKS.md "Cascade",
+    ``tests/gpu_results/2026-11-29-s6-c-cascade-rule.json``): the cascade pays from R = 8 with a prefix
+    of 1000+ keys that is at least 4x each suffix (1.06-4.75x), and from R = 32 with a prefix of 4096+
+    keys at least 2x each suffix (1.05-2.21x). Below R = 8 the plain call reads the shared pages from L2
+    and the cascade's fixed costs (its launch over chunks, the merge) win (0.26-0.92x); P = 256 never
+    paid (0.47-0.79x). Of the 84 measured shapes the rule errs on three: R = 8, P = 8192, s = 2048
+    (taken, 0.92x) and P = 1024, s = 512 at R = 8 and 128 (not taken, 1.12x and 1.05x).
     """
-    plain = num_requests * (prefix_len + mean_suffix_len)
-    saved = plain - (prefix_len + num_requests * mean_suffix_len)
-    return num_requests >= 2 and saved >= CASCADE_MIN_SAVED_KEYS and saved >= CASCADE_MIN_SAVED_FRACTION * plain
-
-
-#: Thresholds of :func:`cascade_pays` (keys of one kv head, summed over the batch).
-CASCADE_MIN_SAVED_KEYS = 32768
-CASCADE_MIN_SAVED_FRACTION = 0.5
+    r, p, s = num_requests, prefix_len, suffix_len
+    return r >= 8 and p >= 1000 and (p >= 4 * s or (r >= 32 and p >= 4096 and p >= 2 * s))
 
 
 def _check_levels(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: int, dev: torch.device) -> None:
@@ -328,7 +327,7 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tens
             _fail(f"plan: expected a CascadePlan from plan_cascade, got {type(plan).__name__}")
         return _cascade(spec, q, kv_cache, plan, total_q, attention, return_lse, kw)
     if use_cascade is None:  # from shapes only (no host read): the block tables' capacities
-        prefix = shared[0].block_table.shape[1] * spec.page_size if shared else 0
+        prefix = sum(lv.block_table.shape[1] for lv in shared) * spec.page_size  # the shared levels' capacity
         suffix = levels[-1].block_table.shape[1] * spec.page_size
         use_cascade = bool(shared) and cascade_pays(num_requests, prefix, suffix)
     if not use_cascade or not shared:

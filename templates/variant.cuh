@@ -74,6 +74,10 @@ __device__ __forceinline__ float finalize_state(const Params& p, int qo_head, So
   } else if constexpr (S::kHasSinks) {
     const float sink = p.sinks[qo_head] * kLog2e;
     const float m_new = fmaxf(m, sink);
+    if (m_new == kNegInf) {  // no key and a -inf sink (no sink): nothing to normalise (exp2(-inf + inf) is NaN)
+      lse = kNegInf;
+      return 0.f;
+    }
     d = d * rescale_factor(m, m_new) + fast_exp2(sink - m_new);
     const float out_scale = rescale_factor(m, m_new) / d;
     m = m_new;

@@ -93,3 +93,25 @@ def test_auto_rule_and_plain_path_agree(session_cache, record):
     errs = [relative_error(o, want) for o in outs]
     record(rel_err=max(errs), seed=SEED)
     assert max(errs) < GPU_TOL[spec.q_dtype], errs
+
+
+def test_minus_inf_sinks_on_rows_that_see_no_key(session_cache, record):
+    """A sink of -inf is no sink: a row that sees no key then gets output 0 and lse -inf, as the reference
+    says, never NaN (the cascade's levels run with -inf sinks; the kernel's finalize took exp2(-inf + inf))."""
+    spec = AttentionSpec(64, 8, 64, window_left=127, sinks=True, query_positions="explicit")
+    batch = random_cascade_batch(spec.replace(query_positions="implicit"), [300], [2], [3, 0], [1, 1],
+                                 device="cuda", seed=SEED).plain
+    # row 0 at position 1000 sees nothing of its 303 keys (window 127); row 1 at 299 sees keys 172..299
+    pos = torch.tensor([1000, 299], dtype=torch.int32, device="cuda")
+    kw = dict(sinks=torch.full((64,), -float("inf"), device="cuda"), return_lse=True, query_positions=pos,
+              functor_batch=torch.zeros(2, dtype=torch.int32, device="cuda"),
+              position_offset=torch.zeros(2, dtype=torch.int32, device="cuda"))
+    from jitattn.runtime import load_kernel
+    out, lse = load_kernel(spec).paged_attention(*batch.args(), **kw)
+    want, want_lse = reference.paged_attention(spec, *batch.args(), **kw)
+    torch.cuda.synchronize()
+    err = relative_error(out, want)
+    record(rel_err=err, seed=SEED)
+    assert not torch.isnan(out).any() and torch.equal(out[0].float(), torch.zeros_like(out[0].float()))
+    assert torch.isneginf(lse[0]).all() and torch.isneginf(want_lse[0]).all()
+    assert err < GPU_TOL[spec.q_dtype], err
