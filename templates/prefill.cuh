@@ -298,6 +298,30 @@ __device__ __forceinline__ void prefill_pv(float (&o)[PrefillTraits<S>::kMTiles]
   }
 }
 
+// The query (kIsQuery) or key transform of one rotate_half pair: elements d and d + half (x0, x1) of
+// packed query row / key `row` become y0, y1. Explicit positions (S::kExplicitPositions): a query row's
+// position and batch come from `x` (token row / group - tok0, offset `off`); keys are at row + off
+// (batch: the sequence's first token's). Shared by prefill_transform_rows and its sm90 twin.
+template <class S, bool kIsQuery, class X>
+__device__ __forceinline__ void transform_pair(const Params& p, float x0, float x1, float& y0, float& y1, int row,
+                                               int end, int qo_base, int kv_head, int batch, int d, int half,
+                                               bool& oob, const X* x, int tok0, int off) {
+  if constexpr (kIsQuery) {
+    const PrefillRow q = prefill_row<S>(row, end, qo_base, kv_head);
+    int qpos = q.pos, qbatch = batch;
+    if constexpr (S::kExplicitPositions) {
+      const int i = row / S::kGroupSize - tok0;
+      qpos = x->pos[i] + off;
+      qbatch = x->batch[i];
+    }
+    y0 = S::query_transform(p, x0, -x1, qbatch, q.head, qpos, d, oob);
+    y1 = S::query_transform(p, x1, x0, qbatch, q.head, qpos, d + half, oob);
+  } else {
+    y0 = S::key_transform(p, x0, -x1, batch, kv_head, row + off, d, oob);
+    y1 = S::key_transform(p, x1, x0, batch, kv_head, row + off, d + half, oob);
+  }
+}
+
 // Applies the query (kIsQuery) or key transform in place to `rows` rows of a shared-memory tile, in
 // rotate_half pairs (dim, dim + D/2) so no element is read after its partner was overwritten. Row r
 // is packed query row first + r (queries) or key first + r (keys); rows at or past `end` are skipped.
@@ -316,20 +340,8 @@ __device__ __forceinline__ void prefill_transform_rows(const Params& p, typename
     DT* row = tile + r * T::kRowStride;
     const float x0 = to_float(row[d]), x1 = to_float(row[d + kHalf]);
     float y0, y1;
-    if constexpr (kIsQuery) {
-      const PrefillRow q = prefill_row<S>(first + r, end, qo_base, kv_head);
-      int qpos = q.pos, qbatch = batch;
-      if constexpr (S::kExplicitPositions) {
-        const int i = (first + r) / S::kGroupSize - tok0;
-        qpos = x->pos[i] + off;
-        qbatch = x->batch[i];
-      }
-      y0 = S::query_transform(p, x0, -x1, qbatch, q.head, qpos, d, oob);
-      y1 = S::query_transform(p, x1, x0, qbatch, q.head, qpos, d + kHalf, oob);
-    } else {
-      y0 = S::key_transform(p, x0, -x1, batch, kv_head, first + r + off, d, oob);
-      y1 = S::key_transform(p, x1, x0, batch, kv_head, first + r + off, d + kHalf, oob);
-    }
+    transform_pair<S, kIsQuery>(p, x0, x1, y0, y1, first + r, end, qo_base, kv_head, batch, d, kHalf, oob, x, tok0,
+                                off);
     row[d] = from_float<DT>(y0);
     row[d + kHalf] = from_float<DT>(y1);
   }

@@ -405,20 +405,8 @@ __device__ __forceinline__ void prefill_sm90_transform_rows(const Params& p, typ
     DT* e1 = tile + swizzled_offset<kRows, T::kSwizzle>(r, d + kHalf);
     const float x0 = to_float(*e0), x1 = to_float(*e1);
     float y0, y1;
-    if constexpr (kIsQuery) {
-      const PrefillRow q = prefill_row<S>(first + r, end, qo_base, kv_head);
-      int qpos = q.pos, qbatch = batch;
-      if constexpr (S::kExplicitPositions) {
-        const int i = (first + r) / S::kGroupSize - tok0;
-        qpos = x->pos[i] + off;
-        qbatch = x->batch[i];
-      }
-      y0 = S::query_transform(p, x0, -x1, qbatch, q.head, qpos, d, oob);
-      y1 = S::query_transform(p, x1, x0, qbatch, q.head, qpos, d + kHalf, oob);
-    } else {
-      y0 = S::key_transform(p, x0, -x1, batch, kv_head, first + r + off, d, oob);
-      y1 = S::key_transform(p, x1, x0, batch, kv_head, first + r + off, d + kHalf, oob);
-    }
+    transform_pair<S, kIsQuery>(p, x0, x1, y0, y1, first + r, end, qo_base, kv_head, batch, d, kHalf, oob, x, tok0,
+                                off);
     *e0 = from_float<DT>(y0);
     *e1 = from_float<DT>(y1);
   }
