@@ -265,11 +265,11 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tens
         sinks, alibi_slopes, params, k_scale, v_scale: as :func:`jitattn.paged_attention`; ``params``
             indexed by batch are indexed by the request (the last level's segment).
         return_lse: also return the natural-log lse, float32 ``(total_q, num_qo_heads)``.
-        use_cascade: None (default): :func:`cascade_pays` decides from the batch's shape (R = the
-            last level's segments, P = the first level's keys per segment, s = the last level's); a
-            batch the plain call cannot express (a shared level that ends mid-page) always runs the
-            cascade. True: always the cascade. False: the plain paged call on the concatenated block
-            tables (ValueError when a shared level ends mid-page).
+        use_cascade: None (default): :func:`cascade_pays` decides from :func:`rule_shape` (the lengths:
+            a host read; under CUDA graph capture the block tables' capacities); a batch the plain call
+            cannot express (a shared level that ends mid-page) always runs the cascade. True: always
+            the cascade. False: the plain paged call on the concatenated block tables (ValueError when
+            a shared level ends mid-page).
         validate: check the levels' values on the host first (a device sync).
         chunks: per-level chunk counts (default: :func:`plan_cascade`'s).
         plan: the batch's :func:`plan_cascade` layout, made once ahead (as FlashInfer's ``plan``): the
@@ -326,10 +326,8 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tens
         if not isinstance(plan, CascadePlan):
             _fail(f"plan: expected a CascadePlan from plan_cascade, got {type(plan).__name__}")
         return _cascade(spec, q, kv_cache, plan, total_q, attention, return_lse, kw)
-    if use_cascade is None:  # from shapes only (no host read): the block tables' capacities
-        prefix = sum(lv.block_table.shape[1] for lv in shared) * spec.page_size  # the shared levels' capacity
-        suffix = levels[-1].block_table.shape[1] * spec.page_size
-        use_cascade = bool(shared) and cascade_pays(num_requests, prefix, suffix)
+    if use_cascade is None:
+        use_cascade = bool(shared) and cascade_pays(*rule_shape(spec, levels, total_q))
     if not use_cascade or not shared:
         # whether every shared segment fills whole pages is a value (a host read, only on this path)
         aligned = all(bool((lv.kv_lens % spec.page_size == 0).all()) for lv in shared)
@@ -372,6 +370,27 @@ def plain_metadata(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q:
     table = torch.where(cols < cum[:, -1:], wide.gather(1, src), torch.zeros_like(wide)).to(torch.int32)
     return table.contiguous(), sum(lens).to(torch.int32), req_qsl
 
+
+
+def rule_shape(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: int) -> tuple[float, float, float]:
+    """``(R, P, s)`` for :func:`cascade_pays`: requests per segment of the first level, the mean of the
+    requests' shared keys (every level but the last) and of their own keys (the last level).
+
+    Reads the lengths on the host (a device sync); while the current stream captures a CUDA graph,
+    which forbids that, it takes the block tables' capacities (pages x page size) instead.
+    """
+    requests = levels[-1].query_start_loc.shape[0] - 1
+    per_segment = requests / max(levels[0].query_start_loc.shape[0] - 1, 1)
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        shared = sum(lv.block_table.shape[1] for lv in levels[:-1]) * spec.page_size
+        return per_segment, shared, levels[-1].block_table.shape[1] * spec.page_size
+    first_tok = levels[-1].query_start_loc[:-1].long().clamp(max=max(total_q - 1, 0))
+    lens = []
+    for lv in levels:
+        seg = (_segment_of(lv.query_start_loc, total_q)[first_tok] if total_q else first_tok)
+        lens.append(lv.kv_lens.long()[seg.clamp(0, lv.kv_lens.shape[0] - 1)].float().mean())
+    values = torch.stack(lens).tolist()
+    return per_segment, sum(values[:-1]), values[-1]
 
 
 def _plain(spec, q, kv_cache, levels, total_q, attention, return_lse, kw):

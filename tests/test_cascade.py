@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from jitattn import reference, variant
-from jitattn.cascade import CascadeLevel, cascade_attention, cascade_pays, check_level_values, plan_cascade
+from jitattn.cascade import (CascadeLevel, cascade_attention, cascade_pays, check_level_values, plan_cascade,
+                             rule_shape)
 from jitattn.spec import AttentionSpec
 from jitattn.testing import random_cascade_batch
 
@@ -108,6 +109,15 @@ def test_one_level_is_the_plain_call():
         got = cascade_attention(spec, b.q, b.plain.kv_cache, [level], use_cascade=use,
                                 attention=reference.paged_attention)
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_rule_shape_reads_the_lengths():
+    """Two prefixes (13 and 16 keys) shared by 3 + 2 requests with suffixes 5, 0, 9, 2, 4: R = 2.5 requests
+    per prefix, P = mean shared keys per request = (3 * 13 + 2 * 16) / 5, s = 4."""
+    spec = AttentionSpec(8, 2, 32, page_size=4)
+    b = random_cascade_batch(spec, [13, 16], [3, 2], [5, 0, 9, 2, 4], [1, 1, 1, 1, 1], seed=2)
+    r, p, s = rule_shape(spec, b.levels, 5)
+    assert (r, s) == (2.5, 4.0) and abs(p - 71 / 5) < 1e-5
 
 
 def test_plain_path_refused_for_a_mid_page_prefix():
