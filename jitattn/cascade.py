@@ -326,6 +326,7 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tens
         if not isinstance(plan, CascadePlan):
             _fail(f"plan: expected a CascadePlan from plan_cascade, got {type(plan).__name__}")
         return _cascade(spec, q, kv_cache, plan, total_q, attention, return_lse, kw)
+    forced_plain = use_cascade is False  # the rule's "no" below falls back to the cascade on a mid-page level
     if use_cascade is None:  # from shapes only (no host read): the block tables' capacities
         prefix = sum(lv.block_table.shape[1] for lv in shared) * spec.page_size  # the shared levels' capacity
         suffix = levels[-1].block_table.shape[1] * spec.page_size
@@ -333,7 +334,7 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tens
     if not use_cascade or not shared:
         # whether every shared segment fills whole pages is a value (a host read, only on this path)
         aligned = all(bool((lv.kv_lens % spec.page_size == 0).all()) for lv in shared)
-        if not aligned and use_cascade is False and shared:
+        if not aligned and forced_plain and shared:
             _fail("use_cascade=False: a shared level ends mid-page (a kv_lens entry not a multiple of page_size="
                   f"{spec.page_size}), so the requests' keys are not one page list each; use the cascade")
         if aligned:

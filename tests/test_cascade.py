@@ -166,3 +166,14 @@ def test_check_level_values_catches_a_page_outside_the_cache():
     levels = [b.levels[0], CascadeLevel(bad, b.levels[1].kv_lens, b.levels[1].query_start_loc)]
     with pytest.raises(ValueError, match=r"levels\[1\].block_table\[2\]: page ids must be in"):
         check_level_values(spec, levels, 3, b.kv_cache.shape[0])
+
+
+def test_the_rule_saying_no_runs_the_cascade_for_a_mid_page_prefix():
+    """use_cascade=None on a batch the rule does not take (3 requests) whose prefix ends mid-page: the plain
+    call cannot express it, so the cascade runs (as documented), not the use_cascade=False error."""
+    spec = AttentionSpec(8, 2, 32, page_size=4)
+    b = random_cascade_batch(spec, [13], [3], [5, 0, 9], [1, 1, 2], seed=5)
+    assert not cascade_pays(3, 16, 12)
+    want = reference.paged_attention(spec, *b.plain.args())
+    got = cascade_attention(spec, b.q, b.kv_cache, b.levels, attention=reference.paged_attention)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
