@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from jitattn.checks import _check_tensor, _fail, check_flag, check_params, check_scales, check_spec
+from jitattn.checks import _check_tensor, _check_vector, _fail, check_flag, check_params, check_scales, check_spec
 from jitattn.spec import AttentionSpec
 
 #: Keys per chunk of a shared level at least (shorter chunks cost more in merging than they gain).
@@ -316,8 +316,8 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tens
     check_scales(spec, k_scale, v_scale)
     if attention is None:
         from jitattn.runtime import paged_attention as attention
-    if spec.sinks and sinks is None:
-        _fail("sinks: the spec has sinks=True, so a float32 (num_qo_heads,) tensor is required")
+    # sinks are folded in after the merge (the passes get -inf ones): check them here, as the plain call does
+    _check_vector("sinks", sinks, spec.sinks, spec.num_qo_heads, q.device, "spec.sinks")
     shared = levels[:-1]
     num_requests = levels[-1].query_start_loc.shape[0] - 1
     check_params(spec, dict(params or {}), batch=num_requests, total_q=total_q, device=q.device)

@@ -177,3 +177,14 @@ def test_the_rule_saying_no_runs_the_cascade_for_a_mid_page_prefix():
     want = reference.paged_attention(spec, *b.plain.args())
     got = cascade_attention(spec, b.q, b.kv_cache, b.levels, attention=reference.paged_attention)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("use", [True, False])
+def test_sinks_for_a_spec_without_sinks_are_refused_on_both_paths(use):
+    """The cascade passes run with -inf sinks and fold the real ones in after the merge only when spec.sinks:
+    sinks given to a spec without them were dropped silently on the cascade path (the plain path refuses)."""
+    spec = AttentionSpec(8, 2, 32, page_size=4)
+    b = random_cascade_batch(spec, [12], [3], [5, 0, 9], [1, 1, 2], seed=2)
+    with pytest.raises(ValueError, match=r"sinks: given, but spec.sinks=False"):
+        cascade_attention(spec, b.q, b.kv_cache, b.levels, sinks=torch.zeros(8), use_cascade=use,
+                          attention=reference.paged_attention)
