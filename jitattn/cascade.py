@@ -22,6 +22,7 @@ choose between the cascade and the plain paged call when ``use_cascade`` is left
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -110,7 +111,7 @@ def _check_levels(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: 
 def check_level_values(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: int, num_pages: int) -> None:
     """Host checks of the levels' values (a device sync): start locations from 0 to ``total_q``, never
     decreasing; every level's boundaries among the next level's; lengths >= 0 and within each block
-    table row; page ids of the used pages inside the cache.
+    table row; page ids of the used pages inside the cache; no request with more queries than keys.
 
     Raises:
         ValueError: the first problem, naming the level, the tensor and the entry.
@@ -139,6 +140,16 @@ def check_level_values(spec: AttentionSpec, levels: Sequence[CascadeLevel], tota
                 _fail(f"levels[{i}].block_table[{j}]: page ids must be in [0, {num_pages}), got {used.tolist()}")
     if levels and levels[-1].query_start_loc.shape[0] - 1 < 1:
         _fail("levels[-1]: the last level's segments are the requests; expected at least one")
+    # each request's queries are the last positions of its whole sequence (every level's segment): as the
+    # plain call, a request may not bring more queries than it has keys
+    req = levels[-1].query_start_loc.tolist() if levels else []
+    lens = [(lv.query_start_loc.tolist(), lv.kv_lens.tolist()) for lv in levels]
+    for r, (a, b) in enumerate(zip(req, req[1:])):
+        if b > a:
+            kv = sum(n[bisect.bisect_right(s, a) - 1] for s, n in lens)
+            if b - a > kv:
+                _fail(f"levels: request {r} has qo_len={b - a} queries but {kv} keys over all levels; "
+                      f"expected qo_len <= kv_len (its queries are the last positions of its sequence)")
 
 
 @dataclass

@@ -188,3 +188,26 @@ def test_sinks_for_a_spec_without_sinks_are_refused_on_both_paths(use):
     with pytest.raises(ValueError, match=r"sinks: given, but spec.sinks=False"):
         cascade_attention(spec, b.q, b.kv_cache, b.levels, sinks=torch.zeros(8), use_cascade=use,
                           attention=reference.paged_attention)
+
+
+def test_validate_refuses_a_request_with_more_queries_than_keys():
+    """validate=True let a request bring more queries than its whole sequence has keys (an empty prefix and
+    an empty suffix, one query): the cascade returned zeros for it; the plain call refuses such a batch."""
+    spec = AttentionSpec(8, 2, 32, page_size=4)
+    b = random_cascade_batch(spec, [13], [3], [5, 0, 9], [1, 1, 2], seed=2)
+    l0, l1 = b.levels
+    levels = [CascadeLevel(l0.block_table, torch.zeros(1, dtype=torch.int32), l0.query_start_loc), l1]
+    with pytest.raises(ValueError, match=r"request 1 has qo_len=1 queries but 0 keys"):
+        cascade_attention(spec, b.q, b.kv_cache, levels, validate=True, use_cascade=True,
+                          attention=reference.paged_attention)
+    # at most as many queries as keys, and requests with no query, pass; one query more does not
+    zero = torch.zeros(1, dtype=torch.int32)
+    for qsl, ok in (([0, 5, 5, 11], True), ([0, 6, 6, 11], False)):
+        loc = torch.tensor(qsl, dtype=torch.int32)
+        levels = [CascadeLevel(l0.block_table, zero, torch.tensor([0, 11], dtype=torch.int32)),
+                  CascadeLevel(l1.block_table, l1.kv_lens, loc)]
+        if ok:
+            check_level_values(spec, levels, 11, b.kv_cache.shape[0])
+        else:
+            with pytest.raises(ValueError, match=r"request 0 has qo_len=6 queries but 5 keys"):
+                check_level_values(spec, levels, 11, b.kv_cache.shape[0])
