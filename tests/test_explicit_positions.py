@@ -100,3 +100,21 @@ def test_positions_given_to_an_implicit_spec_are_refused():
     batch = random_paged_batch(spec, [2], [9], seed=5)
     with pytest.raises(ValueError, match=r"query_positions: given, but the spec has query_positions='implicit'"):
         reference.paged_attention(spec, *batch.args(), **batch.kwargs(), query_positions=torch.zeros(2, dtype=torch.int32))
+
+
+def test_functor_batch_past_a_batch_indexed_param_is_refused():
+    """The hooks read params indexed by batch at functor_batch[t], whose size the explicit spec leaves free
+    (a cascade's requests, not this call's sequences): an entry past it was an IndexError in the reference
+    and an out-of-bounds read in the kernel (validate=True); now a ValueError naming the entry and param."""
+    spec = AttentionSpec(4, 1, 32, variant=variant.prefix_lm_mask(), causal=False, query_positions="explicit")
+    batch = random_paged_batch(spec, [3, 1, 5], [9, 20, 5], seed=3)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    kw = dict(query_positions=i32(list(range(9))), position_offset=i32([0, 0, 0]))
+    prefix_len = {"prefix_len": i32([3, 7, 0])}
+    with pytest.raises(ValueError, match=r"functor_batch\[3\]=5: the hooks read params\['prefix_len'\] .*size 3"):
+        reference.paged_attention(spec, *batch.args(), params=prefix_len, functor_batch=i32([0, 0, 0, 5, 1, 1, 1, 1, 1]),
+                                  **kw)
+    with pytest.raises(ValueError, match=r"functor_batch\[0\]=0: .*size 0"):
+        reference.paged_attention(spec, *batch.args(), params={"prefix_len": i32([])}, functor_batch=i32([0] * 9), **kw)
+    # in range (one param entry for every query's hook batch, fewer than the call's sequences): fine
+    reference.paged_attention(spec, *batch.args(), params={"prefix_len": i32([4])}, functor_batch=i32([0] * 9), **kw)
