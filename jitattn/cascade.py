@@ -167,6 +167,12 @@ class CascadePlan:
     query_positions: torch.Tensor  # (num_states * total_q,)
     functor_batch: torch.Tensor    # (num_states * total_q,)
     position_offset: torch.Tensor  # (pseudo_batch,)
+    layout: tuple = ()             # _layout(spec, levels) it was made for (checked when it is run)
+
+
+def _layout(spec: AttentionSpec, levels: Sequence[CascadeLevel]) -> tuple:
+    """What a plan depends on that a call can check without a device sync: the page size and the levels' shapes."""
+    return (spec.page_size, tuple((tuple(lv.block_table.shape), lv.query_start_loc.shape[0]) for lv in levels))
 
 
 def _segment_of(qsl: torch.Tensor, total_q: int) -> torch.Tensor:
@@ -242,7 +248,8 @@ def plan_cascade(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: i
     as32 = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
     return CascadePlan(num_states=state, block_table=as32(torch.cat(tables)), seq_lens=as32(torch.cat(kv_lens)),
                        query_start_loc=as32(torch.cat(qsls)), query_positions=as32(torch.cat(positions)),
-                       functor_batch=as32(torch.cat(hook_batch)), position_offset=as32(torch.cat(offsets)))
+                       functor_batch=as32(torch.cat(hook_batch)), position_offset=as32(torch.cat(offsets)),
+                       layout=_layout(spec, levels))
 
 
 def _fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,7 +292,9 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tens
         chunks: per-level chunk counts (default: :func:`plan_cascade`'s).
         plan: the batch's :func:`plan_cascade` layout, made once ahead (as FlashInfer's ``plan``): the
             call then only copies q per state, launches the prefill kernel and merges (planning is
-            some forty small torch operations). Given, the cascade runs (``use_cascade`` is ignored).
+            some forty small torch operations). Given, the cascade runs (``use_cascade`` and ``chunks``
+            are ignored). A plan whose page size or level shapes differ from the call's is refused; one
+            made from other level values of the same shapes is not detected (its lengths are baked in).
         attention: the paged-attention function to run the passes with (default: the jit kernels,
             :func:`jitattn.paged_attention`; :func:`jitattn.reference.paged_attention` runs it in torch).
 
@@ -336,6 +345,9 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tens
     if plan is not None:
         if not isinstance(plan, CascadePlan):
             _fail(f"plan: expected a CascadePlan from plan_cascade, got {type(plan).__name__}")
+        if plan.layout and plan.layout != _layout(spec, levels):
+            _fail(f"plan: made for page_size and level shapes (block_table, query_start_loc) {plan.layout}, this call "
+                  f"has {_layout(spec, levels)}; plan this batch with plan_cascade(spec, levels, ...)")
         return _cascade(spec, q, kv_cache, plan, total_q, attention, return_lse, kw)
     forced_plain = use_cascade is False  # the rule's "no" below falls back to the cascade on a mid-page level
     if use_cascade is None:  # from shapes only (no host read): the block tables' capacities

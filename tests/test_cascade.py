@@ -211,3 +211,19 @@ def test_validate_refuses_a_request_with_more_queries_than_keys():
         else:
             with pytest.raises(ValueError, match=r"request 0 has qo_len=6 queries but 5 keys"):
                 check_level_values(spec, levels, 11, b.kv_cache.shape[0])
+
+
+def test_a_plan_for_another_layout_is_refused():
+    """A plan bakes in the page size (chunk boundaries) and the levels' segment counts: one made for another
+    spec's page size or another batch ran silently (an error of 0.9 on this batch); now a ValueError."""
+    spec = AttentionSpec(8, 2, 32, page_size=4)
+    b = random_cascade_batch(spec, [40], [3], [5, 0, 9], [1, 1, 2], seed=2)
+    other = random_cascade_batch(spec, [40], [2], [5, 0], [2, 2], seed=2)  # total_q 4 too
+    for plan in (plan_cascade(AttentionSpec(8, 2, 32, page_size=8), b.levels, 4, num_sms=132, chunks=[3, 1]),
+                 plan_cascade(spec, other.levels, 4, num_sms=132)):
+        with pytest.raises(ValueError, match=r"plan: made for page_size and level shapes"):
+            cascade_attention(spec, b.q, b.kv_cache, b.levels, plan=plan, attention=reference.paged_attention)
+    want = reference.paged_attention(spec, *b.plain.args())
+    got = cascade_attention(spec, b.q, b.kv_cache, b.levels, plan=plan_cascade(spec, b.levels, 4, num_sms=132),
+                            attention=reference.paged_attention)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
