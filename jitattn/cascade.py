@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -218,8 +219,14 @@ def plan_cascade(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: i
             blocks = (math.ceil(total_q * spec.group_size / 64) + segments) * spec.num_kv_heads
             want = max(1, math.ceil(BLOCKS_PER_SM * num_sms / max(blocks, 1)))
             chunks.append(max(1, min(want, capacity // MIN_CHUNK_KEYS)))
-    if len(chunks) != len(levels) or any(int(c) < 1 for c in chunks):
-        _fail(f"chunks={list(chunks)!r}: expected one int >= 1 per level ({len(levels)})")
+    try:
+        counts = [operator.index(c) for c in chunks if not isinstance(c, bool)]
+    except TypeError:
+        counts = []
+    if isinstance(chunks, (str, bytes)) or len(counts) != len(chunks) or len(counts) != len(levels) or \
+            any(c < 1 for c in counts):
+        _fail(f"chunks={chunks!r}: expected one int >= 1 per level ({len(levels)})")
+    chunks = counts
     chunk_pages = [math.ceil(lv.block_table.shape[1] / c) for lv, c in zip(levels, chunks)]
     width = max(chunk_pages)
     tables, kv_lens, qsls, positions, offsets, hook_batch = [], [], [], [], [], []

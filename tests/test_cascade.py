@@ -227,3 +227,21 @@ def test_a_plan_for_another_layout_is_refused():
     got = cascade_attention(spec, b.q, b.kv_cache, b.levels, plan=plan_cascade(spec, b.levels, 4, num_sms=132),
                             attention=reference.paged_attention)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("chunks", [[1.5, 1], "21", [True, 1], [2, None], [2, 1, 1], [0, 1]])
+def test_bad_chunks_are_a_value_error(chunks):
+    """chunks that are not one int >= 1 per level: a float or a string was a TypeError from deep inside
+    plan_cascade (torch.zeros / a division), a bool was read as 1; now the documented ValueError."""
+    spec = AttentionSpec(8, 2, 32, page_size=4)
+    b = random_cascade_batch(spec, [40], [3], [5, 0, 9], [1, 1, 2], seed=2)
+    with pytest.raises(ValueError, match=r"chunks=.*: expected one int >= 1 per level \(2\)"):
+        cascade_attention(spec, b.q, b.kv_cache, b.levels, chunks=chunks, use_cascade=True,
+                          attention=reference.paged_attention)
+    import numpy as np
+    want = cascade_attention(spec, b.q, b.kv_cache, b.levels, chunks=[3, 1], use_cascade=True,
+                             attention=reference.paged_attention)
+    for ok in (np.array([3, 1]), torch.tensor([3, 1]), (3, 1)):
+        got = cascade_attention(spec, b.q, b.kv_cache, b.levels, chunks=ok, use_cascade=True,
+                                attention=reference.paged_attention)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
