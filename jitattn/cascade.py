@@ -290,12 +290,17 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tens
         sinks, alibi_slopes, params, k_scale, v_scale: as :func:`jitattn.paged_attention`; ``params``
             indexed by batch are indexed by the request (the last level's segment).
         return_lse: also return the natural-log lse, float32 ``(total_q, num_qo_heads)``.
-        use_cascade: None (default): :func:`cascade_pays` decides from the batch's shape (R = the
-            last level's segments, P = the first level's keys per segment, s = the last level's); a
+        use_cascade: None (default): :func:`cascade_pays` decides from the batch's shapes, with no
+            host read (R = the last level's segments, P = the shared levels' block-table capacity in
+            keys, ``sum(block_table.shape[1]) * page_size``, s = the last level's capacity: a table
+            much wider than its segments' keys overstates them); a
             batch the plain call cannot express (a shared level that ends mid-page) always runs the
             cascade. True: always the cascade. False: the plain paged call on the concatenated block
             tables (ValueError when a shared level ends mid-page).
-        validate: check the levels' values on the host first (a device sync).
+        validate: check the levels' values on the host first (a device sync):
+            :func:`check_level_values`. Without it only the levels' types, dtypes, devices and shapes
+            are checked; bad values (start locations, lengths past a table, segments that do not
+            nest, a request with more queries than keys) give an undefined result.
         chunks: per-level chunk counts (default: :func:`plan_cascade`'s).
         plan: the batch's :func:`plan_cascade` layout, made once ahead (as FlashInfer's ``plan``): the
             call then only copies q per state, launches the prefill kernel and merges (planning is
@@ -310,8 +315,9 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tens
 
     Raises:
         ValueError: a spec the split cannot preserve (explicit positions already, ragged K/V, no softmax,
-            an output hook, a CUDA-string hook reading ``qo_len`` / ``kv_len``), or bad levels (before any
-            launch).
+            an output hook, a CUDA-string hook reading ``qo_len`` / ``kv_len``), bad levels (their
+            shapes always; their values with ``validate=True``), bad ``chunks``, a ``plan`` for another
+            layout, or an argument the plain call refuses (before any launch).
     """
     check_spec(spec, "cascade_attention(spec, q, kv_cache, levels, ...)")
     if spec.ragged or spec.explicit_positions:
