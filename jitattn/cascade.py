@@ -391,7 +391,7 @@ def plain_metadata(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q:
     rows, lens = [], []
     for lv in levels:
         seg = _segment_of(lv.query_start_loc, total_q)[first_tok] if total_q else \
-            torch.zeros(0, dtype=torch.long, device=dev)
+            torch.zeros(len(first_tok), dtype=torch.long, device=dev)  # no queries: any segment (one per request)
         seg = seg.clamp(min=0, max=lv.kv_lens.shape[0] - 1)
         rows.append(lv.block_table[seg])
         lens.append(lv.kv_lens[seg].long())

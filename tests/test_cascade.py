@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from jitattn import reference, variant
-from jitattn.cascade import CascadeLevel, cascade_attention, cascade_pays, check_level_values, plan_cascade
+from jitattn.cascade import (CascadeLevel, cascade_attention, cascade_pays, check_level_values, plain_metadata,
+                             plan_cascade)
 from jitattn.spec import AttentionSpec
 from jitattn.testing import random_cascade_batch
 
@@ -245,3 +246,18 @@ def test_bad_chunks_are_a_value_error(chunks):
         got = cascade_attention(spec, b.q, b.kv_cache, b.levels, chunks=ok, use_cascade=True,
                                 attention=reference.paged_attention)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("use", [None, False])
+def test_the_plain_path_with_no_queries(use):
+    """total_q = 0 on the plain path (page-aligned levels, or a single level): plain_metadata built 0 rows
+    for the R requests (a RuntimeError in gather, or the plain call's seq_lens shape error)."""
+    spec = AttentionSpec(8, 2, 32, page_size=4)
+    b = random_cascade_batch(spec, [8], [3], [5, 0, 9], [0, 0, 0], seed=2)
+    table, seq_lens, qsl = plain_metadata(spec, b.levels, 0)
+    assert table.shape[0] == seq_lens.shape[0] == 3 and qsl.tolist() == [0, 0, 0, 0]
+    out, lse = cascade_attention(spec, b.q, b.kv_cache, b.levels, use_cascade=use, return_lse=True,
+                                 attention=reference.paged_attention)
+    assert out.shape == (0, 8, 32) and lse.shape == (0, 8)
+    one = CascadeLevel(b.plain.block_table, b.plain.seq_lens, b.plain.query_start_loc)
+    assert cascade_attention(spec, b.q, b.plain.kv_cache, [one], attention=reference.paged_attention).shape == (0, 8, 32)
