@@ -118,3 +118,23 @@ def test_functor_batch_past_a_batch_indexed_param_is_refused():
         reference.paged_attention(spec, *batch.args(), params={"prefix_len": i32([])}, functor_batch=i32([0] * 9), **kw)
     # in range (one param entry for every query's hook batch, fewer than the call's sequences): fine
     reference.paged_attention(spec, *batch.args(), params={"prefix_len": i32([4])}, functor_batch=i32([0] * 9), **kw)
+
+
+@pytest.mark.parametrize("name", ["sdpa", "reference"])
+def test_backends_that_cannot_take_positions_refuse_an_explicit_spec(name):
+    """Only the jit backend's call takes query_positions / functor_batch / position_offset: the sdpa backend
+    served an explicit spec (selected on the CPU by jitattn.ops.paged_attention) with each sequence's queries
+    at its last positions, a silent wrong answer; now every other backend gives the reason."""
+    from jitattn import ops
+    from jitattn.backends import get_backend
+    from jitattn.selector import NoBackendError
+
+    spec = AttentionSpec(4, 2, 32, query_positions="explicit")
+    batch = random_paged_batch(spec, [2, 3], [9, 6], seed=5)
+    reasons = get_backend(name).reasons(spec, "cpu")
+    assert any("explicit query positions (query_positions='explicit') not supported" in r for r in reasons)
+    with pytest.raises(ValueError, match=r"explicit query positions"):
+        get_backend(name).build(spec, "cpu")
+    with pytest.raises(NoBackendError, match=r"explicit query positions"):
+        ops.paged_attention(spec, *batch.args())
+    assert not get_backend("jit")._position_reasons(spec)
