@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 import math
 import operator
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -329,8 +330,8 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tens
     if v is not None and "output_transform" in v.cuda:
         _fail(f"spec.variant={v.name!r} has an output_transform: it applies to the finished output, which a "
               f"cascade only has after the merge; run the plain paged_attention")
-    if v is not None and any(isinstance(v.cuda.get(h), str) and any(w in v.cuda[h] for w in ("qo_len", "kv_len"))
-                             for h in v.cuda):
+    if v is not None and any(isinstance(v.cuda.get(h), str) and re.search(r"\b(qo_len|kv_len)\b", v.cuda[h])
+                             for h in v.cuda):  # the names, not a parameter such as max_kv_len
         _fail(f"spec.variant={v.name!r}: a CUDA hook reads qo_len / kv_len, which a cascade level does not know "
               f"for the whole request; write it with positions only, or run the plain paged_attention")
     check_flag("return_lse", return_lse)

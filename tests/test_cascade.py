@@ -261,3 +261,24 @@ def test_the_plain_path_with_no_queries(use):
     assert out.shape == (0, 8, 32) and lse.shape == (0, 8)
     one = CascadeLevel(b.plain.block_table, b.plain.seq_lens, b.plain.query_start_loc)
     assert cascade_attention(spec, b.q, b.plain.kv_cache, [one], attention=reference.paged_attention).shape == (0, 8, 32)
+
+
+def test_a_cuda_hook_with_a_parameter_named_like_kv_len_is_served():
+    """The refusal of CUDA-string hooks reading qo_len / kv_len matched substrings: a parameter named
+    max_kv_len made the cascade refuse a hook that reads no length. Whole names only; kv_len itself is
+    still refused."""
+    from jitattn.variant import Param, Variant
+
+    ref = lambda score, batch, qo_head, qo_idx, kv_idx, params: torch.clamp(score, max=params.max_kv_len)  # noqa: E731
+    v = Variant("capped", logits_transform="logits < max_kv_len ? logits : max_kv_len",
+                params=(Param("max_kv_len", "float32"),), reference_transform=ref)
+    spec = AttentionSpec(8, 2, 32, page_size=4, variant=v)
+    b = random_cascade_batch(spec, [13], [3], [5, 0, 9], [1, 1, 2], seed=2, params={"max_kv_len": 0.5})
+    want = reference.paged_attention(spec, *b.plain.args(), **b.plain.kwargs())
+    got = cascade_attention(spec, b.q, b.kv_cache, b.levels, params={"max_kv_len": 0.5},
+                            attention=reference.paged_attention)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    reads = Variant("reads", logits_transform="logits - kv_len", reference_transform=ref)
+    with pytest.raises(ValueError, match=r"a CUDA hook reads qo_len / kv_len"):
+        cascade_attention(AttentionSpec(8, 2, 32, page_size=4, variant=reads), b.q, b.kv_cache, b.levels,
+                          attention=reference.paged_attention)
