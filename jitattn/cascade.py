@@ -22,13 +22,16 @@ choose between the cascade and the plain paged call when ``use_cascade`` is left
 
 from __future__ import annotations
 
+import bisect
 import math
+import operator
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from jitattn.checks import _check_tensor, _fail, check_flag, check_params, check_scales, check_spec
+from jitattn.checks import _check_tensor, _check_vector, _fail, check_flag, check_params, check_scales, check_spec
 from jitattn.spec import AttentionSpec
 
 #: Keys per chunk of a shared level at least (shorter chunks cost more in merging than they gain).
@@ -110,7 +113,7 @@ def _check_levels(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: 
 def check_level_values(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: int, num_pages: int) -> None:
     """Host checks of the levels' values (a device sync): start locations from 0 to ``total_q``, never
     decreasing; every level's boundaries among the next level's; lengths >= 0 and within each block
-    table row; page ids of the used pages inside the cache.
+    table row; page ids of the used pages inside the cache; no request with more queries than keys.
 
     Raises:
         ValueError: the first problem, naming the level, the tensor and the entry.
@@ -139,6 +142,16 @@ def check_level_values(spec: AttentionSpec, levels: Sequence[CascadeLevel], tota
                 _fail(f"levels[{i}].block_table[{j}]: page ids must be in [0, {num_pages}), got {used.tolist()}")
     if levels and levels[-1].query_start_loc.shape[0] - 1 < 1:
         _fail("levels[-1]: the last level's segments are the requests; expected at least one")
+    # each request's queries are the last positions of its whole sequence (every level's segment): as the
+    # plain call, a request may not bring more queries than it has keys
+    req = levels[-1].query_start_loc.tolist() if levels else []
+    lens = [(lv.query_start_loc.tolist(), lv.kv_lens.tolist()) for lv in levels]
+    for r, (a, b) in enumerate(zip(req, req[1:])):
+        if b > a:
+            kv = sum(n[bisect.bisect_right(s, a) - 1] for s, n in lens)
+            if b - a > kv:
+                _fail(f"levels: request {r} has qo_len={b - a} queries but {kv} keys over all levels; "
+                      f"expected qo_len <= kv_len (its queries are the last positions of its sequence)")
 
 
 @dataclass
@@ -156,6 +169,12 @@ class CascadePlan:
     query_positions: torch.Tensor  # (num_states * total_q,)
     functor_batch: torch.Tensor    # (num_states * total_q,)
     position_offset: torch.Tensor  # (pseudo_batch,)
+    layout: tuple = ()             # _layout(spec, levels) it was made for (checked when it is run)
+
+
+def _layout(spec: AttentionSpec, levels: Sequence[CascadeLevel]) -> tuple:
+    """What a plan depends on that a call can check without a device sync: the page size and the levels' shapes."""
+    return (spec.page_size, tuple((tuple(lv.block_table.shape), lv.query_start_loc.shape[0]) for lv in levels))
 
 
 def _segment_of(qsl: torch.Tensor, total_q: int) -> torch.Tensor:
@@ -201,8 +220,14 @@ def plan_cascade(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: i
             blocks = (math.ceil(total_q * spec.group_size / 64) + segments) * spec.num_kv_heads
             want = max(1, math.ceil(BLOCKS_PER_SM * num_sms / max(blocks, 1)))
             chunks.append(max(1, min(want, capacity // MIN_CHUNK_KEYS)))
-    if len(chunks) != len(levels) or any(int(c) < 1 for c in chunks):
-        _fail(f"chunks={list(chunks)!r}: expected one int >= 1 per level ({len(levels)})")
+    try:
+        counts = [operator.index(c) for c in chunks if not isinstance(c, bool)]
+    except TypeError:
+        counts = []
+    if isinstance(chunks, (str, bytes)) or len(counts) != len(chunks) or len(counts) != len(levels) or \
+            any(c < 1 for c in counts):
+        _fail(f"chunks={chunks!r}: expected one int >= 1 per level ({len(levels)})")
+    chunks = counts
     chunk_pages = [math.ceil(lv.block_table.shape[1] / c) for lv, c in zip(levels, chunks)]
     width = max(chunk_pages)
     tables, kv_lens, qsls, positions, offsets, hook_batch = [], [], [], [], [], []
@@ -231,7 +256,8 @@ def plan_cascade(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: i
     as32 = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
     return CascadePlan(num_states=state, block_table=as32(torch.cat(tables)), seq_lens=as32(torch.cat(kv_lens)),
                        query_start_loc=as32(torch.cat(qsls)), query_positions=as32(torch.cat(positions)),
-                       functor_batch=as32(torch.cat(hook_batch)), position_offset=as32(torch.cat(offsets)))
+                       functor_batch=as32(torch.cat(hook_batch)), position_offset=as32(torch.cat(offsets)),
+                       layout=_layout(spec, levels))
 
 
 def _fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,11 +296,16 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tens
             cannot express (a shared level that ends mid-page) always runs the cascade. True: always
             the cascade. False: the plain paged call on the concatenated block tables (ValueError when
             a shared level ends mid-page).
-        validate: check the levels' values on the host first (a device sync).
+        validate: check the levels' values on the host first (a device sync):
+            :func:`check_level_values`. Without it only the levels' types, dtypes, devices and shapes
+            are checked; bad values (start locations, lengths past a table, segments that do not
+            nest, a request with more queries than keys) give an undefined result.
         chunks: per-level chunk counts (default: :func:`plan_cascade`'s).
         plan: the batch's :func:`plan_cascade` layout, made once ahead (as FlashInfer's ``plan``): the
             call then only copies q per state, launches the prefill kernel and merges (planning is
-            some forty small torch operations). Given, the cascade runs (``use_cascade`` is ignored).
+            some forty small torch operations). Given, the cascade runs (``use_cascade`` and ``chunks``
+            are ignored). A plan whose page size or level shapes differ from the call's is refused; one
+            made from other level values of the same shapes is not detected (its lengths are baked in).
         attention: the paged-attention function to run the passes with (default: the jit kernels,
             :func:`jitattn.paged_attention`; :func:`jitattn.reference.paged_attention` runs it in torch).
 
@@ -283,8 +314,9 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tens
 
     Raises:
         ValueError: a spec the split cannot preserve (explicit positions already, ragged K/V, no softmax,
-            an output hook, a CUDA-string hook reading ``qo_len`` / ``kv_len``), or bad levels (before any
-            launch).
+            an output hook, a CUDA-string hook reading ``qo_len`` / ``kv_len``), bad levels (their
+            shapes always; their values with ``validate=True``), bad ``chunks``, a ``plan`` for another
+            layout, or an argument the plain call refuses (before any launch).
     """
     check_spec(spec, "cascade_attention(spec, q, kv_cache, levels, ...)")
     if spec.ragged or spec.explicit_positions:
@@ -296,8 +328,8 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tens
     if v is not None and "output_transform" in v.cuda:
         _fail(f"spec.variant={v.name!r} has an output_transform: it applies to the finished output, which a "
               f"cascade only has after the merge; run the plain paged_attention")
-    if v is not None and any(isinstance(v.cuda.get(h), str) and any(w in v.cuda[h] for w in ("qo_len", "kv_len"))
-                             for h in v.cuda):
+    if v is not None and any(isinstance(v.cuda.get(h), str) and re.search(r"\b(qo_len|kv_len)\b", v.cuda[h])
+                             for h in v.cuda):  # the names, not a parameter such as max_kv_len
         _fail(f"spec.variant={v.name!r}: a CUDA hook reads qo_len / kv_len, which a cascade level does not know "
               f"for the whole request; write it with positions only, or run the plain paged_attention")
     check_flag("return_lse", return_lse)
@@ -316,8 +348,8 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tens
     check_scales(spec, k_scale, v_scale)
     if attention is None:
         from jitattn.runtime import paged_attention as attention
-    if spec.sinks and sinks is None:
-        _fail("sinks: the spec has sinks=True, so a float32 (num_qo_heads,) tensor is required")
+    # sinks are folded in after the merge (the passes get -inf ones): check them here, as the plain call does
+    _check_vector("sinks", sinks, spec.sinks, spec.num_qo_heads, q.device, "spec.sinks")
     shared = levels[:-1]
     num_requests = levels[-1].query_start_loc.shape[0] - 1
     check_params(spec, dict(params or {}), batch=num_requests, total_q=total_q, device=q.device)
@@ -325,13 +357,17 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tens
     if plan is not None:
         if not isinstance(plan, CascadePlan):
             _fail(f"plan: expected a CascadePlan from plan_cascade, got {type(plan).__name__}")
+        if plan.layout and plan.layout != _layout(spec, levels):
+            _fail(f"plan: made for page_size and level shapes (block_table, query_start_loc) {plan.layout}, this call "
+                  f"has {_layout(spec, levels)}; plan this batch with plan_cascade(spec, levels, ...)")
         return _cascade(spec, q, kv_cache, plan, total_q, attention, return_lse, kw)
+    forced_plain = use_cascade is False  # the rule's "no" below falls back to the cascade on a mid-page level
     if use_cascade is None:
         use_cascade = bool(shared) and cascade_pays(*rule_shape(spec, levels, total_q))
     if not use_cascade or not shared:
         # whether every shared segment fills whole pages is a value (a host read, only on this path)
         aligned = all(bool((lv.kv_lens % spec.page_size == 0).all()) for lv in shared)
-        if not aligned and use_cascade is False and shared:
+        if not aligned and forced_plain and shared:
             _fail("use_cascade=False: a shared level ends mid-page (a kv_lens entry not a multiple of page_size="
                   f"{spec.page_size}), so the requests' keys are not one page list each; use the cascade")
         if aligned:
@@ -352,7 +388,7 @@ def plain_metadata(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q:
     rows, lens = [], []
     for lv in levels:
         seg = _segment_of(lv.query_start_loc, total_q)[first_tok] if total_q else \
-            torch.zeros(0, dtype=torch.long, device=dev)
+            torch.zeros(len(first_tok), dtype=torch.long, device=dev)  # no queries: any segment (one per request)
         seg = seg.clamp(min=0, max=lv.kv_lens.shape[0] - 1)
         rows.append(lv.block_table[seg])
         lens.append(lv.kv_lens[seg].long())

@@ -293,17 +293,31 @@ def check_positions(spec: AttentionSpec, query_positions: Any, functor_batch: An
             _fail(f"{name}: must be contiguous")
 
 
-def check_position_values(query_positions: torch.Tensor, functor_batch: torch.Tensor) -> None:
-    """Host check of explicit positions (a device sync): the hook batches must be >= 0. (A position may
-    be negative: a query before the sequence's first key, which a causal spec shows no key.)
+def check_position_values(query_positions: torch.Tensor, functor_batch: torch.Tensor, spec: AttentionSpec | None = None,
+                          params: Mapping[str, Any] | None = None) -> None:
+    """Host check of explicit positions (a device sync): the hook batches must be >= 0, and (given the spec
+    and params) below the size of every parameter the variant indexes by batch, which the hooks read at
+    ``functor_batch[t]``. (A position may be negative: a query before the sequence's first key, which a
+    causal spec shows no key.)
 
     Raises:
-        ValueError: the first negative ``functor_batch`` entry, named with its index.
+        ValueError: the first ``functor_batch`` entry out of range, named with its index.
     """
     for name, t in (("functor_batch", functor_batch),):
         if t.numel() and int(t.min()) < 0:
             i = int((t < 0).nonzero()[0, 0])
             _fail(f"{name}[{i}]={int(t[i])}: expected a value >= 0")
+    if spec is None or not functor_batch.numel():
+        return
+    for p in spec.params:
+        value = (params or {}).get(p.name)
+        if p.is_scalar or not isinstance(value, torch.Tensor) or "batch" not in p.shape:
+            continue
+        d = p.shape.index("batch")
+        if int(functor_batch.max()) >= value.shape[d]:
+            i = int((functor_batch >= value.shape[d]).nonzero()[0, 0])
+            _fail(f"functor_batch[{i}]={int(functor_batch[i])}: the hooks read params[{p.name!r}] (dim {d}: batch, "
+                  f"size {value.shape[d]}) at it; expected a value < {value.shape[d]}")
 
 
 def check_flag(name: str, value: Any) -> bool:

@@ -245,7 +245,8 @@ def collect_targets(models: list[Path], spec_args: list[str], *, dtype: str | No
 
     Each model also needs the ``merge_state`` module of each of its output dtypes (after its specs).
     With ``cascade``, every paged spec's explicit-position twin too (the module cascade attention's
-    passes run, :mod:`jitattn.cascade`), after the spec itself.
+    passes run, :mod:`jitattn.cascade`) and the ``merge_state`` module of its output dtype (which merges
+    the passes' states), after the spec itself.
     """
     from jitattn.models import load_model_config
 
@@ -255,6 +256,7 @@ def collect_targets(models: list[Path], spec_args: list[str], *, dtype: str | No
         targets.setdefault(spec, Target(spec, [])).sources.append(source)
         if cascade and isinstance(spec, AttentionSpec) and spec.has_decode:
             add(spec.replace(query_positions="explicit"), f"{source} (cascade)")
+            add(MergeModule(spec.o_dtype), f"{source} (cascade merge)")  # the cascade merges its levels' states
 
     for path in models:
         model = load_model_config(path, dtype=dtype, kv_layout=kv_layout, page_size=page_size, kv_dtype=kv_dtype)

@@ -182,7 +182,7 @@ def paged_attention(
             queries or more than its ``block_table`` row holds; a page id outside ``[0, num_pages)``;
             a ``k_scale`` / ``v_scale`` that is not a positive finite float, or not 1.0 for a 16-bit
             cache (only an FP8 cache is scaled); ``return_lse`` with a
-            softmax-free variant.
+            softmax-free variant; a ``functor_batch`` entry < 0 or past a parameter indexed by batch.
         NotImplementedError: a variant functor without its torch reference.
     """
     check_spec(spec, "reference.paged_attention(spec, q, kv_cache, block_table, seq_lens, query_start_loc, ...)")
@@ -196,7 +196,7 @@ def paged_attention(
     check_metadata_values(spec, seq_lens, query_start_loc, block_table, call.num_pages, call.total_q)
     explicit = None
     if spec.explicit_positions:
-        check_position_values(query_positions, functor_batch)
+        check_position_values(query_positions, functor_batch, spec, params)
         explicit = (query_positions.tolist(), functor_batch.tolist(), position_offset.tolist())
     k_scale, v_scale = check_scales(spec, k_scale, v_scale)
     return _attention(spec, q, query_start_loc, seq_lens.tolist(),

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from jitattn import reference, variant
-from jitattn.cascade import (CascadeLevel, cascade_attention, cascade_pays, check_level_values, plan_cascade,
-                             rule_shape)
+from jitattn.cascade import (CascadeLevel, cascade_attention, cascade_pays, check_level_values, plain_metadata,
+                             plan_cascade, rule_shape)
 from jitattn.spec import AttentionSpec
 from jitattn.testing import random_cascade_batch
 
@@ -176,3 +176,118 @@ def test_check_level_values_catches_a_page_outside_the_cache():
     levels = [b.levels[0], CascadeLevel(bad, b.levels[1].kv_lens, b.levels[1].query_start_loc)]
     with pytest.raises(ValueError, match=r"levels\[1\].block_table\[2\]: page ids must be in"):
         check_level_values(spec, levels, 3, b.kv_cache.shape[0])
+
+
+def test_the_rule_saying_no_runs_the_cascade_for_a_mid_page_prefix():
+    """use_cascade=None on a batch the rule does not take (3 requests) whose prefix ends mid-page: the plain
+    call cannot express it, so the cascade runs (as documented), not the use_cascade=False error."""
+    spec = AttentionSpec(8, 2, 32, page_size=4)
+    b = random_cascade_batch(spec, [13], [3], [5, 0, 9], [1, 1, 2], seed=5)
+    assert not cascade_pays(3, 16, 12)
+    want = reference.paged_attention(spec, *b.plain.args())
+    got = cascade_attention(spec, b.q, b.kv_cache, b.levels, attention=reference.paged_attention)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("use", [True, False])
+def test_sinks_for_a_spec_without_sinks_are_refused_on_both_paths(use):
+    """The cascade passes run with -inf sinks and fold the real ones in after the merge only when spec.sinks:
+    sinks given to a spec without them were dropped silently on the cascade path (the plain path refuses)."""
+    spec = AttentionSpec(8, 2, 32, page_size=4)
+    b = random_cascade_batch(spec, [12], [3], [5, 0, 9], [1, 1, 2], seed=2)
+    with pytest.raises(ValueError, match=r"sinks: given, but spec.sinks=False"):
+        cascade_attention(spec, b.q, b.kv_cache, b.levels, sinks=torch.zeros(8), use_cascade=use,
+                          attention=reference.paged_attention)
+
+
+def test_validate_refuses_a_request_with_more_queries_than_keys():
+    """validate=True let a request bring more queries than its whole sequence has keys (an empty prefix and
+    an empty suffix, one query): the cascade returned zeros for it; the plain call refuses such a batch."""
+    spec = AttentionSpec(8, 2, 32, page_size=4)
+    b = random_cascade_batch(spec, [13], [3], [5, 0, 9], [1, 1, 2], seed=2)
+    l0, l1 = b.levels
+    levels = [CascadeLevel(l0.block_table, torch.zeros(1, dtype=torch.int32), l0.query_start_loc), l1]
+    with pytest.raises(ValueError, match=r"request 1 has qo_len=1 queries but 0 keys"):
+        cascade_attention(spec, b.q, b.kv_cache, levels, validate=True, use_cascade=True,
+                          attention=reference.paged_attention)
+    # at most as many queries as keys, and requests with no query, pass; one query more does not
+    zero = torch.zeros(1, dtype=torch.int32)
+    for qsl, ok in (([0, 5, 5, 11], True), ([0, 6, 6, 11], False)):
+        loc = torch.tensor(qsl, dtype=torch.int32)
+        levels = [CascadeLevel(l0.block_table, zero, torch.tensor([0, 11], dtype=torch.int32)),
+                  CascadeLevel(l1.block_table, l1.kv_lens, loc)]
+        if ok:
+            check_level_values(spec, levels, 11, b.kv_cache.shape[0])
+        else:
+            with pytest.raises(ValueError, match=r"request 0 has qo_len=6 queries but 5 keys"):
+                check_level_values(spec, levels, 11, b.kv_cache.shape[0])
+
+
+def test_a_plan_for_another_layout_is_refused():
+    """A plan bakes in the page size (chunk boundaries) and the levels' segment counts: one made for another
+    spec's page size or another batch ran silently (an error of 0.9 on this batch); now a ValueError."""
+    spec = AttentionSpec(8, 2, 32, page_size=4)
+    b = random_cascade_batch(spec, [40], [3], [5, 0, 9], [1, 1, 2], seed=2)
+    other = random_cascade_batch(spec, [40], [2], [5, 0], [2, 2], seed=2)  # total_q 4 too
+    for plan in (plan_cascade(AttentionSpec(8, 2, 32, page_size=8), b.levels, 4, num_sms=132, chunks=[3, 1]),
+                 plan_cascade(spec, other.levels, 4, num_sms=132)):
+        with pytest.raises(ValueError, match=r"plan: made for page_size and level shapes"):
+            cascade_attention(spec, b.q, b.kv_cache, b.levels, plan=plan, attention=reference.paged_attention)
+    want = reference.paged_attention(spec, *b.plain.args())
+    got = cascade_attention(spec, b.q, b.kv_cache, b.levels, plan=plan_cascade(spec, b.levels, 4, num_sms=132),
+                            attention=reference.paged_attention)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("chunks", [[1.5, 1], "21", [True, 1], [2, None], [2, 1, 1], [0, 1]])
+def test_bad_chunks_are_a_value_error(chunks):
+    """chunks that are not one int >= 1 per level: a float or a string was a TypeError from deep inside
+    plan_cascade (torch.zeros / a division), a bool was read as 1; now the documented ValueError."""
+    spec = AttentionSpec(8, 2, 32, page_size=4)
+    b = random_cascade_batch(spec, [40], [3], [5, 0, 9], [1, 1, 2], seed=2)
+    with pytest.raises(ValueError, match=r"chunks=.*: expected one int >= 1 per level \(2\)"):
+        cascade_attention(spec, b.q, b.kv_cache, b.levels, chunks=chunks, use_cascade=True,
+                          attention=reference.paged_attention)
+    import numpy as np
+    want = cascade_attention(spec, b.q, b.kv_cache, b.levels, chunks=[3, 1], use_cascade=True,
+                             attention=reference.paged_attention)
+    for ok in (np.array([3, 1]), torch.tensor([3, 1]), (3, 1)):
+        got = cascade_attention(spec, b.q, b.kv_cache, b.levels, chunks=ok, use_cascade=True,
+                                attention=reference.paged_attention)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("use", [None, False])
+def test_the_plain_path_with_no_queries(use):
+    """total_q = 0 on the plain path (page-aligned levels, or a single level): plain_metadata built 0 rows
+    for the R requests (a RuntimeError in gather, or the plain call's seq_lens shape error)."""
+    spec = AttentionSpec(8, 2, 32, page_size=4)
+    b = random_cascade_batch(spec, [8], [3], [5, 0, 9], [0, 0, 0], seed=2)
+    table, seq_lens, qsl = plain_metadata(spec, b.levels, 0)
+    assert table.shape[0] == seq_lens.shape[0] == 3 and qsl.tolist() == [0, 0, 0, 0]
+    out, lse = cascade_attention(spec, b.q, b.kv_cache, b.levels, use_cascade=use, return_lse=True,
+                                 attention=reference.paged_attention)
+    assert out.shape == (0, 8, 32) and lse.shape == (0, 8)
+    one = CascadeLevel(b.plain.block_table, b.plain.seq_lens, b.plain.query_start_loc)
+    assert cascade_attention(spec, b.q, b.plain.kv_cache, [one], attention=reference.paged_attention).shape == (0, 8, 32)
+
+
+def test_a_cuda_hook_with_a_parameter_named_like_kv_len_is_served():
+    """The refusal of CUDA-string hooks reading qo_len / kv_len matched substrings: a parameter named
+    max_kv_len made the cascade refuse a hook that reads no length. Whole names only; kv_len itself is
+    still refused."""
+    from jitattn.variant import Param, Variant
+
+    ref = lambda score, batch, qo_head, qo_idx, kv_idx, params: torch.clamp(score, max=params.max_kv_len)  # noqa: E731
+    v = Variant("capped", logits_transform="logits < max_kv_len ? logits : max_kv_len",
+                params=(Param("max_kv_len", "float32"),), reference_transform=ref)
+    spec = AttentionSpec(8, 2, 32, page_size=4, variant=v)
+    b = random_cascade_batch(spec, [13], [3], [5, 0, 9], [1, 1, 2], seed=2, params={"max_kv_len": 0.5})
+    want = reference.paged_attention(spec, *b.plain.args(), **b.plain.kwargs())
+    got = cascade_attention(spec, b.q, b.kv_cache, b.levels, params={"max_kv_len": 0.5},
+                            attention=reference.paged_attention)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    reads = Variant("reads", logits_transform="logits - kv_len", reference_transform=ref)
+    with pytest.raises(ValueError, match=r"a CUDA hook reads qo_len / kv_len"):
+        cascade_attention(AttentionSpec(8, 2, 32, page_size=4, variant=reads), b.q, b.kv_cache, b.levels,
+                          attention=reference.paged_attention)

@@ -71,6 +71,17 @@ def test_warmup_cascade_adds_each_paged_specs_explicit_position_twin(tmp_path):
     assert "gemma-2-9b/sliding_attention (cascade)" in proc.stdout
 
 
+def test_cascade_targets_include_the_merge_module_for_a_spec_alone():
+    """The cascade merges its passes' states with the merge_state kernel of spec.o_dtype: a --spec (no model,
+    whose merge module was the only one added) with --cascade left it out of warmup and cache export."""
+    from jitattn.cli import collect_targets
+    spec = AttentionSpec(8, 2, 64, q_dtype="float16")
+    targets = collect_targets([], [spec.canonical_json()], dtype=None, page_size=16, kv_layout="NHD", cascade=True)
+    assert [t.spec for t in targets] == [spec, spec.replace(query_positions="explicit"), MergeModule("float16")]
+    plain = collect_targets([], [spec.canonical_json()], dtype=None, page_size=16, kv_layout="NHD")
+    assert [t.spec for t in plain] == [spec]
+
+
 @pytest.mark.slow
 def test_warmup_default_archs_jobs_and_dedup(tmp_path):
     proc = jitattn("warmup", "-m", str(GEMMA), "-m", str(GEMMA), "--spec", SMALL.canonical_json(), "-j", "1",

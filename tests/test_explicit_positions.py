@@ -100,3 +100,41 @@ def test_positions_given_to_an_implicit_spec_are_refused():
     batch = random_paged_batch(spec, [2], [9], seed=5)
     with pytest.raises(ValueError, match=r"query_positions: given, but the spec has query_positions='implicit'"):
         reference.paged_attention(spec, *batch.args(), **batch.kwargs(), query_positions=torch.zeros(2, dtype=torch.int32))
+
+
+def test_functor_batch_past_a_batch_indexed_param_is_refused():
+    """The hooks read params indexed by batch at functor_batch[t], whose size the explicit spec leaves free
+    (a cascade's requests, not this call's sequences): an entry past it was an IndexError in the reference
+    and an out-of-bounds read in the kernel (validate=True); now a ValueError naming the entry and param."""
+    spec = AttentionSpec(4, 1, 32, variant=variant.prefix_lm_mask(), causal=False, query_positions="explicit")
+    batch = random_paged_batch(spec, [3, 1, 5], [9, 20, 5], seed=3)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    kw = dict(query_positions=i32(list(range(9))), position_offset=i32([0, 0, 0]))
+    prefix_len = {"prefix_len": i32([3, 7, 0])}
+    with pytest.raises(ValueError, match=r"functor_batch\[3\]=5: the hooks read params\['prefix_len'\] .*size 3"):
+        reference.paged_attention(spec, *batch.args(), params=prefix_len, functor_batch=i32([0, 0, 0, 5, 1, 1, 1, 1, 1]),
+                                  **kw)
+    with pytest.raises(ValueError, match=r"functor_batch\[0\]=0: .*size 0"):
+        reference.paged_attention(spec, *batch.args(), params={"prefix_len": i32([])}, functor_batch=i32([0] * 9), **kw)
+    # in range (one param entry for every query's hook batch, fewer than the call's sequences): fine
+    reference.paged_attention(spec, *batch.args(), params={"prefix_len": i32([4])}, functor_batch=i32([0] * 9), **kw)
+
+
+@pytest.mark.parametrize("name", ["sdpa", "reference"])
+def test_backends_that_cannot_take_positions_refuse_an_explicit_spec(name):
+    """Only the jit backend's call takes query_positions / functor_batch / position_offset: the sdpa backend
+    served an explicit spec (selected on the CPU by jitattn.ops.paged_attention) with each sequence's queries
+    at its last positions, a silent wrong answer; now every other backend gives the reason."""
+    from jitattn import ops
+    from jitattn.backends import get_backend
+    from jitattn.selector import NoBackendError
+
+    spec = AttentionSpec(4, 2, 32, query_positions="explicit")
+    batch = random_paged_batch(spec, [2, 3], [9, 6], seed=5)
+    reasons = get_backend(name).reasons(spec, "cpu")
+    assert any("explicit query positions (query_positions='explicit') not supported" in r for r in reasons)
+    with pytest.raises(ValueError, match=r"explicit query positions"):
+        get_backend(name).build(spec, "cpu")
+    with pytest.raises(NoBackendError, match=r"explicit query positions"):
+        ops.paged_attention(spec, *batch.args())
+    assert not get_backend("jit")._position_reasons(spec)

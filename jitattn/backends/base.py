@@ -202,6 +202,8 @@ class Backend(ABC):
             flex 60, sdpa 40, reference 0). A third-party backend picks its own.
         graph_safe: its calls can be captured in a CUDA graph.
         supports_lse: its calls can return the lse.
+        supports_explicit_positions: its paged calls take ``query_positions`` / ``functor_batch`` /
+            ``position_offset`` (a spec with ``query_positions="explicit"``); built-ins: jit only.
         description: one line for tables and docs.
     """
 
@@ -209,6 +211,7 @@ class Backend(ABC):
     priority: ClassVar[int] = 50
     graph_safe: ClassVar[bool] = False
     supports_lse: ClassVar[bool] = True
+    supports_explicit_positions: ClassVar[bool] = False
     description: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -230,7 +233,7 @@ class Backend(ABC):
 
             def refusal(judged: DeviceInfo) -> list[str]:
                 """The reasons, when no phase is served on ``judged`` (a backend may serve decode only)."""
-                refused = [self.spec_reasons(spec, judged, phase) for phase in PHASES]
+                refused = [self.spec_reasons(spec, judged, phase) + self._position_reasons(spec) for phase in PHASES]
                 return refused[PHASES.index("mixed")] if all(refused) else []
 
             reasons = refusal(device)
@@ -270,6 +273,7 @@ class Backend(ABC):
         device = DeviceInfo.parse(device)
         _check_phase(phase)
         out = list(self.spec_reasons(spec, device, phase))
+        out += self._position_reasons(spec)
         if requirements.need_lse and not self.supports_lse:
             out.append(f"{self.name}: cannot return the lse (return_lse=True)")
         if requirements.need_lse and spec.variant is not None and not spec.variant.softmax:
@@ -277,6 +281,14 @@ class Backend(ABC):
         if requirements.cuda_graph and not self.graph_safe:
             out.append(f"{self.name}: not CUDA-graph capturable (reads sequence lengths on the host each call)")
         return out
+
+    def _position_reasons(self, spec: AttentionSpec) -> list[str]:
+        """A spec with explicit query positions, for a backend whose call cannot take them."""
+        if spec.explicit_positions and not self.supports_explicit_positions:
+            return [f"{self.name}: explicit query positions (query_positions='explicit') not supported (its call "
+                    f"takes no query_positions / functor_batch / position_offset; it would place each sequence's "
+                    f"queries at its last positions)"]
+        return []
 
     def __repr__(self) -> str:
         return f"<jitattn backend {self.name!r} priority={self.priority}>"

@@ -25,6 +25,7 @@ class JitBackend(Backend):
     priority = 100
     graph_safe = True
     supports_lse = True
+    supports_explicit_positions = True
     description = "jitattn's specialised CUDA kernels (every spec feature; sm_80 and newer)"
 
     def spec_reasons(self, spec: AttentionSpec, device: DeviceInfo, phase: str) -> list[str]:
