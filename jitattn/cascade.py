@@ -193,8 +193,17 @@ def plan_cascade(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: i
     positions relative to the chunk's first key and that key's absolute position as the offset.
 
     Args:
+        spec: the (implicit-position) spec the cascade runs.
+        levels: the batch's :class:`CascadeLevel` list; total_q: rows of q.
+        num_sms: the GPU's SM count (the default chunk counts aim at :data:`BLOCKS_PER_SM` per SM).
         chunks: ``C_l`` per level (default: :data:`BLOCKS_PER_SM` blocks per SM for the shared levels,
             chunks of at least :data:`MIN_CHUNK_KEYS` keys; 1 for the last level).
+
+    Returns:
+        a :class:`CascadePlan` on the levels' device (int32 tensors; ``num_states * total_q`` query rows).
+
+    Raises:
+        ValueError: ``chunks`` that is not one int >= 1 per level.
     """
     dev = levels[0].kv_lens.device
     page = spec.page_size
