@@ -23,6 +23,7 @@ choose between the cascade and the plain paged call when ``use_cascade`` is left
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import operator
 import re
@@ -170,6 +171,14 @@ class CascadePlan:
     functor_batch: torch.Tensor    # (num_states * total_q,)
     position_offset: torch.Tensor  # (pseudo_batch,)
     layout: tuple = ()             # _layout(spec, levels) it was made for (checked when it is run)
+
+
+@functools.lru_cache(maxsize=256)
+def explicit_twin(spec: AttentionSpec) -> AttentionSpec:
+    """``spec.replace(query_positions="explicit")``, the spec a cascade's passes run, made once per spec
+    (building a spec costs tens of microseconds of validation and canonical JSON: a cascade call's host
+    time on the hot path)."""
+    return spec.replace(query_positions="explicit")
 
 
 def _layout(spec: AttentionSpec, levels: Sequence[CascadeLevel]) -> tuple:
@@ -450,7 +459,7 @@ def _cascade(spec, q, kv_cache, plan, total_q, attention, return_lse, kw):
     if plan.query_positions.shape[0] != plan.num_states * total_q:
         _fail(f"plan: made for {plan.query_positions.shape[0] // max(plan.num_states, 1)} query tokens, "
               f"q has {total_q}")
-    espec = spec.replace(query_positions="explicit")
+    espec = explicit_twin(spec)
     sinks = kw.pop("sinks")
     if spec.sinks:  # sinks join the denominator once: after the merge, not in every level
         kw["sinks"] = torch.full_like(sinks, -math.inf)
