@@ -150,6 +150,18 @@ def _random_source(spec: AttentionSpec, q_lens: Sequence[int], kv_lens: Sequence
     return randn, torch.Generator(device="cpu").manual_seed(seed)
 
 
+def _as_cache_dtype(spec: AttentionSpec, k: torch.Tensor, v: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """K and V in the spec's cache dtype, and the ``k_scale`` / ``v_scale`` keywords of the call: for an
+    FP8 cache, per-tensor scales so the largest |value| maps to e4m3's max, 448; else unchanged, no scales."""
+    if spec.kv_dtype != "float8_e4m3fn":
+        return k, v, {}
+    scales = {"k_scale": max(k.float().abs().max().item(), 1e-6) / 448.0,
+              "v_scale": max(v.float().abs().max().item(), 1e-6) / 448.0}
+    return ((k.float() / scales["k_scale"]).to(torch.float8_e4m3fn),
+            (v.float() / scales["v_scale"]).to(torch.float8_e4m3fn), scales)
+
+
 def random_paged_batch(spec: AttentionSpec, q_lens: Sequence[int], kv_lens: Sequence[int], *,
                        device: torch.device | str = "cpu", seed: int = 0, extra_pages: int = 3,
                        params: dict[str, Any] | None = None, scale: float = 1.0) -> PagedBatch:
@@ -169,12 +181,7 @@ def random_paged_batch(spec: AttentionSpec, q_lens: Sequence[int], kv_lens: Sequ
     q = randn(sum(q_lens), spec.num_qo_heads, spec.head_dim_qk)
     k = randn(sum(kv_lens), spec.num_kv_heads, spec.head_dim_qk)
     v = randn(sum(kv_lens), spec.num_kv_heads, spec.head_dim_vo)
-    scales: dict[str, float] = {}
-    if spec.kv_dtype == "float8_e4m3fn":  # per-tensor scales so the largest |value| maps to e4m3's max, 448
-        scales = {"k_scale": max(k.float().abs().max().item(), 1e-6) / 448.0,
-                  "v_scale": max(v.float().abs().max().item(), 1e-6) / 448.0}
-        k = (k.float() / scales["k_scale"]).to(torch.float8_e4m3fn)
-        v = (v.float() / scales["v_scale"]).to(torch.float8_e4m3fn)
+    k, v, scales = _as_cache_dtype(spec, k, v)
     kv_cache, block_table = make_paged_kv(k, v, kv_lens, spec, extra_pages=extra_pages, generator=cpu_gen)
     qsl = torch.tensor([0, *accumulate(q_lens)], dtype=torch.int32, device=device)
     sinks = (torch.randn(spec.num_qo_heads, generator=cpu_gen) + 1.0).to(device) if spec.sinks else None
@@ -307,16 +314,12 @@ def random_cascade_batch(spec: AttentionSpec, prefix_lens: Sequence[int], group_
     v_pre = [randn(n, spec.num_kv_heads, spec.head_dim_vo) for n in prefix_lens]
     k_suf = [randn(n, spec.num_kv_heads, spec.head_dim_qk) for n in suffix_lens]
     v_suf = [randn(n, spec.num_kv_heads, spec.head_dim_vo) for n in suffix_lens]
-    k_all, v_all = torch.cat(k_pre + k_suf), torch.cat(v_pre + v_suf)
-    scales: dict[str, float] = {}
-    if spec.kv_dtype == "float8_e4m3fn":
-        scales = {"k_scale": max(k_all.float().abs().max().item(), 1e-6) / 448.0,
-                  "v_scale": max(v_all.float().abs().max().item(), 1e-6) / 448.0}
-        q8 = lambda x, s: (x.float() / s).to(torch.float8_e4m3fn)  # noqa: E731
-        k_pre, k_suf = [q8(x, scales["k_scale"]) for x in k_pre], [q8(x, scales["k_scale"]) for x in k_suf]
-        v_pre, v_suf = [q8(x, scales["v_scale"]) for x in v_pre], [q8(x, scales["v_scale"]) for x in v_suf]
-        k_all, v_all = torch.cat(k_pre + k_suf), torch.cat(v_pre + v_suf)
-    cache, table = make_paged_kv(k_all, v_all, [*prefix_lens, *suffix_lens], spec, extra_pages=2, generator=cpu_gen)
+    k_all, v_all, scales = _as_cache_dtype(spec, torch.cat(k_pre + k_suf), torch.cat(v_pre + v_suf))
+    lens = [*prefix_lens, *suffix_lens]
+    k_parts, v_parts = k_all.split(lens), v_all.split(lens)  # back into segments, in the cache dtype
+    k_pre, k_suf = k_parts[: len(prefix_lens)], k_parts[len(prefix_lens):]
+    v_pre, v_suf = v_parts[: len(prefix_lens)], v_parts[len(prefix_lens):]
+    cache, table = make_paged_kv(k_all, v_all, lens, spec, extra_pages=2, generator=cpu_gen)
     table = table.to(device)
     i32 = lambda x: torch.tensor(list(x), dtype=torch.int32, device=device)  # noqa: E731
     qsl = i32([0, *accumulate(q_lens)])
