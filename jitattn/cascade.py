@@ -93,7 +93,8 @@ def cascade_pays(num_requests: int, prefix_len: int, suffix_len: float) -> bool:
     return r >= 8 and p >= 1000 and (p >= 4 * s or (r >= 32 and p >= 4096 and p >= 2 * s))
 
 
-def _check_levels(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: int, dev: torch.device) -> None:
+def _check_levels(levels: Sequence[CascadeLevel], dev: torch.device) -> None:
+    """Types, dtypes, devices and shapes of the levels (no host read)."""
     if not isinstance(levels, (list, tuple)) or len(levels) < 1 or not all(isinstance(v, CascadeLevel) for v in levels):
         _fail(f"levels: expected a non-empty list of CascadeLevel, got {levels!r:.120}")
     for i, lv in enumerate(levels):
@@ -190,6 +191,19 @@ def _segment_of(qsl: torch.Tensor, total_q: int) -> torch.Tensor:
     """Segment index of every query token (int64 ``(total_q,)``) from a level's start locations."""
     tokens = torch.arange(total_q, device=qsl.device, dtype=torch.int32)
     return torch.searchsorted(qsl, tokens, right=True).long() - 1
+
+
+def _request_segments(levels: Sequence[CascadeLevel], total_q: int) -> list[torch.Tensor]:
+    """Per level, the segment each request belongs to (int64 ``(num_requests,)``): the segment of its
+    first query token (segments nest); a request without queries (or no queries at all) gets one
+    clamped into range, which its (empty) rows never use."""
+    req_qsl = levels[-1].query_start_loc
+    first_tok = req_qsl[:-1].long().clamp(max=max(total_q - 1, 0))
+    out = []
+    for lv in levels:
+        seg = _segment_of(lv.query_start_loc, total_q)[first_tok] if total_q else torch.zeros_like(first_tok)
+        out.append(seg.clamp(0, lv.kv_lens.shape[0] - 1))
+    return out
 
 
 def plan_cascade(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: int, *, num_sms: int,
@@ -358,7 +372,7 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tens
         _fail(f"q: expected a (total_q, num_qo_heads, head_dim_qk) tensor, got {type(q).__name__}"
               f"{tuple(q.shape) if isinstance(q, torch.Tensor) else ''}")
     total_q = q.shape[0]
-    _check_levels(spec, levels, total_q, q.device)
+    _check_levels(levels, q.device)
     if validate:
         if not isinstance(kv_cache, torch.Tensor):
             _fail(f"kv_cache: expected a torch.Tensor, got {type(kv_cache).__name__}")
@@ -401,15 +415,9 @@ def plain_metadata(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q:
     :func:`jitattn.paged_attention`, each request's table the concatenation of its segments' pages
     (every shared level's segments must fill whole pages; not checked here)."""
     dev = levels[-1].query_start_loc.device
-    req_qsl = levels[-1].query_start_loc
-    first_tok = req_qsl[:-1].long().clamp(max=max(total_q - 1, 0))
-    rows, lens = [], []
-    for lv in levels:
-        seg = _segment_of(lv.query_start_loc, total_q)[first_tok] if total_q else \
-            torch.zeros(len(first_tok), dtype=torch.long, device=dev)  # no queries: any segment (one per request)
-        seg = seg.clamp(min=0, max=lv.kv_lens.shape[0] - 1)
-        rows.append(lv.block_table[seg])
-        lens.append(lv.kv_lens[seg].long())
+    segs = _request_segments(levels, total_q)
+    rows = [lv.block_table[seg] for lv, seg in zip(levels, segs)]
+    lens = [lv.kv_lens[seg].long() for lv, seg in zip(levels, segs)]
     # pages of level l start after the previous levels' pages (their lengths are whole pages): column c of
     # request r's table is column c - cum[r, l] of its level-l row, l the level whose pages hold c
     wide = torch.cat(rows, dim=1)
@@ -419,11 +427,10 @@ def plain_metadata(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q:
     width = wide.shape[1]
     cols = torch.arange(width, device=dev)[None, :]
     level = (cols[:, :, None] >= cum[:, None, 1:-1]).sum(-1) if len(rows) > 1 else \
-        torch.zeros(len(first_tok), width, dtype=torch.long, device=dev)
+        torch.zeros(len(segs[0]), width, dtype=torch.long, device=dev)
     src = (cols - cum.gather(1, level) + base[level]).clamp(0, width - 1)
     table = torch.where(cols < cum[:, -1:], wide.gather(1, src), torch.zeros_like(wide)).to(torch.int32)
-    return table.contiguous(), sum(lens).to(torch.int32), req_qsl
-
+    return table.contiguous(), sum(lens).to(torch.int32), levels[-1].query_start_loc
 
 
 def rule_shape(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: int) -> tuple[float, float, float]:
@@ -438,11 +445,7 @@ def rule_shape(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: int
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         shared = sum(lv.block_table.shape[1] for lv in levels[:-1]) * spec.page_size
         return per_segment, shared, levels[-1].block_table.shape[1] * spec.page_size
-    first_tok = levels[-1].query_start_loc[:-1].long().clamp(max=max(total_q - 1, 0))
-    lens = []
-    for lv in levels:
-        seg = (_segment_of(lv.query_start_loc, total_q)[first_tok] if total_q else first_tok)
-        lens.append(lv.kv_lens.long()[seg.clamp(0, lv.kv_lens.shape[0] - 1)].float().mean())
+    lens = [lv.kv_lens.long()[seg].float().mean() for lv, seg in zip(levels, _request_segments(levels, total_q))]
     values = torch.stack(lens).tolist()
     return per_segment, sum(values[:-1]), values[-1]
 
