@@ -323,6 +323,14 @@ class JitKernel:
         stream = torch.cuda.current_stream(self.device).cuda_stream
         self._module.launch(name, grid, block, smem, args, stream)
 
+    def _launch_prefill(self, total_q: int, batch: int, args: bytes) -> None:
+        """The prefill kernel over ``total_q`` query rows of ``batch`` sequences: one block per (m-tile, kv
+        head), the grid an upper bound on the tiles (each sequence may start a partial tile; blocks past
+        the work exit at once, prefill_find_tile)."""
+        g = self.geometry
+        tiles = math.ceil(total_q * self.spec.group_size / g["prefill_block_m"]) + batch
+        self._launch("prefill", (tiles, self.spec.num_kv_heads, 1), g["prefill_threads"], g["prefill_smem"], args)
+
     # ---- the call ---------------------------------------------------------------------------------
     def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, sinks: torch.Tensor | None = None,
@@ -393,9 +401,7 @@ class JitKernel:
             args = self._pack(params, {**fields, "query_positions": ptr(query_positions),
                                        "functor_batch": ptr(functor_batch), "position_offset": ptr(position_offset),
                                        "num_splits": 1, "prefill_skip_decode_rows": 0})
-            g = self.geometry
-            tiles = math.ceil(total_q * spec.group_size / g["prefill_block_m"]) + batch
-            self._launch("prefill", (tiles, spec.num_kv_heads, 1), g["prefill_threads"], g["prefill_smem"], args)
+            self._launch_prefill(total_q, batch, args)
             return (out, lse) if return_lse else out
         splits = self.num_splits(batch, self.max_decode_keys(call.max_pages_per_seq))
         decode_only = max_query_len == 1
@@ -424,8 +430,7 @@ class JitKernel:
                 # (merge_splits_last_block): no merge launch.
                 self._launch("decode", (splits, spec.num_kv_heads, batch), g["decode_threads"], g["decode_smem"], args)
             if not decode_only:
-                tiles = math.ceil(total_q * spec.group_size / g["prefill_block_m"]) + batch
-                self._launch("prefill", (tiles, spec.num_kv_heads, 1), g["prefill_threads"], g["prefill_smem"], args)
+                self._launch_prefill(total_q, batch, args)
         finally:  # joined even when a launch raises: the caller's stream must not run ahead of the
             # decode kernel already queued, and a CUDA graph capture must not end with a fork unjoined
             if side is not None:
@@ -519,9 +524,7 @@ class JitKernel:
             "batch_size": batch, "total_q": total_q, "total_kv": call.total_kv, "num_splits": 1,
             "prefill_skip_decode_rows": 0, "k_scale": 1.0, "v_scale": 1.0,
         })
-        g = self.geometry
-        tiles = math.ceil(total_q * spec.group_size / g["prefill_block_m"]) + batch
-        self._launch("prefill", (tiles, spec.num_kv_heads, 1), g["prefill_threads"], g["prefill_smem"], args)
+        self._launch_prefill(total_q, batch, args)
         return (out, lse) if return_lse else out
 
 
