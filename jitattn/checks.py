@@ -263,9 +263,6 @@ def _check_kernel_layout(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.T
             _fail(f"{name}: must be contiguous")
 
 
-POSITION_ARGS = ("query_positions", "functor_batch", "position_offset")
-
-
 def check_positions(spec: AttentionSpec, query_positions: Any, functor_batch: Any, position_offset: Any, *,
                     total_q: int, batch: int, device: torch.device | None) -> None:
     """The explicit-position tensors of a paged call: required (int32, contiguous, on ``device``) for a
@@ -293,22 +290,20 @@ def check_positions(spec: AttentionSpec, query_positions: Any, functor_batch: An
             _fail(f"{name}: must be contiguous")
 
 
-def check_position_values(query_positions: torch.Tensor, functor_batch: torch.Tensor, spec: AttentionSpec | None = None,
-                          params: Mapping[str, Any] | None = None) -> None:
-    """Host check of explicit positions (a device sync): the hook batches must be >= 0, and (given the spec
-    and params) below the size of every parameter the variant indexes by batch, which the hooks read at
-    ``functor_batch[t]``. (A position may be negative: a query before the sequence's first key, which a
-    causal spec shows no key.)
+def check_position_values(functor_batch: torch.Tensor, spec: AttentionSpec, params: Mapping[str, Any] | None) -> None:
+    """Host check of explicit positions (a device sync): the hook batches must be >= 0 and below the size
+    of every parameter the variant indexes by batch, which the hooks read at ``functor_batch[t]``. (The
+    positions themselves may be anything: negative is before the sequence's first key, which a causal
+    spec shows no key.)
 
     Raises:
         ValueError: the first ``functor_batch`` entry out of range, named with its index.
     """
-    for name, t in (("functor_batch", functor_batch),):
-        if t.numel() and int(t.min()) < 0:
-            i = int((t < 0).nonzero()[0, 0])
-            _fail(f"{name}[{i}]={int(t[i])}: expected a value >= 0")
-    if spec is None or not functor_batch.numel():
+    if not functor_batch.numel():
         return
+    if int(functor_batch.min()) < 0:
+        i = int((functor_batch < 0).nonzero()[0, 0])
+        _fail(f"functor_batch[{i}]={int(functor_batch[i])}: expected a value >= 0")
     for p in spec.params:
         value = (params or {}).get(p.name)
         if p.is_scalar or not isinstance(value, torch.Tensor) or "batch" not in p.shape:

@@ -196,7 +196,7 @@ def paged_attention(
     check_metadata_values(spec, seq_lens, query_start_loc, block_table, call.num_pages, call.total_q)
     explicit = None
     if spec.explicit_positions:
-        check_position_values(query_positions, functor_batch, spec, params)
+        check_position_values(functor_batch, spec, params)
         explicit = (query_positions.tolist(), functor_batch.tolist(), position_offset.tolist())
     k_scale, v_scale = check_scales(spec, k_scale, v_scale)
     return _attention(spec, q, query_start_loc, seq_lens.tolist(),

@@ -376,7 +376,7 @@ class JitKernel:
         if _validating(validate):
             check_metadata_values(spec, seq_lens, query_start_loc, block_table, call.num_pages, call.total_q)
             if spec.explicit_positions:
-                check_position_values(query_positions, functor_batch, spec, params)
+                check_position_values(functor_batch, spec, params)
             if max_query_len is not None:
                 longest = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if call.batch else 0
                 if longest > max_query_len:
