@@ -163,6 +163,9 @@ KvLayoutOpt = Annotated[str, typer.Option("--kv-layout", help="NHD or HND, for -
 KvDtypeOpt = Annotated[Optional[str], typer.Option(
     "--kv-dtype", help="KV-cache dtype of --model specs: float8_e4m3fn (fp8) for an FP8 cache "
                        "(default: the q dtype).")]
+CascadeOpt = Annotated[bool, typer.Option(
+    "--cascade", help="Also each paged spec's explicit-position twin (the module cascade attention runs) and the "
+                      "merge_state module it merges with.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="JSON output, for scripts.")]
 
 
@@ -360,8 +363,7 @@ def warmup(
     page_size: PageSizeOpt = 16,
     kv_layout: KvLayoutOpt = "NHD",
     kv_dtype: KvDtypeOpt = None,
-    cascade: Annotated[bool, typer.Option(
-        "--cascade", help="Also build each spec's explicit-position twin, which cascade attention runs.")] = False,
+    cascade: CascadeOpt = False,
 ) -> None:
     """Compile every kernel the models or specs need, for every arch, into the cache (nvcc only, no GPU).
 
@@ -609,8 +611,7 @@ def cache_export(
     page_size: PageSizeOpt = 16,
     kv_layout: KvLayoutOpt = "NHD",
     kv_dtype: KvDtypeOpt = None,
-    cascade: Annotated[bool, typer.Option(
-        "--cascade", help="Also export each spec's explicit-position twin, which cascade attention runs.")] = False,
+    cascade: CascadeOpt = False,
 ) -> None:
     """Write exactly the entries the models or specs need, for the archs, into one archive.
 
