@@ -143,11 +143,9 @@ __device__ __forceinline__ void split_range(int kv_begin, int kv_end, int split,
 // Sequence metadata the kernels can check without a host sync. A sequence that fails writes NaN.
 template <class S>
 __device__ __forceinline__ bool sequence_ok(const Params& p, int qo_len, int kv_len) {
-  if constexpr (S::kExplicitPositions) {  // queries carry their own positions: any number of them per sequence
-    return 0 <= kv_len && kv_len <= p.block_table_stride * S::kPageSize;
-  } else {
-    return qo_len <= kv_len && kv_len <= p.block_table_stride * S::kPageSize;
-  }
+  // explicit positions: the queries carry their own, so a sequence may bring any number of them
+  const bool enough_keys = S::kExplicitPositions ? 0 <= kv_len : qo_len <= kv_len;
+  return enough_keys && kv_len <= p.block_table_stride * S::kPageSize;
 }
 
 // Sequence `batch`'s metadata checks for a ragged spec, which reads its keys from kv_start_loc:
