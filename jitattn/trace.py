@@ -210,13 +210,13 @@ class Sym:
         if name.startswith("__"):
             raise AttributeError(name)  # protocol probes (copy, numpy, pickling) must see a plain miss
         if name in _UNARY_FLOAT or name == "abs":
-            return lambda: _apply(name, (self,), {})
+            return lambda: apply_torch(name, (self,), {})
         raise TraceError(f"traced values have no attribute {name!r}; supported methods: "
                          f"{sorted(_UNARY_FLOAT) + ['abs', 'to', 'float', 'int', 'long', 'bool', 'clamp']}")
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return _apply(getattr(func, "__name__", repr(func)), args, kwargs or {})
+        return apply_torch(getattr(func, "__name__", repr(func)), args, kwargs or {})
 
 
 def _clamp(x: Any, lo: Any, hi: Any) -> Sym:
@@ -235,7 +235,7 @@ def _binary_minmax(a: Any, b: Any, which: str) -> Sym:
     return Sym(f"{fn}({_as(a, t)}, {_as(b, t)})", t)
 
 
-def _apply(name: str, args: tuple, kwargs: Mapping[str, Any]) -> Sym:
+def apply_torch(name: str, args: tuple, kwargs: Mapping[str, Any]) -> Sym:
     """A torch function (or tensor method) named ``name`` applied to traced values."""
     if kwargs and name not in ("clamp", "where"):
         raise TraceError(f"torch.{name}: keyword arguments are not supported in traced functors")
@@ -271,7 +271,7 @@ def _apply(name: str, args: tuple, kwargs: Mapping[str, Any]) -> Sym:
 # Math that works on traced values and on torch tensors alike, for functors that must trace
 # without torch installed (the built-in soft-cap, ALiBi and window functors in jitattn/variant.py).
 def tanh(x: Any) -> Any:
-    return _apply("tanh", (x,), {}) if isinstance(x, Sym) else x.tanh()
+    return apply_torch("tanh", (x,), {}) if isinstance(x, Sym) else x.tanh()
 
 
 class SymTensor:

@@ -372,6 +372,25 @@ def structural_mask(causal: bool, window_left: int, window_right: int) -> Callab
     return bounds
 
 
+def visible_key_range(causal: bool, window_left: int, window_right: int, first_pos: int, last_pos: int,
+                      kv_len: int) -> tuple[int, int]:
+    """The keys that queries at positions ``first_pos..last_pos`` can see: an inclusive ``(lo, hi)``.
+
+    The closed form of :func:`structural_mask` over one sequence of ``kv_len`` keys (a query at ``p``
+    sees ``j`` when ``j <= p`` if causal, ``p - j <= window_left``, ``j - p <= window_right``); for one
+    query pass ``first_pos == last_pos``. Empty when ``hi < lo``. Used to count what a kernel reads
+    and the (query, key) pairs it computes; ``tests/test_variant.py`` holds it to the mask.
+    """
+    lo = max(0, first_pos - window_left) if window_left >= 0 else 0
+    if causal:
+        hi = min(kv_len - 1, last_pos)
+    elif window_right >= 0:
+        hi = min(kv_len - 1, last_pos + window_right)
+    else:
+        hi = kv_len - 1
+    return lo, hi
+
+
 def builtin_transforms(spec: Any) -> list[tuple[str, Callable[..., Any]]]:
     """The spec's built-in logits transforms, in the order the kernels apply them."""
     out: list[tuple[str, Callable[..., Any]]] = []
@@ -474,18 +493,18 @@ def _where(cond, a, b):
     from jitattn.trace import Sym
 
     if any(isinstance(v, Sym) for v in (cond, a, b)):
-        from jitattn.trace import _apply
+        from jitattn.trace import apply_torch
 
-        return _apply("where", (cond, a, b), {})
+        return apply_torch("where", (cond, a, b), {})
     import torch
 
     return torch.where(cond, a, b)
 
 
 def _unary(name: str, x):
-    from jitattn.trace import Sym, _apply
+    from jitattn.trace import Sym, apply_torch
 
-    return _apply(name, (x,), {}) if isinstance(x, Sym) else getattr(x, name)()
+    return apply_torch(name, (x,), {}) if isinstance(x, Sym) else getattr(x, name)()
 
 
 def _log(x): return _unary("log", x)

@@ -30,6 +30,7 @@ from jitattn.backends.reference import missing_torch_functors
 from jitattn.reference import default_alibi_slopes, torch_dtype
 from jitattn.spec import AttentionSpec
 from jitattn.trace import ParamView
+from jitattn.variant import structural_mask
 
 
 @functools.lru_cache(maxsize=None)
@@ -140,17 +141,13 @@ def _dense_kv(spec: AttentionSpec, kv_cache: torch.Tensor, block_table: torch.Te
 def _mask_mod(spec: AttentionSpec, q_seq, q_pos, kv_seq, kv_pos, valid, params: dict[str, Any]):
     """Visibility: same sequence, a valid slot, causal/window bounds, then the variant's torch mask."""
     user_mask = spec.variant.reference("logits_mask") if spec.variant is not None else None
+    bounds = structural_mask(spec.causal, spec.window_left, spec.window_right)
     view = ParamView(params)
 
     def mask_mod(b, h, qi, ki):
-        d = q_pos[qi] - kv_pos[ki]  # p - j
         ok = (q_seq[qi] == kv_seq[ki]) & valid[ki]
-        if spec.causal:
-            ok = ok & (d >= 0)
-        if spec.window_left >= 0:
-            ok = ok & (d <= spec.window_left)
-        if spec.window_right >= 0:
-            ok = ok & (-d <= spec.window_right)
+        if bounds is not None:
+            ok = ok & bounds(q_seq[qi], h, q_pos[qi], kv_pos[ki], view)
         if user_mask is not None:  # evaluated for every pair: keep its indices inside the query's sequence
             kv = torch.where(ok, kv_pos[ki], 0)
             ok = ok & user_mask(q_seq[qi], h, q_pos[qi], kv, view).to(torch.bool)
