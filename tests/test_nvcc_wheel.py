@@ -31,7 +31,8 @@ def _without_toolkit(path: str) -> list[str]:
 
 def _run(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, (f"{' '.join(cmd)} exited {proc.returncode}\n"
+                                  f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
 
 
