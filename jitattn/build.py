@@ -122,7 +122,8 @@ def nvcc_version(nvcc: str) -> str:
         out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise BuildError(
-            f"cannot run nvcc at {nvcc!r} ({exc}); install the CUDA toolkit or set JITATTN_NVCC / CUDA_HOME") from None
+            f"cannot run nvcc at {nvcc!r} ({exc}); install the CUDA toolkit (or "
+            f"pip install 'jitattn[nvcc]') or set JITATTN_NVCC / CUDA_HOME") from None
     lines = [ln.strip() for ln in out.splitlines() if "release" in ln or ln.startswith("Build")]
     return " | ".join(lines) or out.strip()
 

@@ -35,6 +35,7 @@ from there. Missing fields are not filled from Hugging Face's class defaults: th
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -364,3 +365,147 @@ def _layer_kind(name: str, layers: tuple[int, ...], base: dict[str, Any], cfg: M
 def _span(layers: tuple[int, ...]) -> str:
     shown = ", ".join(map(str, layers[:6]))
     return shown + (f", ... ({len(layers)} layers)" if len(layers) > 6 else "")
+
+
+# ---- cross-check with transformers -------------------------------------------------------------
+@dataclass(frozen=True)
+class ConfigDifference:
+    """One field on which jitattn's reading of a config and transformers' ``AutoConfig`` disagree.
+
+    Attributes:
+        field: the spec field (``num_kv_heads``, ``window_left``, ...) or ``num_layers`` / ``q_dtype``.
+        layers: the 0-based layers where the two differ this way (empty for model-wide fields).
+        jitattn: the value :func:`load_model_config` gives.
+        transformers: the value transformers' config class gives.
+        source: the transformers attributes that value comes from.
+    """
+
+    field: str
+    layers: tuple[int, ...]
+    jitattn: Any
+    transformers: Any
+    source: str
+
+    def __str__(self) -> str:
+        where = f" (layers {_span(self.layers)})" if self.layers else ""
+        return (f"{self.field}{where}: jitattn reads {self.jitattn!r}, transformers {self.transformers!r} "
+                f"(from {self.source})")
+
+
+#: What transformers' modeling code for these model types always applies, with no config key
+#: (BloomModel and MptModel always build an ALiBi bias; GptOssAttention always has ``sinks``).
+_TRANSFORMERS_MODEL_FEATURES: dict[str, dict[str, bool]] = {
+    "bloom": {"alibi": True},
+    "mpt": {"alibi": True},
+    "gpt_oss": {"sinks": True},
+}
+
+
+def compare_with_transformers(config: str | os.PathLike | dict, *, dtype: str | None = None
+                              ) -> list[ConfigDifference]:
+    """Read ``config`` with transformers' ``AutoConfig`` too and list where it disagrees with jitattn.
+
+    transformers' config classes are the authority on what a model runs: their class defaults fill
+    fields a ``config.json`` leaves out, their attribute maps rename fields (BLOOM's ``n_head``), and
+    their ``__post_init__`` derives ``layer_types`` (Gemma-2, Gemma-3, Qwen2, ...). Compared, per layer:
+    ``num_qo_heads``, ``num_kv_heads``, ``head_dim_qk`` / ``head_dim_vo``, ``sm_scale`` (from
+    ``query_pre_attn_scalar``), ``logits_soft_cap`` (``attn_logit_softcapping``), ``window_left`` (from
+    ``layer_types`` / ``sliding_window``), ``alibi`` (Falcon's ``alibi``; always for BLOOM and MPT) and
+    ``sinks`` (always for gpt-oss); and ``num_layers`` and, without ``dtype``, the config's dtype. Only
+    fields the config class declares count (a stray key transformers ignores is not read there).
+    RoPE (``rope_scaling`` / ``rope_parameters``) is not compared: no spec field holds it.
+
+    Reads local files only (no hub access); a file or dict is copied as ``config.json`` into a
+    temporary directory, since ``AutoConfig`` reads a directory.
+
+    Args:
+        config: as :func:`load_model_config`: a ``config.json`` path, its directory, or the parsed dict.
+        dtype: as :func:`load_model_config` (then the dtype is not compared).
+
+    Returns:
+        The differences, empty when both readings agree.
+
+    Raises:
+        ImportError: transformers is not installed (``pip install transformers``).
+        ValueError: jitattn refuses the config (:func:`load_model_config`'s errors), or transformers
+            cannot read it (e.g. a ``model_type`` it does not know), naming the config.
+        FileNotFoundError: as :func:`load_model_config`.
+    """
+    import tempfile
+
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise ImportError("compare_with_transformers needs transformers (pip install transformers)") from None
+    ours = load_model_config(config, dtype=dtype)
+    raw, source = _read_config(config)
+    with tempfile.TemporaryDirectory(prefix="jitattn-config-") as tmp:
+        folder = Path(tmp)
+        (folder / "config.json").write_text(json.dumps(dict(raw)), encoding="utf-8")
+        try:
+            hf = AutoConfig.from_pretrained(str(folder), local_files_only=True).get_text_config(decoder=True)
+        except Exception as err:  # its validators raise their own classes (e.g. StrictDataclassClassValidationError)
+            raise ValueError(f"{source}: transformers' AutoConfig cannot read it: {err}") from None
+    theirs, num_layers, hf_dtype = _transformers_reading(hf, ours.model_type)
+
+    out = []
+    if num_layers != ours.num_layers:
+        out.append(ConfigDifference("num_layers", (), ours.num_layers, num_layers, "num_hidden_layers"))
+    first = ours.layer_kinds[0].spec
+    if dtype is None and hf_dtype is not None and hf_dtype != first.q_dtype:
+        out.append(ConfigDifference("q_dtype", (), first.q_dtype, hf_dtype, "dtype"))
+    spec_of = {i: kind.spec for kind in ours.layer_kinds for i in kind.layers}
+    found: dict[tuple[str, Any, Any, str], list[int]] = {}
+    for i, layer in enumerate(theirs[:ours.num_layers]):
+        for name, (value, origin) in layer.items():
+            mine = getattr(spec_of[i], name)
+            same = (math.isclose(mine, value, rel_tol=1e-12) if isinstance(value, float) else mine == value)
+            if not same:
+                found.setdefault((name, mine, value, origin), []).append(i)
+    out += [ConfigDifference(name, tuple(layers), mine, value, origin)
+            for (name, mine, value, origin), layers in found.items()]
+    return out
+
+
+def _transformers_reading(hf: Any, model_type: str) -> tuple[list[dict[str, tuple[Any, str]]], int, str | None]:
+    """Per layer, spec field -> (value, the transformers attributes it comes from); the layer
+    count; the dtype name (None when the config has none)."""
+    import dataclasses
+
+    declared = ({f.name for f in dataclasses.fields(hf)} | set(getattr(hf, "attribute_map", {}))
+                if dataclasses.is_dataclass(hf) else set(vars(hf)))
+
+    def attr(name: str) -> Any:
+        return getattr(hf, name, None) if name in declared or hasattr(type(hf), name) else None
+
+    heads = hf.num_attention_heads
+    if model_type == "falcon":  # FalconAttention: one KV head unless new_decoder_architecture or not multi_query
+        kv = (hf.num_kv_heads if hf.new_decoder_architecture or not hf.multi_query else 1,
+              "num_kv_heads, multi_query, new_decoder_architecture")
+    else:
+        kv = (attr("num_key_value_heads") or heads, "num_key_value_heads")
+    head_dim = attr("head_dim") or hf.hidden_size // heads
+    scalar = attr("query_pre_attn_scalar")
+    shared: dict[str, tuple[Any, str]] = {
+        "num_qo_heads": (heads, "num_attention_heads"),
+        "num_kv_heads": kv,
+        "head_dim_qk": (head_dim, "head_dim"),
+        "head_dim_vo": (head_dim, "head_dim"),
+        "sm_scale": (float(scalar if scalar is not None else head_dim) ** -0.5, "query_pre_attn_scalar, head_dim"),
+        "logits_soft_cap": (float(attr("attn_logit_softcapping") or 0.0), "attn_logit_softcapping"),
+    }
+    always = _TRANSFORMERS_MODEL_FEATURES.get(model_type, {})
+    for feature, value in always.items():
+        shared[feature] = (value, f"{type(hf).__name__}'s model code")
+    if model_type == "falcon":
+        shared["alibi"] = (bool(hf.alibi), "alibi")
+    window, types = attr("sliding_window"), attr("layer_types")
+    num_layers = hf.num_hidden_layers
+    if types is None:  # no per-layer kinds: transformers slides every layer when sliding_window is set
+        types = [SLIDING if window else FULL] * num_layers
+    layers = []
+    for kind in types:
+        left = window - 1 if kind == SLIDING and window else -1
+        layers.append({**shared, "window_left": (left, "layer_types, sliding_window")})
+    hf_dtype = getattr(hf, "dtype", None)
+    return layers, num_layers, (str(hf_dtype).removeprefix("torch.") if hf_dtype is not None else None)

@@ -8,7 +8,7 @@ Nothing else in the package calls ``os.environ``: modules ask this one. Tests ch
 | ``JITATTN_CACHE_DIR`` | writable cache root (entries, build dirs, locks) | the user cache dir (platformdirs) |
 | ``JITATTN_CACHE_PATH`` | extra read-only cache roots, ``os.pathsep``-separated, searched after the writable one | none |
 | ``JITATTN_DISABLE_JIT`` | ``1``: a cache miss raises :class:`~jitattn.cache.MissingKernelError`, nvcc never runs | ``0`` |
-| ``JITATTN_NVCC`` | the nvcc executable | ``$CUDA_HOME/bin/nvcc`` if it exists, else ``nvcc`` on PATH |
+| ``JITATTN_NVCC`` | the nvcc executable | ``$CUDA_HOME/bin/nvcc`` if it exists, else ``nvcc`` on PATH, else the nvcc wheel's (:func:`wheel_nvcc`) |
 | ``JITATTN_ARCHS`` | comma-separated target archs for warm-up, e.g. ``sm_80,sm_90a`` | ``sm_80,sm_90a`` |
 | ``JITATTN_LOCK_TIMEOUT`` | seconds to wait for another process's build of the same kernel | ``600`` |
 | ``JITATTN_BACKEND`` | force one attention backend by name (see :mod:`jitattn.selector`) | automatic |
@@ -21,6 +21,7 @@ import contextlib
 import os
 import shutil
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -111,14 +112,40 @@ def disable_jit() -> bool:
 
 
 def nvcc() -> str:
-    """The nvcc to run: ``JITATTN_NVCC``, else ``$CUDA_HOME/bin/nvcc``, else ``nvcc`` on PATH."""
+    """The nvcc to run: ``JITATTN_NVCC``, else ``$CUDA_HOME/bin/nvcc``, else ``nvcc`` on PATH, else
+    the one ``pip install 'jitattn[nvcc]'`` brought (:func:`wheel_nvcc`), else ``"nvcc"``."""
     explicit = VARIABLES["JITATTN_NVCC"].get()
     if explicit:
         return str(explicit)
     for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
         if home and (Path(home) / "bin" / "nvcc").exists():
             return str(Path(home) / "bin" / "nvcc")
-    return shutil.which("nvcc") or "nvcc"
+    return shutil.which("nvcc") or wheel_nvcc() or "nvcc"
+
+
+@lru_cache(maxsize=1)
+def wheel_nvcc() -> str | None:
+    """The nvcc of NVIDIA's ``nvidia-cuda-nvcc`` wheel in this Python environment, or None.
+
+    Found through the wheel's installed file list (importlib.metadata), wherever site-packages is.
+    The ``jitattn[nvcc]`` extra installs it beside the nvvm (cicc, libdevice), crt, runtime-header
+    and CCCL wheels, which unpack into the same ``nvidia/cu13/`` tree a toolkit has (``bin/``,
+    ``nvvm/``, ``include/``, ``include/cccl``); the wheel's own ``bin/nvcc.profile`` finds them
+    relative to nvcc, so that nvcc runs as it is: no ``CUDA_HOME``, ``-I`` or ``-ccbin`` (it uses the
+    host C++ compiler on PATH, as any nvcc does).
+    """
+    from importlib import metadata
+
+    try:
+        files = metadata.distribution("nvidia-cuda-nvcc").files or []
+    except metadata.PackageNotFoundError:
+        return None
+    for file in files:
+        if file.parts[-2:] == ("bin", "nvcc"):
+            path = Path(str(file.locate())).resolve()
+            if path.is_file() and os.access(path, os.X_OK):
+                return str(path)
+    return None
 
 
 def archs() -> tuple[str, ...]:
