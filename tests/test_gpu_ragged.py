@@ -77,6 +77,8 @@ def test_ragged_equals_paged_kernel_on_the_same_data(session_cache):
     ragged_out = load_kernel(case.spec).ragged_attention(*batch.args())
     paged_out = load_kernel(paged.spec).paged_attention(*paged.args())
     torch.cuda.synchronize()
+    assert not torch.isnan(ragged_out).any(), "NaN in the ragged kernel's output"
+    assert not torch.isnan(paged_out).any(), "NaN in the paged kernel's output"
     assert relative_error(ragged_out, paged_out) < 1e-2
 
 
