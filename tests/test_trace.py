@@ -14,10 +14,11 @@ import torch
 from jitattn import AttentionSpec, Param, Variant
 from jitattn import reference
 from jitattn.cache import KernelCache
-from jitattn.testing import random_paged_batch
+from jitattn.testing import random_paged_batch, relative_error
 from jitattn.trace import ParamView, TraceError
 from jitattn.variant import (document_mask, prefix_lm_mask, relative_position_bias, rotary_embedding,
                              sigmoid_attention, trace_hook)
+from tests import oracles
 
 SLOPE = (Param("slope", "float32", ("num_qo_heads",)),)
 
@@ -194,16 +195,37 @@ def test_t5_bias_matches_the_reference_bucketing(bidirectional):
         assert out[2, q, k].item() == pytest.approx(want.item(), abs=1e-6), (q, k)
 
 
-def test_prefix_lm_and_document_mask_on_the_reference():
+def test_prefix_lm_mask_on_the_reference():
+    """The hook's mask is the hand-written prefix-LM mask, and the reference's output over a batch is
+    the oracle's (tests/oracles.py: attention with that mask written independently)."""
     spec = AttentionSpec(4, 2, 32, causal=False, variant=prefix_lm_mask())
-    batch = random_paged_batch(spec, [6], [6], params={"prefix_len": torch.tensor([3], dtype=torch.int32)})
+    params = {"prefix_len": torch.tensor([3, 0, 6], dtype=torch.int32)}
     mask = spec.variant.logits_mask(0, torch.zeros(1, 1, 1, dtype=torch.long), torch.arange(6)[None, :, None],
-                                    torch.arange(6)[None, None, :],
-                                    ParamView({"prefix_len": torch.tensor([3], dtype=torch.int32)}))[0]
+                                    torch.arange(6)[None, None, :], ParamView(params))[0]
     expected = torch.tensor([[j <= i or j < 3 for j in range(6)] for i in range(6)])
     assert torch.equal(mask, expected)
+    batch = random_paged_batch(spec, [6, 2, 3], [6, 9, 6], params=params)
     out = reference.paged_attention(spec, *batch.args(), **batch.kwargs())
-    assert torch.isfinite(out.float()).all()
+    want, _ = oracles.attention(spec, batch, oracles.prefix_lm_pieces(params))
+    assert relative_error(out, want) < 4e-3
+
+
+def test_document_mask_on_the_reference():
+    """Sequence b reads its document ids at doc[b * doc_stride + position]: the hook's mask is the
+    hand-written block-diagonal mask of each sequence's own ids, and the output is the oracle's."""
+    spec = AttentionSpec(4, 2, 32, variant=document_mask())
+    ids = [[0, 0, 1, 1, 1, 2, 9, 9], [5, 6, 6, 6, 7, 7, 7, 7]]  # stride 8; sequence 1 uses 6 positions
+    params = {"doc": torch.tensor(ids[0] + ids[1], dtype=torch.int32), "doc_stride": 8}
+    for b, kv_len in ((0, 8), (1, 6)):
+        pos = torch.arange(kv_len)
+        mask = spec.variant.logits_mask(b, torch.zeros(1, 1, 1, dtype=torch.long), pos[None, :, None],
+                                        pos[None, None, :], ParamView(params))[0]
+        expected = torch.tensor([[ids[b][i] == ids[b][j] for j in range(kv_len)] for i in range(kv_len)])
+        assert torch.equal(mask, expected), b
+    batch = random_paged_batch(spec, [8, 3], [8, 6], params=params)
+    out = reference.paged_attention(spec, *batch.args(), **batch.kwargs())
+    want, _ = oracles.attention(spec, batch, oracles.document_pieces(params))
+    assert relative_error(out, want) < 4e-3
 
 
 def test_sigmoid_attention_is_a_weighted_sum_without_lse():
