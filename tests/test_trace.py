@@ -50,6 +50,25 @@ def test_transform_expressions(fn, expected):
     assert cuda("logits_transform", fn) == expected
 
 
+@pytest.mark.parametrize("fn,expected", [
+    (lambda s, b, h, qi, ki, p: 100 // (ki + 1) + s, "(static_cast<float>(jitattn::floor_div(100, (kv_idx + 1))) + logits)"),
+    (lambda s, b, h, qi, ki, p: 100 % (ki + 1) + s, "(static_cast<float>(jitattn::floor_mod(100, (kv_idx + 1))) + logits)"),
+    (lambda s, b, h, qi, ki, p: 100 - qi + s, "(static_cast<float>((100 - qo_idx)) + logits)"),
+    (lambda s, b, h, qi, ki, p: 1.5 / s, "(1.500000000e+00f / logits)"),
+    (lambda s, b, h, qi, ki, p: 2.0 ** s, "powf(2.000000000e+00f, logits)"),
+    (lambda s, b, h, qi, ki, p: 3 * s + 1, "((static_cast<float>(3) * logits) + static_cast<float>(1))"),
+])
+def test_reflected_operators_keep_the_left_operand_on_the_left(fn, expected):
+    """``100 // x`` is floor(100 / x), not floor(x / 100): a Python number on the left of an operator
+    reaches the traced value's reflected method (``__rfloordiv__``, ``__rsub__``, ...), which must not
+    swap the operands; the same function on torch integers gives Python's answer (checked below)."""
+    assert cuda("logits_transform", fn) == expected
+    qi, ki = torch.tensor([[[7]]]), torch.tensor([[[3]]])
+    got = fn(torch.ones(1, 1, 1), 0, torch.zeros(1, 1, 1, dtype=torch.long), qi, ki, None).item()
+    want = fn(1.0, 0, 0, 7, 3, None)
+    assert got == pytest.approx(want)
+
+
 def test_masks_and_logic():
     assert cuda("logits_mask", lambda b, h, qi, ki, p: (ki <= qi) & ~(qi - ki > 5) | (h == 3)) == \
         "(((kv_idx <= qo_idx) && (!((qo_idx - kv_idx) > 5))) || (qo_head == 3))"
