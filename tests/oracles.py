@@ -114,8 +114,8 @@ def gather_sequence(kv_cache: torch.Tensor, block_table: torch.Tensor, b: int, k
     for t in range(kv_len):
         page, slot = table[b][t // page_size], t % page_size
         row = cache[page, :, slot] if layout == "NHD" else cache[page, :, :, slot]  # (2, H_kv, D)
-        ks.append(row[0].double())
-        vs.append(row[1].double())
+        ks.append(row[0].float().double())  # through float32: FP8 converts to it
+        vs.append(row[1].float().double())
     return torch.stack(ks), torch.stack(vs)
 
 
@@ -132,7 +132,10 @@ def attention(spec, batch, pieces: Pieces) -> tuple[torch.Tensor, torch.Tensor |
     """The batch's attention with the variant's pieces: ``out`` float64 ``(total_q, H, head_dim_vo)`` and
     (softmax) the natural-log ``lse`` float64 ``(total_q, H)``, on the CPU; a row that sees no key is 0
     with lse ``-inf``. ``spec``: an AttentionSpec (heads, scale, causal, windows, page size, layout);
-    ``batch``: a jitattn.testing.PagedBatch (no sinks, ALiBi or soft-cap: the oracles cover variants)."""
+    ``batch``: a jitattn.testing.PagedBatch; an FP8 cache is dequantised with the batch's ``k_scale`` /
+    ``v_scale``, a soft-cap is ``cap * tanh(s / cap)`` before the pieces' bias (no sinks or ALiBi)."""
+    if spec.sinks or spec.alibi:
+        raise ValueError("oracles.attention: sinks and ALiBi are not modelled here (tests/test_reference.py has them)")
     h, group = spec.num_qo_heads, spec.num_qo_heads // spec.num_kv_heads
     q_all = batch.q.double().cpu()
     out = torch.zeros(q_all.shape[0], h, spec.head_dim_vo, dtype=torch.float64)
@@ -145,11 +148,14 @@ def attention(spec, batch, pieces: Pieces) -> tuple[torch.Tensor, torch.Tensor |
             continue
         qo_pos = list(range(kv_len - q_len, kv_len))
         k, v = gather_sequence(batch.kv_cache, batch.block_table, b, kv_len, spec.page_size, spec.kv_layout)
+        k, v = k * batch.scales.get("k_scale", 1.0), v * batch.scales.get("v_scale", 1.0)
         q = q_all[rows]
         if pieces.rope_theta is not None:
             q, k = rope_rotate(q, qo_pos, pieces.rope_theta), rope_rotate(k, list(range(kv_len)), pieces.rope_theta)
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # query head i reads i // group
         s = torch.einsum("qhd,khd->hqk", q, k) * spec.sm_scale  # (H, rows, kv_len)
+        if spec.logits_soft_cap > 0:
+            s = spec.logits_soft_cap * torch.tanh(s / spec.logits_soft_cap)
         if pieces.bias is not None:
             s = s + pieces.bias(b, qo_pos, kv_len)
         allowed = structural_rows(qo_pos, kv_len, spec.causal, spec.window_left, spec.window_right)

@@ -5,7 +5,7 @@
 - A Gemma-2-architecture model (hd 256, soft-cap 50, alternating windows; random weights, built from
   a config: no download) and a gpt-oss one (sinks) run with ``attn_implementation="jitattn"``
   through the jit kernels and match ``"eager"`` (logits, greedy tokens), as on the CPU
-  (tests/test_integrations.py) but on the device.
+  (tests/test_integrations.py, tests/test_transformers_integration.py) but on the device.
 - ``torch.compile(fullgraph=True)`` (inductor) traces through the custom op on the jit backend.
 - A decode captured in a CUDA graph and replayed on new inputs (new q, K/V, sequence lengths)
   matches the reference.
@@ -117,7 +117,7 @@ def test_selector_picks_jit_on_this_device(record):
 
 # ---- transformers ---------------------------------------------------------------------------------------------
 def test_gemma2_matches_eager_on_device_through_jit(session_cache, record):
-    from tests.test_integrations import Gemma2ForCausalLM, build_models, check_greedy, check_logits, gemma2_config
+    from tests.test_transformers_integration import Gemma2ForCausalLM, build_models, check_greedy, check_logits, gemma2_config
 
     models = build_models(Gemma2ForCausalLM, gemma2_config(), device="cuda")
     ids = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(1)).cuda()
@@ -129,7 +129,7 @@ def test_gemma2_matches_eager_on_device_through_jit(session_cache, record):
 
 
 def test_gemma2_left_padded_batch_on_device(session_cache, record):
-    from tests.test_integrations import Gemma2ForCausalLM, build_models, check_greedy, check_logits, gemma2_config
+    from tests.test_transformers_integration import Gemma2ForCausalLM, build_models, check_greedy, check_logits, gemma2_config
 
     models = build_models(Gemma2ForCausalLM, gemma2_config(), device="cuda", seed=2)
     ids = torch.randint(3, 256, (2, 20), generator=torch.Generator().manual_seed(2))
@@ -142,7 +142,7 @@ def test_gemma2_left_padded_batch_on_device(session_cache, record):
 
 
 def test_gpt_oss_sinks_on_device_through_jit(session_cache, record):
-    from tests.test_integrations import GptOssForCausalLM, build_models, check_greedy, check_logits, gpt_oss_config
+    from tests.test_transformers_integration import GptOssForCausalLM, build_models, check_greedy, check_logits, gpt_oss_config
 
     models = build_models(GptOssForCausalLM, gpt_oss_config(), device="cuda")
     ids = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(3)).cuda()
