@@ -244,8 +244,9 @@ def oracle_cases(q_lens: list[int], kv_lens: list[int], head_dim: int = 64) -> l
         return {"prefix_len": torch.tensor(values, dtype=torch.int32, device=device)}
 
     def table_params(buckets, heads=8):
-        return lambda device, seed: {"table": (torch.randn(buckets, heads, generator=torch.Generator().manual_seed(seed))
-                                               ).to(device)}
+        def make(device, seed):
+            return {"table": torch.randn(buckets, heads, generator=torch.Generator().manual_seed(seed)).to(device)}
+        return make
 
     cases = [
         OracleCase("document-causal", spec(document_mask()), q_lens, kv_lens, doc_params(0.05), document_pieces),
