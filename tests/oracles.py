@@ -138,6 +138,7 @@ def attention(spec, batch, pieces: Pieces) -> tuple[torch.Tensor, torch.Tensor |
         raise ValueError("oracles.attention: sinks and ALiBi are not modelled here (tests/test_reference.py has them)")
     h, group = spec.num_qo_heads, spec.num_qo_heads // spec.num_kv_heads
     q_all = batch.q.double().cpu()
+    kv_cache, block_table = batch.kv_cache.cpu(), batch.block_table.cpu()  # once: a device cache is copied
     out = torch.zeros(q_all.shape[0], h, spec.head_dim_vo, dtype=torch.float64)
     lse = torch.full((q_all.shape[0], h), float("-inf"), dtype=torch.float64)
     start = 0
@@ -147,7 +148,7 @@ def attention(spec, batch, pieces: Pieces) -> tuple[torch.Tensor, torch.Tensor |
         if q_len == 0:
             continue
         qo_pos = list(range(kv_len - q_len, kv_len))
-        k, v = gather_sequence(batch.kv_cache, batch.block_table, b, kv_len, spec.page_size, spec.kv_layout)
+        k, v = gather_sequence(kv_cache, block_table, b, kv_len, spec.page_size, spec.kv_layout)
         k, v = k * batch.scales.get("k_scale", 1.0), v * batch.scales.get("v_scale", 1.0)
         q = q_all[rows]
         if pieces.rope_theta is not None:
