@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from jitattn import AttentionSpec, reference, variant
-from jitattn.reference import torch_dtype
 from jitattn.cascade import cascade_attention, plan_cascade
+from jitattn.reference import torch_dtype
 from jitattn.testing import random_cascade_batch, relative_error
 from tests.conftest import GPU_TOL, precompile, replay_on_new_q
 
