@@ -6,6 +6,11 @@
   so no test sees another's entries by accident and nothing touches the user's real cache.
 - When ``JITATTN_GPU_RESULTS`` names a file, each gpu test appends one JSON line with its outcome
   and the numbers it recorded (``record`` fixture), for the committed GPU results.
+- Seeds: a run draws one session seed (``JITATTN_TEST_SEED``, else fresh from ``os.urandom``), printed
+  in pytest's header; each test's seed (``seed`` fixture) is the session seed mixed with the test's id.
+  A gpu test also starts with torch's global generators seeded with it (so unseeded draws, CUDA-graph
+  replay inputs included, are reproducible), and its JSON line carries ``seed`` and ``session_seed``:
+  ``JITATTN_TEST_SEED=<session_seed>`` replays the run's inputs.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -31,6 +37,33 @@ def _gpu_available() -> tuple[bool, str]:
 GPU_OK, GPU_REASON = _gpu_available()
 
 
+def _session_seed() -> int:
+    fixed = os.environ.get("JITATTN_TEST_SEED", "").strip()
+    if not fixed:
+        return int.from_bytes(os.urandom(4), "little") % 1_000_000
+    try:
+        return int(fixed)
+    except ValueError:
+        raise pytest.UsageError(f"JITATTN_TEST_SEED={fixed!r}: expected an int (a session_seed of a GPU results "
+                                f"line)") from None
+
+
+#: This run's seed: fresh inputs every run, the same ones again with JITATTN_TEST_SEED.
+SESSION_SEED = _session_seed()
+#: Written into outputs before a launch whose test expects NaN rows: finite and far beyond any output
+#: of these inputs, so a kernel that skips such a row leaves it (NaN poison would pass for written NaN).
+NOT_WRITTEN = 16384.0
+
+
+def seed_of(nodeid: str) -> int:
+    """The seed of the test ``nodeid`` in this run (the session seed mixed with the id)."""
+    return (SESSION_SEED + zlib.crc32(nodeid.encode())) % (1 << 31)
+
+
+def pytest_report_header(config):
+    return f"jitattn test seed: {SESSION_SEED} (JITATTN_TEST_SEED={SESSION_SEED} draws the same inputs again)"
+
+
 def pytest_collection_modifyitems(config, items):
     if GPU_OK:
         return
@@ -38,6 +71,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    """Every test knows its seed; a gpu test starts with torch's generators (CPU and CUDA) seeded by it."""
+    request.node._jitattn_seed = seed_of(request.node.nodeid)
+    if "gpu" in request.node.keywords and GPU_OK:
+        import torch
+
+        torch.manual_seed(request.node._jitattn_seed)
+
+
+@pytest.fixture
+def seed(request, _seeded) -> int:
+    """This test's seed: random per run, recorded in its GPU results line (``JITATTN_TEST_SEED`` to replay)."""
+    return request.node._jitattn_seed
 
 
 @pytest.fixture(autouse=True)
@@ -69,17 +118,19 @@ def session_cache(session_cache_dir, monkeypatch) -> Path:
 GPU_TOL = {"bfloat16": 1e-2, "float16": 5e-3}
 
 
-def replay_on_new_q(call, q, out) -> None:
+def replay_on_new_q(call, q, out, seed: int) -> None:
     """Capture ``call()`` (which writes ``out``) in a CUDA graph on a fresh stream, then write new random
-    values into ``q``, poison ``out`` with NaN and replay: ``out`` then holds the kernels' answer for
-    the new ``q`` (needs a CUDA device; the kernels must be loaded before, outside the capture)."""
+    values into ``q`` (standard normal drawn from ``seed``: the test's, so it is recorded), poison ``out``
+    with NaN and replay: ``out`` then holds the kernels' answer for the new ``q`` (needs a CUDA device;
+    the kernels must be loaded before, outside the capture)."""
     import torch
 
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         call()
-    q.copy_(torch.randn_like(q))
+    gen = torch.Generator(device=q.device).manual_seed(seed + 1)  # not the batch's own draw
+    q.copy_(torch.randn(q.shape, generator=gen, device=q.device).to(q.dtype))
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
@@ -141,7 +192,8 @@ def pytest_runtest_makereport(item, call):
         return
     if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
         line = {"test": item.nodeid, "outcome": report.outcome, "seconds": round(report.duration, 3),
-                "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **getattr(item, "_jitattn_record", {})}
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "seed": seed_of(item.nodeid),
+                "session_seed": SESSION_SEED, **getattr(item, "_jitattn_record", {})}
         if report.outcome == "failed":
             line["error"] = str(report.longrepr)[-1500:]
         with open(path, "a") as f:

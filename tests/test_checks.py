@@ -69,6 +69,24 @@ def test_bad_tensor_names_tensor_and_dimension(change, match):
         call(batch, **change(batch))
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("head_dim", [32, 128])
+def test_kv_cache_of_another_head_dim_is_refused(layout, head_dim):
+    """A cache of head dim 32 or 128 for a head-dim-64 spec: refused at the call, naming dim 4; the
+    reference would otherwise read it as rows of 64 (128: twice the tokens, every value misplaced)."""
+    from jitattn import reference
+
+    batch = make(layout)
+    shape = list(batch.kv_cache.shape)
+    shape[4] = head_dim
+    other = torch.randn(shape).to(batch.kv_cache.dtype)
+    match = rf"kv_cache: dim 4 \(head_dim\) must be 64 for {layout} layout"
+    with pytest.raises(ValueError, match=match):
+        call(batch, kv_cache=other)
+    with pytest.raises(ValueError, match=match):
+        reference.paged_attention(batch.spec, batch.q, other, batch.block_table, batch.seq_lens, batch.query_start_loc)
+
+
 def test_hnd_cache_given_to_an_nhd_spec_names_the_layout():
     hnd = make("HND")
     nhd_spec = hnd.spec.replace(kv_layout="NHD")

@@ -16,6 +16,7 @@ import torch
 from jitattn import AttentionSpec, reference
 from jitattn.runtime import load_kernel
 from jitattn.testing import make_paged_kv, random_paged_batch, relative_error
+from tests.conftest import NOT_WRITTEN
 
 pytestmark = pytest.mark.gpu
 
@@ -71,35 +72,38 @@ def _fp8_cvt_on() -> bool:
 
 @pytest.mark.parametrize("spec", SPECS[:2], ids=lambda s: s.name)
 @pytest.mark.parametrize("code", [0x7F, 0xFF])
-def test_nan_codes_read_as_nan(spec, code, session_cache):
+def test_nan_codes_read_as_nan(spec, code, session_cache, seed):
     """An e4m3 NaN code in a visible K or V element makes its rows NaN, as in the reference (only with
     the converter, sm_89 and later: the bit moves read it as +-480, as README says)."""
     if not _fp8_cvt_on():
         pytest.skip("JITATTN_FP8_CVT is 0: the tensor-core decode reads the NaN codes as +-480 (README)")
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("sm_80: no e4m3 converter; the tensor-core decode reads the NaN codes as +-480 (README)")
-    batch = random_paged_batch(spec, [1, 1, 1], [40, 300, 7], device="cuda", seed=5)
+    batch = random_paged_batch(spec, [1, 1, 1], [40, 300, 7], device="cuda", seed=seed)
     for where in ("k", "v"):
         cache = batch.kv_cache.clone()
         page = int(batch.block_table[1, 299 // 16])  # NHD page of sequence 1's last key (inside any window)
         cache.view(torch.uint8)[page, 0 if where == "k" else 1, 299 % 16, 0, 5] = code
-        out = load_kernel(spec).paged_attention(batch.q, cache, batch.block_table, batch.seq_lens,
-                                                batch.query_start_loc, **batch.scales)
+        out = torch.full_like(batch.q, NOT_WRITTEN)  # not NaN: a skipped row must not pass for a NaN row
+        load_kernel(spec).paged_attention(batch.q, cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
+                                          out=out, **batch.scales)
         torch.cuda.synchronize()
         ref = reference.paged_attention(spec, batch.q, cache, batch.block_table, batch.seq_lens,
                                         batch.query_start_loc, **batch.kwargs())
         assert torch.equal(torch.isnan(out), torch.isnan(ref)) and torch.isnan(out[1]).any(), where
+        assert not (out == NOT_WRITTEN).any(), where
 
 
-def test_out_of_range_page_id_gives_a_nan_row(session_cache):
+def test_out_of_range_page_id_gives_a_nan_row(session_cache, seed):
     """The FP8 tile pipeline issues its copies itself (decode_mma_load_tile): a page id outside the
     cache in a decode row's table turns that row into NaN (no out-of-bounds read); the others are right."""
     spec = AttentionSpec(64, 8, 128, kv_dtype="float8_e4m3fn", kv_layout="HND", page_size=64)
-    batch = random_paged_batch(spec, [1, 1, 1], [300, 2000, 77], device="cuda", seed=11)
+    batch = random_paged_batch(spec, [1, 1, 1], [300, 2000, 77], device="cuda", seed=seed)
     table = batch.block_table.clone()
     table[1, 3] = batch.kv_cache.shape[0] + 5
-    out = load_kernel(spec).paged_attention(batch.q, batch.kv_cache, table, batch.seq_lens, batch.query_start_loc,
-                                            **batch.scales)
+    out = torch.full_like(batch.q, NOT_WRITTEN)  # not NaN: a skipped row must not pass for a NaN row
+    load_kernel(spec).paged_attention(batch.q, batch.kv_cache, table, batch.seq_lens, batch.query_start_loc,
+                                      out=out, **batch.scales)
     torch.cuda.synchronize()
     assert torch.isnan(out[1]).all() and not torch.isnan(out[[0, 2]]).any()
     ref = reference.paged_attention(spec, *batch.args(), **batch.kwargs())

@@ -5,7 +5,7 @@
 - A Gemma-2-architecture model (hd 256, soft-cap 50, alternating windows; random weights, built from
   a config: no download) and a gpt-oss one (sinks) run with ``attn_implementation="jitattn"``
   through the jit kernels and match ``"eager"`` (logits, greedy tokens), as on the CPU
-  (tests/test_integrations.py) but on the device.
+  (tests/test_integrations.py, tests/test_transformers_integration.py) but on the device.
 - ``torch.compile(fullgraph=True)`` (inductor) traces through the custom op on the jit backend.
 - A decode captured in a CUDA graph and replayed on new inputs (new q, K/V, sequence lengths)
   matches the reference.
@@ -77,13 +77,13 @@ def _fresh_selector():
 # ---- every backend that says yes, against the reference --------------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name, spec, params", MATRIX, ids=[m[0] for m in MATRIX])
-def test_backend_matches_reference_on_device(backend, name, spec, params, session_cache, record):
+def test_backend_matches_reference_on_device(backend, name, spec, params, session_cache, record, seed):
     device = DeviceInfo.from_torch("cuda")
     why = get_backend(backend).reasons(spec, device)
     record(backend=backend, served=not why)
     if why:
         pytest.skip("; ".join(why))
-    batch = random_paged_batch(spec, Q_LENS, KV_LENS, device="cuda", params=_params(params, "cuda"), seed=11)
+    batch = random_paged_batch(spec, Q_LENS, KV_LENS, device="cuda", params=_params(params, "cuda"), seed=seed)
     fn = get_backend(backend).build(spec, device)
     out = torch.full((sum(Q_LENS), spec.num_qo_heads, spec.head_dim_vo), float("nan"), dtype=batch.q.dtype,
                      device="cuda")
@@ -116,11 +116,12 @@ def test_selector_picks_jit_on_this_device(record):
 
 
 # ---- transformers ---------------------------------------------------------------------------------------------
-def test_gemma2_matches_eager_on_device_through_jit(session_cache, record):
-    from tests.test_integrations import Gemma2ForCausalLM, build_models, check_greedy, check_logits, gemma2_config
+def test_gemma2_matches_eager_on_device_through_jit(session_cache, record, seed):
+    from tests.test_transformers_integration import (Gemma2ForCausalLM, build_models, check_greedy, check_logits,
+                                                     gemma2_config)
 
-    models = build_models(Gemma2ForCausalLM, gemma2_config(), device="cuda")
-    ids = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(1)).cuda()
+    models = build_models(Gemma2ForCausalLM, gemma2_config(), device="cuda", seed=seed)
+    ids = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(seed)).cuda()
     eager_err, jit_err = check_logits(models, ids)
     eager, jit = check_greedy(models, ids, new_tokens=16)
     record(eager_bf16_vs_fp32=eager_err, jitattn_vs_fp32=jit_err, same_tokens=bool(torch.equal(eager, jit)))
@@ -128,11 +129,12 @@ def test_gemma2_matches_eager_on_device_through_jit(session_cache, record):
         assert selector.select(spec, "cuda", "prefill").name == "jit"
 
 
-def test_gemma2_left_padded_batch_on_device(session_cache, record):
-    from tests.test_integrations import Gemma2ForCausalLM, build_models, check_greedy, check_logits, gemma2_config
+def test_gemma2_left_padded_batch_on_device(session_cache, record, seed):
+    from tests.test_transformers_integration import (Gemma2ForCausalLM, build_models, check_greedy, check_logits,
+                                                     gemma2_config)
 
-    models = build_models(Gemma2ForCausalLM, gemma2_config(), device="cuda", seed=2)
-    ids = torch.randint(3, 256, (2, 20), generator=torch.Generator().manual_seed(2))
+    models = build_models(Gemma2ForCausalLM, gemma2_config(), device="cuda", seed=seed)
+    ids = torch.randint(3, 256, (2, 20), generator=torch.Generator().manual_seed(seed))
     mask = torch.ones_like(ids)
     mask[1, :6], ids[1, :6] = 0, 0
     ids, mask = ids.cuda(), mask.cuda()
@@ -141,20 +143,21 @@ def test_gemma2_left_padded_batch_on_device(session_cache, record):
     record(eager_bf16_vs_fp32=eager_err, jitattn_vs_fp32=jit_err)
 
 
-def test_gpt_oss_sinks_on_device_through_jit(session_cache, record):
-    from tests.test_integrations import GptOssForCausalLM, build_models, check_greedy, check_logits, gpt_oss_config
+def test_gpt_oss_sinks_on_device_through_jit(session_cache, record, seed):
+    from tests.test_transformers_integration import (GptOssForCausalLM, build_models, check_greedy, check_logits,
+                                                     gpt_oss_config)
 
-    models = build_models(GptOssForCausalLM, gpt_oss_config(), device="cuda")
-    ids = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(3)).cuda()
+    models = build_models(GptOssForCausalLM, gpt_oss_config(), device="cuda", seed=seed)
+    ids = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(seed)).cuda()
     eager_err, jit_err = check_logits(models, ids)
     check_greedy(models, ids, new_tokens=8)
     record(eager_bf16_vs_fp32=eager_err, jitattn_vs_fp32=jit_err)
 
 
 # ---- the custom op under torch.compile and CUDA graphs ----------------------------------------------------------
-def test_op_compiles_fullgraph_with_inductor_on_jit(session_cache):
+def test_op_compiles_fullgraph_with_inductor_on_jit(session_cache, seed):
     spec = MATRIX[1][1]
-    batch = random_paged_batch(spec, Q_LENS, KV_LENS, device="cuda", seed=5)
+    batch = random_paged_batch(spec, Q_LENS, KV_LENS, device="cuda", seed=seed)
 
     def layer(q, kv_cache, block_table, seq_lens, qsl):
         out = paged_attention(spec, q * 1.0, kv_cache, block_table, seq_lens, qsl, backend="jit")
@@ -165,19 +168,19 @@ def test_op_compiles_fullgraph_with_inductor_on_jit(session_cache):
     assert relative_error(got, ref) < TOL[spec.q_dtype]
 
 
-def test_op_selects_jit_when_compiled(session_cache):
+def test_op_selects_jit_when_compiled(session_cache, seed):
     spec = MATRIX[0][1]
-    batch = random_paged_batch(spec, Q_LENS, KV_LENS, device="cuda", seed=6)
+    batch = random_paged_batch(spec, Q_LENS, KV_LENS, device="cuda", seed=seed)
     got = torch.compile(lambda *a: paged_attention(spec, *a), fullgraph=True)(*batch.args())
     assert relative_error(got, reference.paged_attention(spec, *batch.args())) < TOL[spec.q_dtype]
 
 
 @pytest.mark.parametrize("spec", GRAPH_SPECS, ids=["hd128", "gemma2-window-softcap"])
-def test_decode_cuda_graph_replay(spec, session_cache, record):
+def test_decode_cuda_graph_replay(spec, session_cache, record, seed):
     """Capture one decode call, then replay it on new q, K/V and sequence lengths (same shapes)."""
     kv_lens_a, kv_lens_b = [5000, 17, 300, 1], [4096, 4097, 1, 9000]
     capacity = [max(a, b) for a, b in zip(kv_lens_a, kv_lens_b)]
-    base = random_paged_batch(spec, [1] * 4, capacity, device="cuda", seed=21)  # the page table stays
+    base = random_paged_batch(spec, [1] * 4, capacity, device="cuda", seed=seed)  # the page table stays
     q, kv_cache, block_table, seq_lens, qsl = (t.clone() for t in base.args())
     seq_lens.copy_(torch.tensor(kv_lens_a, dtype=torch.int32))
 
@@ -193,8 +196,8 @@ def test_decode_cuda_graph_replay(spec, session_cache, record):
     with torch.cuda.graph(graph):
         out = decode()
     errors = []
-    for lens, seed in ((kv_lens_a, 22), (kv_lens_b, 23)):
-        fresh = random_paged_batch(spec, [1] * 4, capacity, device="cuda", seed=seed)
+    for lens, replay_seed in ((kv_lens_a, seed + 1), (kv_lens_b, seed + 2)):  # new inputs, recorded seeds
+        fresh = random_paged_batch(spec, [1] * 4, capacity, device="cuda", seed=replay_seed)
         q.copy_(fresh.q)
         kv_cache.copy_(fresh.kv_cache)
         block_table.copy_(fresh.block_table)

@@ -199,7 +199,10 @@ def test_ragged_source_builds_only_the_prefill_kernel():
 
 
 # ---- backends and selector ----------------------------------------------------------------------------
-def test_backend_reasons_for_ragged_specs():
+def test_backend_reasons_for_ragged_specs(monkeypatch):
+    import jitattn.backends.flashinfer as fi_mod
+
+    monkeypatch.setattr(fi_mod, "flashinfer_import_error", lambda: None)  # as if installed: its own reasons show
     spec = ragged(16, 2, 192, 128)
     h100, cpu = DeviceInfo.parse("h100"), DeviceInfo.parse("cpu")
     assert get_backend("jit").reasons(spec, h100) == []
@@ -207,9 +210,10 @@ def test_backend_reasons_for_ragged_specs():
     assert get_backend("sdpa").reasons(spec, cpu) == []
     assert ("flex: ragged K/V (kv_storage='ragged') not served by this adapter (it feeds FlexAttention from the "
             "paged cache)") in get_backend("flex").reasons(spec, h100)
-    fi = get_backend("flashinfer")
-    if not fi.reasons(spec, h100)[0].startswith("flashinfer: not installed"):
-        assert any("flashinfer: ragged K/V" in r for r in fi.reasons(spec, h100))
+    assert ("flashinfer: ragged K/V (kv_storage='ragged') not served by this adapter (it wraps "
+            "BatchPrefillWithPagedKVCacheWrapper; the ragged wrapper is not wired in)") in \
+        get_backend("flashinfer").reasons(spec, h100)
+    assert not any("ragged" in r for r in get_backend("flashinfer").reasons(AttentionSpec(16, 2, 128), h100))
 
 
 def test_selector_on_ragged_specs():

@@ -322,3 +322,44 @@ def test_make_paged_kv_round_trip(layout):
         start += n
     used = {int(p) for b, n in enumerate(lens) for p in table[b, : -(-n // 7)]}
     assert len(used) == sum(-(-n // 7) for n in lens)  # no page shared between sequences
+
+
+# ---- the error metric the kernel tests use -------------------------------------------------------
+def test_relative_error_is_the_norm_ratio():
+    ref = torch.tensor([3.0, 4.0])
+    assert relative_error(ref, ref) == 0.0
+    assert relative_error(torch.tensor([3.0, 5.0]), ref) == pytest.approx(1 / 5)
+    assert relative_error(torch.tensor([1.0, 0.0]), torch.zeros(2)) == 1.0  # a zero ref: the absolute error
+    with pytest.raises(ValueError, match=r"out has shape \(2,\), ref \(3,\)"):
+        relative_error(ref, torch.zeros(3))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("side", ["out", "ref", "both"])
+def test_relative_error_fails_on_nan_or_inf_on_either_side(bad, side):
+    good = torch.randn(4, 3, dtype=torch.bfloat16)
+    poisoned = good.clone()
+    poisoned[1, 2] = bad
+    out, ref = (poisoned if side in ("out", "both") else good), (poisoned if side in ("ref", "both") else good)
+    assert relative_error(out, ref) == float("inf")
+    if side != "both":  # not at the same place on both sides: still a failure when matches are allowed
+        assert relative_error(out, ref, matching_nonfinite=True) == float("inf")
+    assert relative_error(torch.full((4, 3), bad), torch.full((4, 3), bad)) == float("inf")
+
+
+def test_relative_error_allows_matching_nonfinite_only_when_asked():
+    ref = torch.randn(5, 2, dtype=torch.float64)
+    ref[1] = float("nan")
+    ref[3, 0] = float("-inf")
+    out = ref.clone()
+    out[0, 0] += 0.5
+    want = 0.5 / torch.linalg.vector_norm(ref[torch.isfinite(ref)]).item()
+    assert relative_error(out, ref) == float("inf")
+    assert relative_error(out, ref, matching_nonfinite=True) == pytest.approx(want)
+    flipped = out.clone()
+    flipped[3, 0] = float("inf")  # -inf against +inf is not a match
+    assert relative_error(flipped, ref, matching_nonfinite=True) == float("inf")
+    as_nan = out.clone()
+    as_nan[3, 0] = float("nan")  # NaN against -inf is not a match either
+    assert relative_error(as_nan, ref, matching_nonfinite=True) == float("inf")
+    assert relative_error(torch.full((3,), float("nan")), torch.zeros(3)) == float("inf")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -151,8 +152,13 @@ def test_explicit_default_scale_equals_omitted_scale():
 
 
 def test_frozen():
-    with pytest.raises(Exception):
-        mk().page_size = 32  # type: ignore[misc]
+    spec = mk()
+    key = spec.key
+    with pytest.raises(dataclasses.FrozenInstanceError, match="cannot assign to field 'page_size'"):
+        spec.page_size = 32  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError, match="cannot delete field 'window_left'"):
+        del spec.window_left
+    assert spec.page_size == 16 and spec.key == key  # unchanged: the key still names this spec
 
 
 def test_replace_moves_derived_defaults_along():

@@ -14,10 +14,11 @@ import torch
 from jitattn import AttentionSpec, Param, Variant
 from jitattn import reference
 from jitattn.cache import KernelCache
-from jitattn.testing import random_paged_batch
+from jitattn.testing import random_paged_batch, relative_error
 from jitattn.trace import ParamView, TraceError
 from jitattn.variant import (document_mask, prefix_lm_mask, relative_position_bias, rotary_embedding,
                              sigmoid_attention, trace_hook)
+from tests import oracles
 
 SLOPE = (Param("slope", "float32", ("num_qo_heads",)),)
 
@@ -47,6 +48,25 @@ def cuda(hook: str, fn, params=()) -> str:
 ])
 def test_transform_expressions(fn, expected):
     assert cuda("logits_transform", fn) == expected
+
+
+@pytest.mark.parametrize("fn,expected", [
+    (lambda s, b, h, qi, ki, p: 100 // (ki + 1) + s, "(static_cast<float>(jitattn::floor_div(100, (kv_idx + 1))) + logits)"),
+    (lambda s, b, h, qi, ki, p: 100 % (ki + 1) + s, "(static_cast<float>(jitattn::floor_mod(100, (kv_idx + 1))) + logits)"),
+    (lambda s, b, h, qi, ki, p: 100 - qi + s, "(static_cast<float>((100 - qo_idx)) + logits)"),
+    (lambda s, b, h, qi, ki, p: 1.5 / s, "(1.500000000e+00f / logits)"),
+    (lambda s, b, h, qi, ki, p: 2.0 ** s, "powf(2.000000000e+00f, logits)"),
+    (lambda s, b, h, qi, ki, p: 3 * s + 1, "((static_cast<float>(3) * logits) + static_cast<float>(1))"),
+])
+def test_reflected_operators_keep_the_left_operand_on_the_left(fn, expected):
+    """``100 // x`` is floor(100 / x), not floor(x / 100): a Python number on the left of an operator
+    reaches the traced value's reflected method (``__rfloordiv__``, ``__rsub__``, ...), which must not
+    swap the operands; the same function on torch integers gives Python's answer (checked below)."""
+    assert cuda("logits_transform", fn) == expected
+    qi, ki = torch.tensor([[[7]]]), torch.tensor([[[3]]])
+    got = fn(torch.ones(1, 1, 1), 0, torch.zeros(1, 1, 1, dtype=torch.long), qi, ki, None).item()
+    want = fn(1.0, 0, 0, 7, 3, None)
+    assert got == pytest.approx(want)
 
 
 def test_masks_and_logic():
@@ -194,16 +214,37 @@ def test_t5_bias_matches_the_reference_bucketing(bidirectional):
         assert out[2, q, k].item() == pytest.approx(want.item(), abs=1e-6), (q, k)
 
 
-def test_prefix_lm_and_document_mask_on_the_reference():
+def test_prefix_lm_mask_on_the_reference():
+    """The hook's mask is the hand-written prefix-LM mask, and the reference's output over a batch is
+    the oracle's (tests/oracles.py: attention with that mask written independently)."""
     spec = AttentionSpec(4, 2, 32, causal=False, variant=prefix_lm_mask())
-    batch = random_paged_batch(spec, [6], [6], params={"prefix_len": torch.tensor([3], dtype=torch.int32)})
+    params = {"prefix_len": torch.tensor([3, 0, 6], dtype=torch.int32)}
     mask = spec.variant.logits_mask(0, torch.zeros(1, 1, 1, dtype=torch.long), torch.arange(6)[None, :, None],
-                                    torch.arange(6)[None, None, :],
-                                    ParamView({"prefix_len": torch.tensor([3], dtype=torch.int32)}))[0]
+                                    torch.arange(6)[None, None, :], ParamView(params))[0]
     expected = torch.tensor([[j <= i or j < 3 for j in range(6)] for i in range(6)])
     assert torch.equal(mask, expected)
+    batch = random_paged_batch(spec, [6, 2, 3], [6, 9, 6], params=params)
     out = reference.paged_attention(spec, *batch.args(), **batch.kwargs())
-    assert torch.isfinite(out.float()).all()
+    want, _ = oracles.attention(spec, batch, oracles.prefix_lm_pieces(params))
+    assert relative_error(out, want) < 4e-3
+
+
+def test_document_mask_on_the_reference():
+    """Sequence b reads its document ids at doc[b * doc_stride + position]: the hook's mask is the
+    hand-written block-diagonal mask of each sequence's own ids, and the output is the oracle's."""
+    spec = AttentionSpec(4, 2, 32, variant=document_mask())
+    ids = [[0, 0, 1, 1, 1, 2, 9, 9], [5, 6, 6, 6, 7, 7, 7, 7]]  # stride 8; sequence 1 uses 6 positions
+    params = {"doc": torch.tensor(ids[0] + ids[1], dtype=torch.int32), "doc_stride": 8}
+    for b, kv_len in ((0, 8), (1, 6)):
+        pos = torch.arange(kv_len)
+        mask = spec.variant.logits_mask(b, torch.zeros(1, 1, 1, dtype=torch.long), pos[None, :, None],
+                                        pos[None, None, :], ParamView(params))[0]
+        expected = torch.tensor([[ids[b][i] == ids[b][j] for j in range(kv_len)] for i in range(kv_len)])
+        assert torch.equal(mask, expected), b
+    batch = random_paged_batch(spec, [8, 3], [8, 6], params=params)
+    out = reference.paged_attention(spec, *batch.args(), **batch.kwargs())
+    want, _ = oracles.attention(spec, batch, oracles.document_pieces(params))
+    assert relative_error(out, want) < 4e-3
 
 
 def test_sigmoid_attention_is_a_weighted_sum_without_lse():
