@@ -18,6 +18,7 @@ import torch
 from jitattn.checks import check_spec
 from jitattn.reference import torch_dtype
 from jitattn.spec import AttentionSpec
+from jitattn.variant import visible_key_range
 
 
 @dataclass
@@ -61,8 +62,7 @@ def visible_pairs(spec: AttentionSpec, q_len: int, kv_len: int) -> int:
     """(query, key) pairs the causal/window bounds leave visible in one sequence."""
     total = 0
     for p in range(kv_len - q_len, kv_len):
-        lo = max(0, p - spec.window_left) if spec.window_left >= 0 else 0
-        hi = p if spec.causal else (min(kv_len - 1, p + spec.window_right) if spec.window_right >= 0 else kv_len - 1)
+        lo, hi = visible_key_range(spec.causal, spec.window_left, spec.window_right, p, p, kv_len)
         total += max(0, hi - lo + 1)
     return total
 
@@ -71,9 +71,7 @@ def visible_keys(spec: AttentionSpec, q_len: int, kv_len: int) -> int:
     """Keys at least one query of the sequence can see (what a kernel must read)."""
     if q_len == 0:
         return 0
-    first, last = kv_len - q_len, kv_len - 1
-    lo = max(0, first - spec.window_left) if spec.window_left >= 0 else 0
-    hi = last if spec.causal else (min(kv_len - 1, last + spec.window_right) if spec.window_right >= 0 else kv_len - 1)
+    lo, hi = visible_key_range(spec.causal, spec.window_left, spec.window_right, kv_len - q_len, kv_len - 1, kv_len)
     return max(0, hi - lo + 1)
 
 
