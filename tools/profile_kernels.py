@@ -1,7 +1,7 @@
 """Launch one call of selected bench cases, for Nsight Compute (not a test; run on a GPU).
 
     ncu --clock-control none --kernel-name regex:jitattn_ --section SpeedOfLight \
-        --section Occupancy --section WarpStateStats python3 tests/profile_kernels.py decode-gpt-oss prefill-hd128
+        --section Occupancy --section WarpStateStats python3 tools/profile_kernels.py decode-gpt-oss prefill-hd128
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from jitattn.bench import all_cases
+from jitattn.bench.cases import all_cases
 from jitattn.runtime import load_kernel
 from jitattn.testing import random_paged_batch
 

@@ -1,6 +1,6 @@
-"""Run one (variant, case) of tests/tune_decode_variants.py three times, for ncu (not a test; GPU).
+"""Run one (variant, case) of tools/tune_decode_variants.py three times, for ncu (not a test; GPU).
 
-    ncu -k regex:jitattn_decode -s 2 -c 1 python3 tests/ncu_decode_variant.py ROOT VARIANT CASE
+    ncu -k regex:jitattn_decode -s 2 -c 1 python3 tools/ncu_decode_variant.py ROOT VARIANT CASE
 """
 import sys
 from pathlib import Path

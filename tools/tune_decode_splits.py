@@ -1,7 +1,7 @@
 """Time the decode bench cases at several split-KV factors, to choose JitKernel.num_splits' rule
 (not a test; run on a GPU). Each split count is checked against the fp32 reference first.
 
-    python3 tests/tune_decode_splits.py [--json PATH] [case-substring ...]
+    python3 tools/tune_decode_splits.py [--json PATH] [case-substring ...]
 
 Prints, per case, graph-replay ms and TB/s at each split count, with the count the current rule
 picks marked ``*``.
@@ -15,7 +15,8 @@ import math
 
 
 from jitattn import reference
-from jitattn.bench import all_cases, time_graph_ms
+from jitattn.bench.cases import all_cases
+from jitattn.bench.harness import time_graph_ms
 from jitattn.runtime import MAX_SPLITS, load_kernel
 from jitattn.testing import random_paged_batch, relative_error
 

@@ -5,9 +5,9 @@ Each variant is a copy of templates/ with some of decode_mma.cuh's JITATTN_* swi
 turn when its kernels load, so their cache keys differ). Every (variant, case) is checked against the
 fp32 reference, then timed by CUDA-graph replay in interleaved rounds.
 
-    python3 tests/tune_decode_variants.py prepare DIR            # variant template copies under DIR
-    python3 tests/tune_decode_variants.py build DIR              # compile them into JITATTN_CACHE_DIR
-    python3 tests/tune_decode_variants.py time DIR [--json PATH] # on the GPU
+    python3 tools/tune_decode_variants.py prepare DIR            # variant template copies under DIR
+    python3 tools/tune_decode_variants.py build DIR              # compile them into JITATTN_CACHE_DIR
+    python3 tools/tune_decode_variants.py time DIR [--json PATH] # on the GPU
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def build(root: Path) -> None:
 def time_all(root: Path, out: str | None, rounds: int) -> None:
     import torch
     from jitattn import reference, runtime
-    from jitattn.bench import time_graph_ms
+    from jitattn.bench.harness import time_graph_ms
     from jitattn.testing import random_paged_batch, relative_error
 
     batches, refs = {}, {}

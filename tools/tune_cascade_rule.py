@@ -4,7 +4,7 @@ call over a grid of (R requests, P shared prefix keys, s suffix keys), hd128 32/
 Both by CUDA-graph replay in one process; the cascade planned ahead (jitattn.cascade.plan_cascade), the
 plain call reading the shared prefix pages from every request's table (prefix caching's layout).
 
-    python3 tests/tune_cascade_rule.py [--json PATH]
+    python3 tools/tune_cascade_rule.py [--json PATH]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 import torch
 
 from jitattn import AttentionSpec
-from jitattn.bench import time_graph_ms
+from jitattn.bench.harness import time_graph_ms
 from jitattn.cascade import cascade_attention, cascade_pays, plain_metadata, plan_cascade
 from jitattn.runtime import load_kernel
 from jitattn.testing import random_cascade_batch, relative_error
