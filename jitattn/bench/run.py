@@ -27,7 +27,7 @@ from jitattn.bench.anchors import anchor_builders, import_flashinfer, needs_dens
 from jitattn.bench.cases import ANCHORS, REPO, BenchCase
 from jitattn.bench.compile_figures import device_arch, run_compile_figures
 from jitattn.bench.harness import Runner, build_runners, run_impl
-from jitattn.bench.report import CompileFigure, Result, one_line, write_json
+from jitattn.bench.report import HOST_UNIT, CompileFigure, Result, one_line, write_json
 from jitattn.reference import torch_dtype
 from jitattn.spec import AttentionSpec
 from jitattn.testing import PagedBatch, random_paged_batch
@@ -193,7 +193,7 @@ def run_case_safely(case: BenchCase, **kwargs: Any) -> list[Result]:
     try:
         return run_case(case, **kwargs)
     except Exception as exc:  # noqa: BLE001
-        unit = "us/call" if case.host else "TB/s" if case.is_decode else "TFLOP/s"
+        unit = HOST_UNIT if case.host else "TB/s" if case.is_decode else "TFLOP/s"
         return [Result.not_run(case.name, "(case)", unit, "failed", one_line(exc))]
     finally:
         torch.cuda.empty_cache()
