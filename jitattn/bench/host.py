@@ -23,7 +23,7 @@ import torch
 
 from jitattn.bench.anchors import flashinfer_runner, sdpa_runners, to_contiguous
 from jitattn.bench.cases import HOST_CALLS, BenchCase
-from jitattn.bench.harness import Runner, with_notes, build_runners, check_error, host_us_per_call
+from jitattn.bench.harness import Runner, build_runners, check_error, host_us_per_call, with_notes
 from jitattn.bench.report import HOST_UNIT, Result, one_line
 from jitattn.reference import torch_dtype
 from jitattn.spec import AttentionSpec
