@@ -81,8 +81,8 @@ def cascade_pays(num_requests: int, prefix_len: int, suffix_len: float) -> bool:
     P-key prefix, each with about s keys of its own.
 
     Measured on the H200 (2026-11-29, hd128 32/8 heads bf16 page 16, both by CUDA-graph replay, the
-    plain call reading the shared prefix pages from every request's table; BENCHMARKS.md "Cascade",
-    ``tests/gpu_results/2026-11-29-s6-c-cascade-rule.json``): the cascade pays from R = 8 with a prefix
+    plain call reading the shared prefix pages from every request's table; BENCHMARKS.md "Cascade rule sweep",
+    ``results/cascade-rule.json``): the cascade pays from R = 8 with a prefix
     of 1000+ keys that is at least 4x each suffix (1.06-4.75x), and from R = 32 with a prefix of 4096+
     keys at least 2x each suffix (1.05-2.21x). Below R = 8 the plain call reads the shared pages from L2
     and the cascade's fixed costs (its launch over chunks, the merge) win (0.26-0.92x); P = 256 never

@@ -722,33 +722,58 @@ def gpu_problem() -> str | None:
     return None
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def bench(ctx: typer.Context) -> None:
+@app.command()
+def bench(
+    case: Annotated[Optional[list[str]], typer.Option(
+        "--case", metavar="NAME", help="Case name substring; repeatable (--list shows the cases).")] = None,
+    model: Annotated[Optional[list[str]], typer.Option(
+        "--model", metavar="CONFIG", help="A Hugging Face config.json: a decode and a prefill case per layer kind; "
+                                          "repeatable.")] = None,
+    anchors: Annotated[Optional[str], typer.Option(
+        "--anchors", help="Comma-separated anchors to run, from sdpa, flex, flashinfer (default: all; '' for "
+                          "jitattn alone).")] = None,
+    json_path: Annotated[Optional[str], typer.Option(
+        "--json", metavar="PATH", help="Write environment, cases, results and compile figures as JSON (rewritten "
+                                       "after every case, so a killed run keeps what it measured).")] = None,
+    md: Annotated[Optional[str], typer.Option(
+        "--md", metavar="PATH", help="Replace the 'Latest' section of this BENCHMARKS.md.")] = None,
+    no_check: Annotated[bool, typer.Option("--no-check", help="Skip the reference error check.")] = False,
+    host_profile: Annotated[bool, typer.Option(
+        "--host-profile", help="cProfile the host side of each jitattn call instead of timing.")] = False,
+    compile_: Annotated[bool, typer.Option(
+        "--compile", help="Also measure compile figures: cold nvcc s (fresh cache), warm load ms (fresh process), "
+                          "torch.compile s of the Flex variant; without a GPU, the nvcc figures only.")] = False,
+    compile_only: Annotated[bool, typer.Option("--compile-only", help="--compile, and time nothing else.")] = False,
+    list_: Annotated[bool, typer.Option(
+        "--list", help="Print the selected cases and exit (no GPU, no torch needed).")] = False,
+    from_json: Annotated[Optional[list[str]], typer.Option(
+        "--from-json", metavar="PATH", help="Run nothing: print the tables of earlier --json files, merged in order "
+                                            "(repeatable; with --md, write BENCHMARKS.md from them).")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Input seed.")] = 0,
+) -> None:
     """Time jitattn against the anchors side by side (SDPA, FlexAttention, FlashInfer) on a CUDA GPU.
 
-    Every argument goes to jitattn.bench (`jitattn bench --help`): --case NAME, --model CONFIG,
-    --anchors, --json PATH, --md PATH, --compile, --no-check, --host-profile. Without a GPU, --list,
-    --from-json (tables and BENCHMARKS.md from earlier runs) and --compile-only (nvcc figures) still work.
+    Prefill in TFLOP/s, decode in TB/s of K/V read, host cases in us per eager call, each with its
+    error against the fp32 reference (jitattn.bench). Without a GPU, --list, --from-json (tables and
+    BENCHMARKS.md from earlier runs) and --compile-only (nvcc figures) still work; --list and
+    --from-json need no torch either.
     """
-    args = list(ctx.args)
-    cpu_ok = {"--list", "--from-json", "--compile-only", "-h", "--help"}
-    problem = None if any(a.split("=")[0] in cpu_ok for a in args) else gpu_problem()
-    if problem and not problem.startswith("torch is not installed"):
-        from jitattn import bench as bench_module
-
-        try:  # a usage error (--case nope, a bad --model) is named first: no GPU would not fix it
-            parsed = bench_module.parse_args(args)
-            bench_module.select_cases(parsed.case, parsed.model)
-        except bench_module.BenchUsageError as exc:
-            _fail(str(exc).strip().replace("\n", " "))
-    if problem:
-        _fail(f"jitattn bench runs kernels on a CUDA GPU, and cannot here: {problem} "
-              f"(--list, --from-json and --compile-only work without one)")
-    _need_torch("bench")
     from jitattn import bench as bench_module
 
     try:
-        bench_module.main(args)
+        options = bench_module.BenchOptions(
+            cases=tuple(case or ()), models=tuple(model or ()), json=json_path, md=md, check=not no_check,
+            host_profile=host_profile, compile=compile_, compile_only=compile_only, list=list_,
+            from_json=tuple(from_json or ()), seed=seed,
+            **({} if anchors is None else {"anchors": bench_module.BenchOptions.parse_anchors(anchors)}))
+        problem = None if options.list or options.from_json or options.compile_only else gpu_problem()
+        if problem:  # a usage error (--case nope, a bad --model) is named first: a GPU would not fix it
+            bench_module.select_cases(options.cases, options.models)
+            _fail(f"jitattn bench runs kernels on a CUDA GPU, and cannot here: {problem} "
+                  f"(--list, --from-json and --compile-only work without one)")
+        if not (options.list or options.from_json):
+            _need_torch("bench")
+        bench_module.main(options)
     except bench_module.BenchUsageError as exc:  # a bad --case / --model / --from-json: one line, exit 2
         _fail(str(exc).strip().replace("\n", " "))
 

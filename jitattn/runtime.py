@@ -182,7 +182,7 @@ def choose_num_splits(blocks: int, slots: int, max_useful: int, *, min_wave_fill
     The smallest ``s`` with at least one full wave (``blocks * s >= slots``) whose waves are at least
     ``min_wave_fill`` full (the last, partial wave idles the rest of the GPU), capped by
     ``max_useful`` (>= 4 tiles per split) and MAX_SPLITS. Fewer splits mean longer blocks (less
-    prologue, no merge kernel at s = 1). Rule fitted to tests/tune_decode_splits.py on the H200,
+    prologue, no merge kernel at s = 1). Rule fitted to tools/tune_decode_splits.py on the H200,
     2026-11-29: 64 x 4096 hd128 (512 blocks, 264 slots) best at 1 (the old ">= 4 waves" rule took 3,
     4 % slower); 1 x 32768 (8 blocks) best at 33, one exact wave (the old rule took 64, 31 % slower);
     Gemma-2 64 x 8192 on the CUDA-core decode (512 blocks, 396 slots) best at 2-3.

@@ -1,6 +1,6 @@
 """Summarise a GPU test run (the JSON lines tests/conftest.py writes) as markdown, for GPU_TESTS.md.
 
-    python -m tests.gpu_report tests/gpu_results/<run>.jsonl
+    python -m tests.gpu_report results/gpu-tests.jsonl
 """
 
 from __future__ import annotations

@@ -238,7 +238,7 @@ def test_flashinfer_page_metadata():
     spec = AttentionSpec(8, 2, 64, page_size=4)
     table = torch.tensor([[7, 3, 9], [2, 0, 0], [5, 6, 0]], dtype=torch.int32)
     seq_lens = torch.tensor([9, 4, 5], dtype=torch.int32)
-    indptr, indices, last = fi_mod._page_metadata(spec, table, seq_lens)
+    indptr, indices, last = fi_mod.page_metadata(spec, table, seq_lens)
     assert indptr.tolist() == [0, 3, 4, 6]
     assert indices.tolist() == [7, 3, 9, 2, 5, 6]
     assert last.tolist() == [1, 4, 1]

@@ -128,9 +128,9 @@ def test_plain_path_refused_for_a_mid_page_prefix():
 
 
 def test_the_rule_against_its_measurements():
-    """cascade_pays on the 84 measured shapes (H200 sweep, tests/tune_cascade_rule.py): it takes the cascade
+    """cascade_pays on the 84 measured shapes (H200 sweep, tools/tune_cascade_rule.py): it takes the cascade
     where it was faster and not where it was slower, except the three shapes its docstring names."""
-    rows = json.loads((Path(__file__).parent / "gpu_results" / "2026-11-29-s6-c-cascade-rule.json").read_text())
+    rows = json.loads((Path(__file__).parent.parent / "results" / "cascade-rule.json").read_text())
     assert len(rows) == 84
     wrong = {(r["R"], r["P"], r["s"]) for r in rows if cascade_pays(r["R"], r["P"], r["s"]) != (r["speedup"] > 1.0)}
     assert wrong == {(8, 8192, 2048), (8, 1024, 512), (128, 1024, 512)}

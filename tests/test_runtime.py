@@ -292,7 +292,7 @@ def test_validate_under_graph_capture_is_refused_before_any_work(monkeypatch):
 
 
 def test_loaded_once_loads_each_key_once_until_cleared():
-    """load_kernel's memo: one load per key, reused; clear() (tests/tune_decode_variants.py swaps the
+    """load_kernel's memo: one load per key, reused; clear() (tools/tune_decode_variants.py swaps the
     templates between variants) makes the next get load again."""
     from jitattn.runtime import LoadedOnce
 

@@ -91,7 +91,7 @@ class FlashInferBackend(Backend):
             check_flags(return_lse, validate)
             check_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc, {**kwargs, "out": out},
                        values=validate)
-            indptr, indices, last_len = _page_metadata(spec, block_table, seq_lens)
+            indptr, indices, last_len = page_metadata(spec, block_table, seq_lens)
             wrapper.plan(query_start_loc, indptr, indices, last_len, spec.num_qo_heads, spec.num_kv_heads,
                          spec.head_dim_qk, spec.page_size, causal=spec.causal, window_left=spec.window_left,
                          logits_soft_cap=spec.logits_soft_cap or None, sm_scale=spec.sm_scale,
@@ -102,9 +102,15 @@ class FlashInferBackend(Backend):
         return flashinfer_paged_attention
 
 
-def _page_metadata(spec: AttentionSpec, block_table: torch.Tensor, seq_lens: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FlashInfer's CSR page table: indptr ``(batch+1,)``, indices ``(used pages,)``, last page lengths ``(batch,)``."""
+def page_metadata(spec: AttentionSpec, block_table: torch.Tensor, seq_lens: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashInfer's CSR page table of jitattn's block table, int32 on its device (a device sync).
+
+    Returns ``kv_indptr (batch+1,)``, ``kv_indices (used pages,)`` (sequence ``b``'s first
+    ``ceil(seq_lens[b] / page_size)`` block-table entries, in order) and ``last_page_len (batch,)``
+    (``(seq_lens[b] - 1) % page_size + 1``; 0 for an empty sequence): the ``plan()`` arguments of
+    FlashInfer's paged wrappers.
+    """
     lens = seq_lens.long()
     pages = (lens + spec.page_size - 1) // spec.page_size  # (B,)
     indptr = torch.zeros(len(lens) + 1, dtype=torch.int32, device=lens.device)

@@ -17,7 +17,8 @@ that differs from the query/key one (head_dim_vo != head_dim_qk) on its math and
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -108,11 +109,57 @@ def _one_sequence(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torc
     if spec.group_size > 1:
         kh = kh.repeat_interleave(spec.group_size, dim=0)  # (H_qo, L, D)
         vh = vh.repeat_interleave(spec.group_size, dim=0)
-    mask, is_causal = None, False
-    if spec.causal and n == kv_len:
-        is_causal = True
-    elif spec.causal and n > 1:  # queries at kv_len - n ... kv_len - 1: bottom-right aligned
-        rows = torch.arange(kv_len - n, kv_len, device=q.device)[:, None]
-        mask = torch.arange(kv_len, device=q.device)[None, :] <= rows  # (n, L)
+    mask, is_causal = _causal_mask(spec, n, kv_len, q.device)
     o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=is_causal, scale=spec.sm_scale)
     return o.transpose(0, 1)  # (n, H, D)
+
+
+def _causal_mask(spec: AttentionSpec, n: int, kv_len: int, device: torch.device
+                 ) -> tuple[torch.Tensor | None, bool]:
+    """``(attn_mask, is_causal)`` for ``n`` queries at the last positions of ``kv_len`` keys (bottom-right).
+
+    SDPA's ``is_causal`` is top-left aligned, right only when the queries are all the keys; a single
+    query sees every key (no mask); a chunk after cached keys needs a boolean ``(n, kv_len)`` mask.
+    """
+    if not spec.causal or n == 1:
+        return None, False
+    if n == kv_len:
+        return None, True
+    rows = torch.arange(kv_len - n, kv_len, device=device)[:, None]  # queries at kv_len - n ... kv_len - 1
+    return torch.arange(kv_len, device=device)[None, :] <= rows, False  # (n, L)
+
+
+def dense_attention_fn(spec: AttentionSpec, *, sdp_backend: Any = None
+                       ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """SDPA on dense sequences of equal lengths, as the spec asks: ``fn(q, k, v) -> out``, the dense
+    form of a paged batch. The spec is checked here, once; a call only launches.
+
+    ``fn`` takes q ``(B, H_qo, N, head_dim_qk)`` (every sequence's ``N`` queries at its last
+    positions), k / v ``(B, H_kv, L, head_dim_qk / head_dim_vo)`` in q's dtype (GQA through
+    ``enable_gqa``: K/V are not copied per query head) and returns ``(B, H_qo, N, head_dim_vo)`` in
+    q's dtype. Causal masks are bottom-right aligned (:func:`_causal_mask`); an explicit mask
+    (``1 < N < L``) takes SDPA off its flash and cuDNN paths.
+
+    Args:
+        sdp_backend: a ``torch.nn.attention.SDPBackend`` to pin for every call (``FLASH_ATTENTION``,
+            ``CUDNN_ATTENTION``), or None for torch's choice.
+
+    Raises:
+        ValueError: a spec feature SDPA has no form for (window, soft-cap, sinks, ALiBi, a variant,
+            an FP8 cache), with the reasons.
+    """
+    reasons = SdpaBackend().spec_reasons(spec, DeviceInfo("cpu", "cpu"), "mixed")
+    if reasons:
+        raise ValueError("; ".join(reasons))
+    from torch.nn.attention import sdpa_kernel
+
+    gqa = spec.group_size > 1
+    pin = (lambda: sdpa_kernel(sdp_backend)) if sdp_backend is not None else contextlib.nullcontext
+
+    def sdpa_dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        mask, is_causal = _causal_mask(spec, q.shape[2], k.shape[2], q.device)
+        with pin():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=spec.sm_scale,
+                                                  enable_gqa=gqa)
+
+    return sdpa_dense_attention

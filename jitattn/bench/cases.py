@@ -1,0 +1,258 @@
+"""The case catalogue: which spec and batch shape each benchmark case runs. Needs no torch.
+
+A case is a spec and a batch (``q_lens[b]`` queries against ``kv_lens[b]`` keys). The catalogue:
+DESIGN.md's six anchor-table cases, the fast-decode targets, the mixed batch, the paged-vs-ragged
+pair, the shared-prefix (cascade) batches, the host-cost probes, then a decode and a prefill case
+for every layer kind of every model config in examples/models (or the configs given).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from jitattn.spec import AttentionSpec
+
+REPO = Path(__file__).resolve().parents[2]
+#: Model configs whose layer kinds are benchmarked by default (absent from an installed wheel).
+EXAMPLE_MODELS = REPO / "examples" / "models"
+#: H200 L2 is 60 MB: a decode case reads at least twice that, so it measures HBM, not L2.
+MIN_DECODE_BYTES = 128 * 10**6
+#: Model decode batches start at 64 sequences and double (up to this) until they read MIN_DECODE_BYTES.
+MAX_DECODE_BATCH = 1024
+MODEL_KV_LEN = 4096
+MODEL_PREFILL_BATCH = 2
+#: Prefill cases with more sequences than this check their error on the first sequence only.
+FULL_CHECK_MAX_SEQS = 2
+ANCHORS = ("sdpa", "flex", "flashinfer")
+#: Bytes per element of each KV dtype the specs take (jitattn.spec.KV_DTYPES), for byte counts without torch.
+KV_ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
+#: Back-to-back eager calls per trial of a host case (issue 18's probe: synchronised only at the end).
+HOST_CALLS = 2000
+
+
+class BenchUsageError(SystemExit):
+    """A bad argument (``--case``, ``--model``, ``--from-json``): the message names it and the value.
+
+    A SystemExit, so a script calling :func:`jitattn.bench.main` stops without a traceback;
+    ``jitattn bench`` prints it as ``jitattn: error: ...`` and exits 2 (a usage error).
+    """
+
+
+@dataclass
+class BenchCase:
+    """One benchmark case: a spec and a batch shape (q_lens[b] queries against kv_lens[b] keys)."""
+
+    name: str
+    spec: AttentionSpec
+    q_lens: list[int]
+    kv_lens: list[int]
+    phase: str  # "prefill", "decode" or "mixed" (prefill chunks and decode rows in one call; FLOP units)
+    # Also time the same batch from contiguous varlen K/V (a ragged spec): "jitattn-ragged", so the
+    # paged row's ratio is paged / contiguous (issue #6: within 10%).
+    ragged_twin: bool = False
+    # phase "cascade": (R requests, P shared prefix keys, s own suffix keys); q_lens / kv_lens are the
+    # un-split batch's (1 query, P + s keys each)
+    cascade: tuple[int, int, int] | None = None
+    # A host-cost case: microseconds per eager call of each way to call attention (issue #18), not GPU rates.
+    host: bool = False
+
+    @property
+    def is_decode(self) -> bool:
+        return self.phase in ("decode", "cascade")
+
+    @property
+    def check_seqs(self) -> int:
+        """Sequences whose rows the reference checks: all, except prefill cases of > 2 sequences (the first)."""
+        if self.phase == "prefill" and len(self.q_lens) > FULL_CHECK_MAX_SEQS:
+            return 1
+        return len(self.q_lens)
+
+    def describe(self) -> str:
+        """``64 x (1 q, 4096 kv), <spec>`` for --list and the JSON."""
+        shape = (f"{len(self.q_lens)} x ({self.q_lens[0]} q, {self.kv_lens[0]} kv)"
+                 if len(set(self.q_lens)) == 1 and len(set(self.kv_lens)) == 1 else f"{len(self.q_lens)} sequences")
+        kind = f"host us per call, {self.phase}" if self.host else self.phase
+        return f"{kind}, {shape}, {self.spec.describe()}"
+
+
+def design_cases() -> list[BenchCase]:
+    """The six cases of the anchor table in DESIGN.md, same shapes."""
+    hd128 = AttentionSpec(32, 8, 128)
+    gemma = AttentionSpec(16, 8, 256, logits_soft_cap=50.0, window_left=4095, sm_scale=256 ** -0.5)
+    phi3 = AttentionSpec(32, 32, 96)
+    return [
+        BenchCase("prefill-hd128-causal-b4x8192", hd128, [8192] * 4, [8192] * 4, "prefill"),
+        BenchCase("prefill-gemma2-9b-b2x8192", gemma, [8192] * 2, [8192] * 2, "prefill"),
+        BenchCase("prefill-phi3-hd96-b4x8192", phi3, [8192] * 4, [8192] * 4, "prefill"),
+        BenchCase("decode-hd128-b64x4096", hd128, [1] * 64, [4096] * 64, "decode"),
+        BenchCase("decode-gemma2-9b-b64x8192", gemma, [1] * 64, [8192] * 64, "decode"),
+        BenchCase("decode-hd128-b1x32768", hd128, [1], [32768], "decode"),
+    ]
+
+
+def decode_target_cases() -> list[BenchCase]:
+    """Extra decode cases of the fast-decode targets: gpt-oss sliding layer, page sizes 1/16/64, FP8 KV."""
+    gpt_oss = AttentionSpec(64, 8, 64, window_left=127, sinks=True)
+    out = [BenchCase("decode-gpt-oss-sliding-b256x8192", gpt_oss, [1] * 256, [8192] * 256, "decode")]
+    for ps in (1, 16, 64):
+        out.append(BenchCase(f"decode-hd128-b64x4096-page{ps}", AttentionSpec(32, 8, 128, page_size=ps),
+                             [1] * 64, [4096] * 64, "decode"))
+    # FP8 (e4m3) KV with per-tensor k_scale / v_scale: half the bytes of the page16 case above, so
+    # the same time would show half the TB/s; the target is a ratio of times against that case.
+    out.append(BenchCase("decode-hd128-b64x4096-fp8", AttentionSpec(32, 8, 128, kv_dtype="float8_e4m3fn"),
+                         [1] * 64, [4096] * 64, "decode"))
+    return out
+
+
+def ragged_cases() -> list[BenchCase]:
+    """The first design case timed from the paged cache (page 16) and from contiguous K/V, one run."""
+    return [BenchCase("prefill-hd128-causal-b4x8192-vs-ragged", AttentionSpec(32, 8, 128), [8192] * 4,
+                      [8192] * 4, "prefill", ragged_twin=True)]
+
+
+def mixed_cases() -> list[BenchCase]:
+    """Issue #6's mixed batch: 4 prefill chunks of 2048 and 60 decode rows (4096 keys each), one call.
+
+    Prefill sequences come first, so ``jitattn-separate`` (the same batch as one prefill call and
+    one decode call, :func:`jitattn.bench.run.split_batch`) writes the same output rows.
+    """
+    hd128 = AttentionSpec(32, 8, 128)
+    return [BenchCase("mixed-hd128-4x2048-prefill+60x4096-decode", hd128, [2048] * 4 + [1] * 60,
+                      [2048] * 4 + [4096] * 60, "mixed")]
+
+
+def cascade_cases() -> list[BenchCase]:
+    """Issue #9's shared-prefix decode batches: R requests share a P-key prefix and add s keys each.
+
+    ``jitattn`` is the cascade (:func:`jitattn.cascade.cascade_attention`, use_cascade=True); the anchor
+    ``jitattn-plain`` is the same batch through the plain decode call (each request's block table
+    holding the shared prefix pages, then its own; a prefix that ends mid-page has its last page copied
+    per request). TB/s counts the un-split batch's bytes, R (P + s) keys: the cascade's rate is what
+    the plain path would need to match it.
+    """
+    hd128 = AttentionSpec(32, 8, 128)
+    out = []
+    for r, p, s in ((50, 1000, 100), (64, 8192, 256)):
+        out.append(BenchCase(f"cascade-hd128-r{r}-p{p}-s{s}", hd128, [1] * r, [p + s] * r, "cascade", cascade=(r, p, s)))
+    return out
+
+
+def host_cases() -> list[BenchCase]:
+    """Issue #18's host-cost probes: microseconds per eager call, :data:`HOST_CALLS` calls back to back.
+
+    The decode probe: 32/8 heads, hd 128, page 16, one sequence of 512 keys. The mixed probe: two
+    prefill rows of 64 queries and 30 decode rows, 512 keys each, in one call. The inputs are so
+    small that the GPU idles: the figure is what the host spends per call (checks, packing, launch).
+    """
+    hd128 = AttentionSpec(32, 8, 128)
+    return [BenchCase("host-decode-hd128-b1x512", hd128, [1], [512], "decode", host=True),
+            BenchCase("host-mixed-hd128-2x64-prefill+30-decode", hd128, [64] * 2 + [1] * 30, [512] * 32, "mixed",
+                      host=True)]
+
+
+def visible_decode_keys(spec: AttentionSpec, kv_len: int) -> int:
+    """Keys a decode query (at position ``kv_len - 1``) can see: every key, or the ``window_left + 1`` last."""
+    return kv_len if spec.window_left < 0 else min(kv_len, spec.window_left + 1)
+
+
+def decode_kv_bytes(spec: AttentionSpec, batch: int, kv_len: int) -> int:
+    """Bytes of K and V a decode batch of ``batch`` x (1 query, ``kv_len`` keys) must read (window applied)."""
+    row = spec.num_kv_heads * (spec.head_dim_qk + spec.head_dim_vo) * KV_ELEMENT_BYTES[spec.kv_dtype]
+    return batch * visible_decode_keys(spec, kv_len) * row
+
+
+def decode_batch_size(spec: AttentionSpec, kv_len: int = MODEL_KV_LEN) -> int:
+    """64 sequences, doubled until the batch reads MIN_DECODE_BYTES (> 2 x L2), at most MAX_DECODE_BATCH.
+
+    A narrow window (gpt-oss: 128 keys) reads little per sequence, so its batch grows: 64 x 4096
+    of gpt-oss sliding reads 17 MB and would run from L2.
+    """
+    batch = 64
+    while decode_kv_bytes(spec, batch, kv_len) < MIN_DECODE_BYTES and batch < MAX_DECODE_BATCH:
+        batch *= 2
+    return batch
+
+
+def model_cases(config: str | os.PathLike) -> list[BenchCase]:
+    """A decode and a prefill case for every layer kind of a Hugging Face config.
+
+    Decode: :func:`decode_batch_size` x (1 query, 4096 keys); prefill: 2 x 4096 queries over 4096
+    keys. Names: ``decode-<model>-<kind>-b<B>x4096``, ``prefill-<model>-<kind>-b2x4096`` with
+    kind ``full`` or ``sliding``.
+
+    Raises:
+        OSError / ValueError: the config is missing or invalid (:func:`jitattn.models.load_model_config`).
+    """
+    from jitattn.models import load_model_config
+
+    model = load_model_config(config)
+    label = Path(model.name).name.lower() or Path(config).stem
+    out = []
+    for kind in model.layer_kinds:
+        short = kind.name.split("_")[0]
+        b, n = decode_batch_size(kind.spec), MODEL_KV_LEN
+        out.append(BenchCase(f"decode-{label}-{short}-b{b}x{n}", kind.spec, [1] * b, [n] * b, "decode"))
+        p = MODEL_PREFILL_BATCH
+        out.append(BenchCase(f"prefill-{label}-{short}-b{p}x{n}", kind.spec, [n] * p, [n] * p, "prefill"))
+    return out
+
+
+def example_model_configs() -> list[Path]:
+    """The configs in examples/models (empty when jitattn runs from an installed wheel)."""
+    return sorted(EXAMPLE_MODELS.glob("*.json")) if EXAMPLE_MODELS.is_dir() else []
+
+
+def all_cases(models: list[Path] | None = None) -> list[BenchCase]:
+    """DESIGN.md's six, the decode targets, mixed, ragged, cascade and host cases, then every layer kind
+    of every model (default: examples/models)."""
+    out = design_cases() + decode_target_cases() + mixed_cases() + ragged_cases() + cascade_cases() + host_cases()
+    for config in example_model_configs() if models is None else models:
+        out += model_cases(config)
+    return out
+
+
+def select_cases(names: list[str] | tuple[str, ...] | None, models: list[str] | tuple[str, ...] | None
+                 ) -> list[BenchCase]:
+    """Cases whose name contains any ``names`` entry, plus every case of each ``models`` config.
+
+    Neither given: every case of :func:`all_cases`. Duplicates (same name) are dropped.
+
+    Raises:
+        BenchUsageError: a ``--case`` that matches nothing, or a ``--model`` config that is missing
+            or invalid (the message names it).
+    """
+    if not names and not models:
+        return all_cases()
+    chosen: list[BenchCase] = []
+    if names:
+        pool = all_cases()
+        for sel in names:
+            hits = [c for c in pool if sel in c.name]
+            if not hits:
+                raise BenchUsageError(f"--case {sel!r} matches no case; `jitattn bench --list` shows them")
+            chosen += hits
+    for config in models or []:
+        try:
+            chosen += model_cases(config)
+        except (OSError, ValueError) as exc:
+            raise BenchUsageError(f"--model {config}: {exc}") from exc
+    unique: dict[str, BenchCase] = {}
+    for c in chosen:
+        unique.setdefault(c.name, c)
+    return list(unique.values())
+
+
+def list_cases(cases: list[BenchCase]) -> str:
+    """One line per case: the name, then what it runs."""
+    width = max((len(c.name) for c in cases), default=0)
+    return "\n".join(f"{c.name:<{width}}  {c.describe()}" for c in cases)
+
+
+def distinct_specs(cases: list[BenchCase]) -> list[tuple[AttentionSpec, set[str]]]:
+    """Each distinct spec of ``cases`` (first-seen order) with the phases it is benchmarked in."""
+    found: dict[AttentionSpec, set[str]] = {}
+    for c in cases:
+        found.setdefault(c.spec, set()).add(c.phase)
+    return list(found.items())

@@ -1,0 +1,110 @@
+"""The host case: microseconds per eager call of each way to call attention, on inputs too small to time the GPU.
+
+Issue #18's probe: :data:`~jitattn.bench.cases.HOST_CALLS` back-to-back eager calls, synchronised
+only at the end (:func:`jitattn.bench.harness.host_us_per_call`), of
+
+- ``jitattn``: ``jitattn.paged_attention(spec, ...)``, the one-call convenience;
+- ``jitattn-kernel``: ``load_kernel(spec).paged_attention(..., out=..., max_query_len=...)``;
+- ``jitattn-plan``: ``jitattn.run`` with a plan made once (:func:`plan_run_call`), when this jitattn has
+  ``jitattn.plan``;
+- ``sdpa-cudnn`` / ``sdpa-flash``: torch SDPA on the dense equivalent (equal lengths only);
+- ``flashinfer``: FlashInfer's wrapper ``run``, planned once, when ``import flashinfer`` works;
+- ``torch.add``: two 1-element tensors, the floor of any eager torch call;
+
+all in one process on the same inputs. Attention rows are checked once against the reference.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from jitattn.bench.anchors import flashinfer_runner, sdpa_runners, to_contiguous
+from jitattn.bench.cases import HOST_CALLS, BenchCase
+from jitattn.bench.harness import Runner, build_runners, check_error, host_us_per_call, with_notes
+from jitattn.bench.report import HOST_UNIT, Result, one_line
+from jitattn.reference import torch_dtype
+from jitattn.spec import AttentionSpec
+from jitattn.testing import PagedBatch, random_paged_batch
+
+#: The anchor families a host case runs (Flex's eager call is not what an engine would time).
+HOST_ANCHORS = ("sdpa", "flashinfer")
+
+
+def plan_run_call(spec: AttentionSpec, batch: PagedBatch, out: torch.Tensor, max_query_len: int
+                  ) -> Callable[[], torch.Tensor]:
+    """``jitattn.run(q, kv_cache, plan, out=out)`` with ``plan = jitattn.plan(...)`` made once, here.
+
+    The plan/run API's call as the bench uses it, in one place (its names may still change).
+    """
+    import jitattn
+
+    plan = jitattn.plan(spec, batch.block_table, batch.seq_lens, batch.query_start_loc, max_query_len=max_query_len)
+    return lambda: jitattn.run(batch.q, batch.kv_cache, plan, out=out)
+
+
+def jitattn_host_runners(case: BenchCase, batch: PagedBatch) -> dict[str, Runner]:
+    """The one-call convenience, and the kernel's call with ``out`` and the ``max_query_len`` hint."""
+    import jitattn
+    from jitattn.runtime import load_kernel
+
+    spec = case.spec
+    kernel = load_kernel(spec)
+    max_q = max(case.q_lens)
+    out = torch.empty(batch.q.shape[0], spec.num_qo_heads, spec.head_dim_vo, dtype=torch_dtype(spec.o_dtype),
+                      device=batch.q.device)
+    return {
+        "jitattn": Runner(lambda: jitattn.paged_attention(spec, *batch.args(), **batch.kwargs()),
+                          note="jitattn.paged_attention(spec, ...)"),
+        "jitattn-kernel": Runner(lambda: kernel.paged_attention(*batch.args(), **batch.kwargs(), out=out,
+                                                                max_query_len=max_q),
+                                 note=f"load_kernel(spec).paged_attention(..., out=, max_query_len={max_q})"),
+    }
+
+
+def plan_runner(case: BenchCase, batch: PagedBatch) -> Runner:
+    """:func:`plan_run_call` on the batch, writing into its own ``out``."""
+    spec = case.spec
+    out = torch.empty(batch.q.shape[0], spec.num_qo_heads, spec.head_dim_vo, dtype=torch_dtype(spec.o_dtype),
+                      device=batch.q.device)
+    return Runner(plan_run_call(spec, batch, out, max(case.q_lens)), note="jitattn.run(q, kv_cache, plan, out=)")
+
+
+def torch_add_runner(device: torch.device) -> Runner:
+    """``torch.add`` of two 1-element tensors: what any eager torch call costs on the host."""
+    a, b = torch.ones(1, device=device), torch.ones(1, device=device)
+    return Runner(lambda: torch.add(a, b), note="two 1-element tensors")
+
+
+def time_host(case: BenchCase, impl: str, runner: Runner, ref: torch.Tensor | None) -> Result:
+    """Check ``runner`` once against ``ref`` (None: not checked), then its us per call. Never raises."""
+    try:
+        err = check_error(runner.rows(runner.call()), ref)
+        us = host_us_per_call(runner.call, calls=HOST_CALLS)
+    except Exception as exc:  # noqa: BLE001 - a failing implementation is a row, not a crash
+        return Result.not_run(case.name, impl, HOST_UNIT, "failed", one_line(exc))
+    result = Result(case.name, impl, us / 1e3, math.nan, us, HOST_UNIT, err, f"{HOST_CALLS} calls, one sync")
+    return with_notes(result, runner, err)
+
+
+def run_host_case(case: BenchCase, *, seed: int = 0, check: bool = True, anchors: tuple[str, ...] = HOST_ANCHORS
+                  ) -> list[Result]:
+    """Every call form of the module doc on one random batch of ``case``, in that order."""
+    import jitattn
+    from jitattn import reference
+
+    batch = random_paged_batch(case.spec, case.q_lens, case.kv_lens, device="cuda", seed=seed)
+    ref = reference.paged_attention(case.spec, *batch.args(), **batch.kwargs()) if check else None
+    dense = to_contiguous(batch) if "sdpa" in anchors else None
+    builders = {"jitattn": lambda: jitattn_host_runners(case, batch), "jitattn-plan": lambda: plan_runner(case, batch),
+                "sdpa": lambda: dict(sorted(sdpa_runners(case, dense).items())),  # cudnn, then flash
+                "flashinfer": lambda: flashinfer_runner(case, batch)}
+    results: list[Result] = []
+    plan = ("jitattn-plan",) if hasattr(jitattn, "plan") else ()
+    for family in ("jitattn", *plan, *(a for a in HOST_ANCHORS if a in anchors)):
+        runners, rows = build_runners(case, family, builders[family], HOST_UNIT)
+        results += rows + [time_host(case, impl, runner, ref) for impl, runner in runners.items()]
+    results.append(time_host(case, "torch.add", torch_add_runner(batch.q.device), None))
+    return results

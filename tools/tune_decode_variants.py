@@ -1,0 +1,171 @@
+"""Time decode template variants side by side in one process (not a test; run on a GPU).
+
+Each variant is a copy of templates/ with some of decode_mma.cuh's JITATTN_* switches set
+(``prepare`` writes them, on any machine; ``jitattn.render.template_dir`` is pointed at each copy in
+turn when its kernels load, so their cache keys differ). Every (variant, case) is checked against the
+fp32 reference, then timed by CUDA-graph replay in interleaved rounds.
+
+    python3 tools/tune_decode_variants.py prepare DIR            # variant template copies under DIR
+    python3 tools/tune_decode_variants.py build DIR              # compile them into JITATTN_CACHE_DIR
+    python3 tools/tune_decode_variants.py time DIR [--json PATH] # on the GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import jitattn.render as _render
+from jitattn.spec import AttentionSpec
+
+HD128 = AttentionSpec(32, 8, 128)
+HD128_HND = AttentionSpec(32, 8, 128, kv_layout="HND")
+GEMMA = AttentionSpec(16, 8, 256, logits_soft_cap=50.0, window_left=4095, sm_scale=256 ** -0.5)
+GPT_OSS = AttentionSpec(64, 8, 64, window_left=127, sinks=True, sm_scale=64 ** -0.5)  # whole-window mode
+FP8 = AttentionSpec(32, 8, 128, kv_dtype="float8_e4m3fn")
+# case name -> (spec, batch, kv_len)
+CASES = {
+    "b64x4096": (HD128, 64, 4096),
+    "b64x4096-hnd": (HD128_HND, 64, 4096),
+    "b1x32768": (HD128, 1, 32768),
+    "gemma2-b64x8192": (GEMMA, 64, 8192),
+    "gpt-oss-sliding-b256x8192": (GPT_OSS, 256, 8192),
+    "fp8-b64x4096": (FP8, 64, 4096),
+}
+# variant -> (switches, cases, split overrides {case: [splits]}); "base" is --base-templates as they are.
+# A switch whose name holds "=>" replaces text in decode_mma.cuh instead: "old=>new" (value unused).
+# The variants measured in the fourth session (stages, swizzle, merge batching, Gemma-2 tiles) are in
+# BENCHMARKS.md (history v17) and decode_mma.cuh's comments; these are the open ones.
+VARIANTS = {
+    "base": ({}, ["b64x4096", "b1x32768", "gpt-oss-sliding-b256x8192", "fp8-b64x4096"], {}),
+    # The sixth session's first call (2026-11-29) turned these two on; kept as the "off" side of the A/B.
+    "ww-loader-off": ({"JITATTN_DECODE_MMA_WINDOW_LOADER": 0}, ["gpt-oss-sliding-b256x8192"], {}),
+    "fp8-bitmoves": ({"JITATTN_FP8_CVT": 0}, ["fp8-b64x4096"], {}),
+    # Split counts beside the rule's (1 for 64x4096 at 2 blocks/SM, 33 for 1x32768).
+    "splits": ({}, ["b64x4096", "b1x32768", "fp8-b64x4096"],
+               {"b64x4096": [2, 3], "b1x32768": [16, 24, 48, 64], "fp8-b64x4096": [1, 2, 4]}),
+}
+DIAG = ("JITATTN_DIAG_",)
+
+
+def prepare(root: Path, base_templates: Path | None) -> None:
+    src = _render.template_dir()
+    for name, (switches, _, _) in VARIANTS.items():
+        dst = root / name
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(base_templates if (name == "base" and base_templates) else src, dst)
+        if name == "base":
+            continue
+        apply(dst, switches)
+
+
+def apply(dst: Path, switches: dict) -> None:
+    """Set a variant's switches in the template copy at ``dst`` (common.cuh / decode.cuh / decode_mma.cuh)."""
+    for macro, value in switches.items():
+        if "=>" in macro:
+            a, b = macro.split("=>")
+            path = dst / "decode_mma.cuh"
+            assert a + "\n" in path.read_text(), (dst, a)
+            path.write_text(path.read_text().replace(a + "\n", b + ("\n" if b else ""), 1))
+            continue
+        hits = 0
+        for path in (dst / "common.cuh", dst / "decode.cuh", dst / "decode_mma.cuh"):
+            text = path.read_text()
+            if value is None:  # a diagnostic #ifdef switch: defined at the top of the header
+                text, n = text.replace("#pragma once\n", f"#pragma once\n#define {macro}\n", 1), 1
+            else:
+                text, n = re.subn(rf"^#define {re.escape(macro)} .+$", f"#define {macro} {value}", text, flags=re.M)
+            path.write_text(text)
+            hits += n
+        assert hits >= 1, (dst, macro)
+
+
+def use(root: Path, name: str) -> None:
+    d = root / name
+    _render.template_dir = lambda d=d: d
+
+
+def build(root: Path) -> None:
+    from jitattn.cache import KernelCache
+    cache = KernelCache()
+    for name, (_, cases, _) in VARIANTS.items():
+        use(root, name)
+        for spec in {CASES[c][0] for c in cases}:
+            entry, built = cache.get_or_build(spec, "sm_90a")
+            log = entry.manifest.get("compiler_log", "") if hasattr(entry, "manifest") else ""
+            regs = re.findall(r"Function properties for jitattn_decode\s*\n\s*(.*)\n.*Used (\d+) registers", log)
+            print(name, spec.name if hasattr(spec, "name") else spec, "built" if built else "cached", regs, flush=True)
+
+
+def time_all(root: Path, out: str | None, rounds: int) -> None:
+    import torch
+    from jitattn import reference, runtime
+    from jitattn.bench.harness import time_graph_ms
+    from jitattn.testing import random_paged_batch, relative_error
+
+    batches, refs = {}, {}
+    for c, (spec, b, n) in CASES.items():
+        batches[c] = random_paged_batch(spec, [1] * b, [n] * b, device="cuda", seed=1)
+        refs[c] = reference.paged_attention(spec, *batches[c].args(), **batches[c].kwargs())
+    runs = []  # (variant, case, splits, call)
+    for name, (_, cases, splits) in VARIANTS.items():
+        use(root, name)
+        runtime._KERNELS.clear()
+        for c in cases:
+            batch = batches[c]
+            k = runtime.load_kernel(CASES[c][0])
+            rule = k.num_splits(batch.q.shape[0], k.max_decode_keys(batch.block_table.shape[1]))
+            # the kernel merges at most runtime.MAX_SPLITS partial states (kMaxSplits): 66 forced past it
+            # gave rel err 0.18 on 2026-11-29 (the rule never goes past it)
+            for s in [None, *(x for x in splits.get(c, []) if x <= runtime.MAX_SPLITS)]:
+                def call(k=k, batch=batch, s=s):
+                    if s is not None:
+                        k.num_splits = lambda b, n, s=s: s
+                    try:
+                        return k.paged_attention(*batch.args(), **batch.kwargs(), max_query_len=1)
+                    finally:
+                        if s is not None:
+                            del k.num_splits
+                err = relative_error(call(), refs[c])
+                runs.append({"variant": name, "case": c, "splits": s or rule, "rule": s is None, "err": err,
+                             "blocks_per_sm": k._decode_blocks_per_sm, "call": call, "ms": []})
+    torch.cuda.synchronize()
+    for _ in range(rounds):
+        for r in runs:
+            r["ms"].append(time_graph_ms(r["call"]))
+    print("| variant | case | splits | blk/SM | ms (median of rounds) | min | TB/s | rel err |")
+    for r in runs:
+        spec, b, n = CASES[r["case"]]
+        kv = batches[r["case"]].kv_bytes_read
+        ms = sorted(r["ms"])[len(r["ms"]) // 2]
+        r.update(ms_median=ms, ms_min=min(r["ms"]), tb_s=kv / 1e12 / (ms / 1e3))
+        print(f"| {r['variant']} | {r['case']} | {r['splits']}{'' if r['rule'] else ' (forced)'} | {r['blocks_per_sm']} | "
+              f"{ms:.4f} | {min(r['ms']):.4f} | {r['tb_s']:.2f} | {r['err']:.2e} |")
+        del r["call"]
+    if out:
+        Path(out).write_text(json.dumps(runs, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["prepare", "build", "time"])
+    ap.add_argument("root")
+    ap.add_argument("--base-templates")
+    ap.add_argument("--json")
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    root = Path(a.root)
+    if a.what == "prepare":
+        prepare(root, Path(a.base_templates) if a.base_templates else None)
+    elif a.what == "build":
+        build(root)
+    else:
+        time_all(root, a.json, a.rounds)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
