@@ -234,15 +234,12 @@ FUNCTOR_NAMES = ("soft_cap", "alibi", "logits_transform", "logits_mask", "struct
 def render(spec: AttentionSpec) -> RenderedSource:
     """Render the CUDA source of one spec (decode, split-merge and prefill kernels in one module).
 
-    A utility module (:class:`jitattn.merge_module.MergeModule`) passed instead renders its own
-    template (``spec.render()``), so the cache and the build serve it like a spec.
+    The attention kind's renderer; :func:`jitattn.modules.render` renders a module of any kind.
 
     Raises:
         FileNotFoundError: the templates are missing.
         jinja2.TemplateError: a broken template (a bug in jitattn, not in the spec).
     """
-    if not isinstance(spec, AttentionSpec):  # a utility module (jitattn.merge_module.MergeModule) renders itself
-        return spec.render()
     fields = params_fields(spec)
     _, size = params_layout(fields)
     context = {"spec": spec, "fields": fields, "params_size": size, "names": KERNEL_NAMES, **functors(spec)}

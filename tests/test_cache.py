@@ -578,7 +578,7 @@ def test_key_covers_arch_spec_templates_flags_and_version(monkeypatch):
         "nvcc": key_inputs(SPEC, source, "sm_80", nvcc="release 99.9").key,
     }
     spec_keys = {"arch": spec_key(SPEC, "sm_90a"), "spec": spec_key(other_spec, "sm_80")}
-    for name, target, attr, value in [("version", jitattn, "__version__", "9.9.9"),
+    for name, target, attr, value in [("version", jitattn._version, "__version__", "9.9.9"),
                                       ("templates", render_module, "template_hashes", lambda: {"decode.cuh": "0" * 64}),
                                       ("flags", build_module, "NVCC_FLAGS", ("-O2",))]:
         monkeypatch.setattr(target, attr, value)
@@ -689,10 +689,10 @@ import time
 t0 = time.perf_counter()
 import json, sys
 import jitattn
-from jitattn import render
+from jitattn import modules
 from jitattn.cache import KernelCache
 t1 = time.perf_counter()
-render.render = None  # the lookup of a cached kernel must not render
+modules.render = None  # the lookup of a cached kernel must not render
 spec = jitattn.AttentionSpec.from_json(sys.argv[1])
 entry = KernelCache().find(spec, sys.argv[2])
 data = entry.cubin.read_bytes()
