@@ -459,18 +459,26 @@ class KernelCache:
             logger.debug("miss %s for %s (%s) in %s", spec.name, arch, how, ", ".join(map(str, self.roots)))
         return found
 
-    def quarantined(self, source_key: str) -> list[str]:
-        """``"<path>: <problem>"`` of each entry of ``source_key`` that quarantine holds (moved there
-        earlier, by this process or another), so a later miss still says the kernel was corrupt."""
-        out = []
+    def quarantined(self, source_key: str, spec_key: str = "") -> list[str]:
+        """``"<path>: <problem> (quarantined)"`` of each entry of this kernel that quarantine holds
+        (moved there earlier, by this process or another), so a later miss still says the kernel was
+        there, corrupt. An entry is this kernel's when a marker of ``source_key`` / ``spec_key``
+        names its key (the markers stay when the entry moves), or its manifest has that source key."""
         base = self.base() / "quarantine"
-        for path in sorted(base.iterdir()) if base.is_dir() else []:
+        if not base.is_dir():
+            return []
+        keys = set()
+        for marker_dir in (self.index_dir(source_key), *([self.spec_index_dir(spec_key)] if spec_key else [])):
+            with contextlib.suppress(OSError):
+                keys.update(os.listdir(marker_dir))
+        out = []
+        for path in sorted(base.iterdir()):
             manifest = _read_manifest(path)
             try:
-                match = manifest is not None and source_key_of(manifest["key_inputs"]) == source_key
+                ours = manifest is not None and source_key_of(manifest["key_inputs"]) == source_key
             except (KeyError, TypeError, AttributeError):
-                match = False
-            if match:
+                ours = False
+            if ours or path.name.rsplit(".", 1)[0] in keys:
                 with contextlib.suppress(OSError):
                     out.append(f"{path}: {(path / 'QUARANTINED').read_text().strip()} (quarantined)")
         return out
@@ -516,8 +524,9 @@ class KernelCache:
         if found.entry is not None:
             return found.entry, False
         if settings.disable_jit():
-            earlier = [q for q in self.quarantined(found.inputs.source_key)
-                       if not any(q.startswith(r.split(": ", 1)[0]) for r in found.rejected)]
+            seen = {Path(r.split(": ", 1)[0]).name for r in found.rejected}  # moved by this very lookup
+            earlier = [q for q in self.quarantined(found.inputs.source_key, found.spec_key)
+                       if Path(q.split(": ", 1)[0]).name.rsplit(".", 1)[0] not in seen]
             raise MissingKernelError(spec, arch, found.inputs.source_key, self.roots, (*found.rejected, *earlier))
         if not found.inputs.nvcc:
             nvcc_version(settings.nvcc())  # raises BuildError: what was tried and how to fix it
