@@ -50,11 +50,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator
 
+from jitattn import _version
 from jitattn import build as _build
 from jitattn import modules as _modules
 from jitattn import render as _render
 from jitattn import settings
-from jitattn import _version
 from jitattn.build import BuildError, CompileError, cubin_name, normalize_arch, nvcc_version
 from jitattn.commands import fill_hint
 from jitattn.modules import KernelModule
@@ -459,11 +459,11 @@ class KernelCache:
             logger.debug("miss %s for %s (%s) in %s", spec.name, arch, how, ", ".join(map(str, self.roots)))
         return found
 
-    def quarantined(self, source_key: str, spec_key: str = "") -> list[str]:
-        """``"<path>: <problem> (quarantined)"`` of each entry of this kernel that quarantine holds
-        (moved there earlier, by this process or another), so a later miss still says the kernel was
-        there, corrupt. An entry is this kernel's when a marker of ``source_key`` / ``spec_key``
-        names its key (the markers stay when the entry moves), or its manifest has that source key."""
+    def quarantined(self, source_key: str, spec_key: str = "") -> list[tuple[Path, str]]:
+        """``(path, problem)`` of each entry of one kernel that ``quarantine/`` holds (moved there
+        earlier, by this process or another). An entry is the kernel's when a marker of
+        ``source_key`` or ``spec_key`` names its key (markers stay when an entry moves; they are how
+        an entry whose manifest no longer parses is recognised), or its manifest has that source key."""
         base = self.base() / "quarantine"
         if not base.is_dir():
             return []
@@ -478,10 +478,19 @@ class KernelCache:
                 ours = manifest is not None and source_key_of(manifest["key_inputs"]) == source_key
             except (KeyError, TypeError, AttributeError):
                 ours = False
-            if ours or path.name.rsplit(".", 1)[0] in keys:
+            if ours or path.name.rsplit(".", 1)[0] in keys:  # quarantine/<key>.<ms>
                 with contextlib.suppress(OSError):
-                    out.append(f"{path}: {(path / 'QUARANTINED').read_text().strip()} (quarantined)")
+                    out.append((path, (path / "QUARANTINED").read_text().strip()))
         return out
+
+    def _missing(self, spec: KernelModule, arch: str, found: _Search) -> MissingKernelError:
+        """The error of a miss under JITATTN_DISABLE_JIT=1, naming every corrupt entry of the kernel:
+        those this lookup passed over, and those an earlier lookup moved to quarantine."""
+        moved_now = {Path(r.split(": ", 1)[0]).name for r in found.rejected}
+        earlier = [f"{path}: {problem} (quarantined)"
+                   for path, problem in self.quarantined(found.inputs.source_key, found.spec_key)
+                   if path.name.rsplit(".", 1)[0] not in moved_now]
+        return MissingKernelError(spec, arch, found.inputs.source_key, self.roots, (*found.rejected, *earlier))
 
     def _remember_spec_key(self, entry: CacheEntry, key: str) -> None:
         """Best effort: let the next process find ``entry`` without rendering (never fails a load)."""
@@ -524,10 +533,7 @@ class KernelCache:
         if found.entry is not None:
             return found.entry, False
         if settings.disable_jit():
-            seen = {Path(r.split(": ", 1)[0]).name for r in found.rejected}  # moved by this very lookup
-            earlier = [q for q in self.quarantined(found.inputs.source_key, found.spec_key)
-                       if Path(q.split(": ", 1)[0]).name.rsplit(".", 1)[0] not in seen]
-            raise MissingKernelError(spec, arch, found.inputs.source_key, self.roots, (*found.rejected, *earlier))
+            raise self._missing(spec, arch, found)
         if not found.inputs.nvcc:
             nvcc_version(settings.nvcc())  # raises BuildError: what was tried and how to fix it
         key = found.inputs.key
@@ -535,11 +541,11 @@ class KernelCache:
             entry = self.entry_in_root(key)  # another process may have built it while we waited
             if entry is not None:
                 logger.debug("hit %s for %s: %s (built by another process while this one waited)",
-                          spec.name, arch, entry.path)
+                             spec.name, arch, entry.path)
                 return entry, False
             entry = self._build_and_publish(spec, found)
             logger.debug("published %s for %s as %s (%.1f s)", spec.name, arch, entry.path,
-                      entry.manifest.get("build_seconds", 0.0))
+                         entry.manifest.get("build_seconds", 0.0))
             return entry, True
 
     @contextlib.contextmanager

@@ -16,9 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
+from jitattn import merge_module as _merge
 from jitattn import render as _render
-from jitattn.merge_module import KIND as MERGE_KIND
-from jitattn.merge_module import MergeModule
 from jitattn.spec import AttentionSpec
 
 #: The kind of an attention spec (its JSON carries no ``kind`` field).
@@ -56,18 +55,21 @@ class ModuleKind:
         type: the class whose instances are this kind.
         from_json: JSON dict -> module; raises ValueError / TypeError / KeyError on bad input.
         render: module -> :class:`~jitattn.render.RenderedSource`.
+        kernel_names: role -> the entry point's name in the cubin (``{"decode": "jitattn_decode", ...}``).
     """
 
     name: str
     type: type
     from_json: Callable[[Mapping[str, Any]], KernelModule]
     render: Callable[[Any], _render.RenderedSource]
+    kernel_names: Mapping[str, str]
 
 
 #: Every module kind, by name.
 KINDS: dict[str, ModuleKind] = {k.name: k for k in (
-    ModuleKind(ATTENTION, AttentionSpec, AttentionSpec.from_json, _render.render),
-    ModuleKind(MERGE_KIND, MergeModule, MergeModule.from_json, MergeModule.render),
+    ModuleKind(ATTENTION, AttentionSpec, AttentionSpec.from_json, _render.render, _render.KERNEL_NAMES),
+    ModuleKind(_merge.KIND, _merge.MergeModule, _merge.MergeModule.from_json, _merge.MergeModule.render,
+               _merge.KERNEL_NAMES),
 )}
 _BY_TYPE = {k.type: k for k in KINDS.values()}
 
