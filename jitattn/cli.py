@@ -20,9 +20,10 @@ are then one rank's (:func:`jitattn.models.per_rank_heads`).
 Exit codes: 0 success; 1 the work found a problem: a kernel failed to compile (nvcc's message is
 printed), ``cache verify`` found corrupt entries, ``cache export`` misses kernels (the warm-up
 command that fills them is printed), ``cache import`` refused an archive, ``select`` found a layer
-kind no backend serves, ``doctor`` found the node cannot serve the models; 2 a usage error (missing file, bad JSON, unknown arch, invalid spec, nvcc
-missing, an unwritable cache root, no GPU), printed as one ``jitattn: error: ...`` line without
-a traceback.
+kind no backend serves, ``doctor`` found the node cannot serve the models (the warm-up command is
+printed); 2 a usage error (missing file, bad JSON, unknown arch, invalid spec, an unknown model
+type, heads that do not split over the ranks, nvcc missing, an unwritable cache root, no GPU),
+printed as one ``jitattn: error: ...`` line without a traceback.
 
 Each verb is a small function over the library's own objects (:class:`~jitattn.cache.KernelCache`,
 :func:`~jitattn.models.load_model_config`, :class:`~jitattn.spec.AttentionSpec`).

@@ -70,7 +70,7 @@ IMPLIED_FEATURES: dict[str, Callable[[Mapping[str, Any]], dict[str, bool]]] = {
 #: The model types jitattn maps: their attention is the generic MHA/GQA/MQA of this module's rules,
 #: plus what :data:`IMPLIED_FEATURES` adds. Another type is refused (its attention may differ).
 MODEL_TYPES: tuple[str, ...] = (
-    "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
+    "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen2_moe", "qwen3", "gemma", "gemma2",
     "gemma3", "gemma3_text", "gpt_oss", "bloom", "mpt", "falcon",
 )
 

@@ -170,6 +170,16 @@ def _cbool(x: bool) -> str:
     return "true" if x else "false"
 
 
+def template(name: str):
+    """The jinja2 template ``name`` of :func:`template_dir`, in jitattn's environment (strict
+    undefined names; ``cfloat`` / ``cbool`` / ``ctype`` helpers): what every module kind renders from.
+
+    Raises:
+        jinja2.TemplateNotFound: no such template.
+    """
+    return _environment(str(template_dir())).get_template(name)
+
+
 @lru_cache(maxsize=4)
 def _environment(directory: str):
     import jinja2  # here, not at import: a serving node that only loads cached kernels never renders
@@ -243,7 +253,7 @@ def render(spec: AttentionSpec) -> RenderedSource:
     fields = params_fields(spec)
     _, size = params_layout(fields)
     context = {"spec": spec, "fields": fields, "params_size": size, "names": KERNEL_NAMES, **functors(spec)}
-    text = _environment(str(template_dir())).get_template(TEMPLATE_NAME).render(**context)
+    text = template(TEMPLATE_NAME).render(**context)
     return RenderedSource(_restore_line_directives(text), fields, size, dict(KERNEL_NAMES))
 
 

@@ -193,3 +193,18 @@ def test_tp8_llama_70b_warmup_is_found_under_disable_jit(tmp_path):
                      cache=root, env=serving)
     assert export.returncode == 0, export.stderr
     assert os.path.getsize(archive) > 0
+
+
+@pytest.mark.gpu
+def test_doctor_finds_the_gpus_torch_sees():
+    """The driver query (ctypes on libcuda, no torch) agrees with torch on count, name and capability."""
+    import torch
+
+    from jitattn.doctor import find_driver
+
+    driver = find_driver()
+    assert driver.version and not driver.error
+    assert len(driver.gpus) == torch.cuda.device_count()
+    for gpu in driver.gpus:
+        assert gpu.name == torch.cuda.get_device_name(gpu.index)
+        assert gpu.capability == tuple(torch.cuda.get_device_capability(gpu.index))
