@@ -327,11 +327,15 @@ class KernelCache:
     Args:
         root: writable root (default: ``settings.cache_dir()``).
         layers: read-only roots searched after it (default: ``settings.cache_path()``).
+        look_only: lookups write nothing at all, not even the best-effort quarantine move or
+            spec-key marker (``jitattn doctor`` inspects a node without changing it).
     """
 
-    def __init__(self, root: Path | None = None, layers: tuple[Path, ...] | None = None):
+    def __init__(self, root: Path | None = None, layers: tuple[Path, ...] | None = None, *,
+                 look_only: bool = False):
         self.root = Path(root) if root is not None else settings.cache_dir()
         self.layers = tuple(Path(p) for p in layers) if layers is not None else settings.cache_path()
+        self.look_only = look_only
 
     # ---- paths ---------------------------------------------------------------------------------
     @property
@@ -418,7 +422,7 @@ class KernelCache:
             return CacheEntry(key, path, manifest)
         rejected.append(f"{path}: {problem}")
         logger.debug("corrupt entry %s: %s; not loaded", path, problem)
-        if root == self.root:
+        if root == self.root and not self.look_only:
             self.quarantine(path, problem)
         return None
 
@@ -494,6 +498,8 @@ class KernelCache:
 
     def _remember_spec_key(self, entry: CacheEntry, key: str) -> None:
         """Best effort: let the next process find ``entry`` without rendering (never fails a load)."""
+        if self.look_only:
+            return
         with contextlib.suppress(OSError):
             marker_dir = self.spec_index_dir(key)
             marker_dir.mkdir(parents=True, exist_ok=True)

@@ -224,6 +224,7 @@ def diagnose(models: Sequence[Path] = (), archs: Sequence[str] = (), *, dtype: s
         FileNotFoundError, ValueError: a model config cannot be read or mapped; an unknown arch.
     """
     cache = cache or KernelCache()
+    looking = KernelCache(cache.root, cache.layers, look_only=True)  # a corrupt entry is reported, not moved
     driver = find_driver()
     notes = []
     if archs:
@@ -235,7 +236,7 @@ def diagnose(models: Sequence[Path] = (), archs: Sequence[str] = (), *, dtype: s
         chosen, any_arch = list(settings.archs()), False
         notes.append(f"no GPU here: checking the archs a serving node needs, {', '.join(chosen)} (JITATTN_ARCHS, "
                      f"or --arch)")
-    reports = tuple(model_kernels(Path(m), cache, chosen, any_arch, dtype=dtype, page_size=page_size,
+    reports = tuple(model_kernels(Path(m), looking, chosen, any_arch, dtype=dtype, page_size=page_size,
                                   kv_layout=kv_layout, kv_dtype=kv_dtype, tensor_parallel_size=tensor_parallel_size)
                     for m in models)
     command = None

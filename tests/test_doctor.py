@@ -80,6 +80,16 @@ def test_doctor_reports_corrupt_entries_of_every_layer(tmp_path, monkeypatch):
     assert entries[0].path.exists()  # the doctor never moves anything
 
 
+def test_doctor_leaves_a_corrupt_entry_of_the_writable_root_in_place(tmp_path, monkeypatch):
+    no_gpu(monkeypatch)
+    cache = KernelCache(root=tmp_path / "c", layers=())
+    entry = publish_fake(cache, model_modules(LLAMA_8B)[0], "sm_90a")
+    flip_cubin(entry)
+    report = diagnose([LLAMA_8B], ["sm_90a"], cache=cache)
+    assert not report.ok and len(report.layers[0].corrupt) == 1
+    assert entry.path.exists() and not (tmp_path / "c" / "v1" / "quarantine").exists()
+
+
 def test_cli_doctor_exit_codes_json_and_the_fill_command(tmp_path):
     root = tmp_path / "c"
     cache = KernelCache(root=root, layers=())
