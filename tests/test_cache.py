@@ -431,7 +431,7 @@ def test_read_only_root_holding_entries_serves_loads(tmp_path, shipped, read_onl
         assert "jitattn.cache.MissingKernelError: kernel h8x2_d64_bf16_nhd_p32" in proc.stderr
     else:  # a build that cannot write says where and why
         assert last.startswith("jitattn.cache.CacheWriteError: cannot create the build lock of h8x2_d64_bf16_nhd_p32")
-        assert f"{root / 'v1' / 'locks'}" in last and "Permission denied; set JITATTN_CACHE_DIR to a writable" in last
+        assert f"{root / 'v1' / 'locks'}" in last and "Permission denied; JITATTN_CACHE_DIR is set to this root: point it at a writable" in last
 
 
 @pytest.mark.slow
@@ -447,7 +447,7 @@ def test_unwritable_root_with_the_entry_in_a_layer(tmp_path, shipped, read_only)
     proc = run_child(env, spec=SPEC.replace(page_size=32), check=False, prefix=_without_root_privileges())
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("jitattn.cache.CacheWriteError: cannot create the build lock of h8x2_d64_bf16_nhd_p32"), last
-    assert f"{root / 'v1' / 'locks'}" in last and "Permission denied; set JITATTN_CACHE_DIR to a writable" in last
+    assert f"{root / 'v1' / 'locks'}" in last and "Permission denied; JITATTN_CACHE_DIR is set to this root: point it at a writable" in last
 
 
 def _no_more_bytes() -> None:
@@ -618,7 +618,7 @@ def test_changing_any_key_input_rebuilds_never_reuses(tmp_path, shipped, monkeyp
     nvcc, log = fake_nvcc(tmp_path, "record")
     monkeypatch.setenv("JITATTN_NVCC", str(nvcc))
     if change == "jitattn version":
-        monkeypatch.setattr(jitattn, "__version__", "0.0.1+other")
+        monkeypatch.setattr(jitattn._version, "__version__", "0.0.1+other")
     elif change == "nvcc flags":
         monkeypatch.setattr(build_module, "NVCC_FLAGS", (*build_module.NVCC_FLAGS, "-DJITATTN_TEST_FLAG=1"))
     elif change == "template header":
