@@ -143,8 +143,8 @@ def _need_torch(command: str) -> None:
     try:
         import torch  # noqa: F401
     except ImportError:
-        _fail(f"`jitattn {command}` needs torch, which is not installed here (only `jitattn warmup` and "
-              f"`jitattn cache` work without it): pip install 'jitattn[torch]'")
+        _fail(f"`jitattn {command}` needs torch, which is not installed here (`jitattn warmup`, `cache`, `doctor` "
+              f"and `select --device NAME` work without it): pip install 'jitattn[torch]'")
 
 
 def _version_callback(value: bool) -> None:
