@@ -6,20 +6,21 @@ torch's current stream. Importing the package needs neither torch nor a GPU: the
 (``jitattn warmup``) runs on a CPU box with nvcc.
 """
 
+from jitattn._version import __version__
 from jitattn.spec import AttentionSpec
+from jitattn.trace import TraceError
 from jitattn.variant import Param, Variant
 
-__version__ = "0.1.0"
-
 __all__ = ["AttentionSpec", "Param", "Variant", "__version__", "paged_attention", "ragged_attention", "load_kernel",
-           "merge_state", "merge_state_in_place", "merge_states"]
+           "merge_state", "merge_state_in_place", "merge_states", "TraceError", "MissingKernelError"]
 
 
 # Submodules reachable as attributes (``jitattn.testing.random_paged_batch``) without importing them
 # first; loaded on first use, so ``import jitattn`` stays light (and torch-free).
-_SUBMODULES = frozenset({"backends", "bench", "build", "cache", "cache_admin", "checks", "cli", "cuda_driver",
-                         "integrations", "merge", "merge_module", "models", "ops", "reference", "render", "runtime",
-                         "selector", "settings", "spec", "testing", "trace", "variant"})
+_SUBMODULES = frozenset({"archs", "backends", "bench", "build", "cache", "cache_admin", "checks", "cli", "commands",
+                         "cuda_driver", "doctor", "integrations", "merge", "merge_module", "models", "modules", "ops",
+                         "reference", "render", "runtime", "selector", "settings", "spec", "testing", "trace",
+                         "variant"})
 
 
 def __getattr__(name: str):
@@ -32,6 +33,10 @@ def __getattr__(name: str):
         from jitattn import runtime
 
         return getattr(runtime, name)
+    if name == "MissingKernelError":  # the cache (and its renderer) load only when asked for
+        from jitattn.cache import MissingKernelError
+
+        return MissingKernelError
     if name in ("merge_state", "merge_state_in_place", "merge_states"):
         from jitattn import merge
 

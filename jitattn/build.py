@@ -16,6 +16,7 @@ nvcc reports them as ``logits_transform(1): error: ...``).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import shlex
@@ -27,18 +28,10 @@ from typing import Mapping
 
 from jitattn import render as _render
 from jitattn import settings
+from jitattn.archs import ARCHS, archs_for_capability, normalize_arch  # noqa: F401 (re-exported)
 from jitattn.render import FUNCTOR_NAMES, RENDERED_FILE, RenderedSource, functor_at
 
-#: Arch name -> the ``-gencode`` value that builds its cubin. ``a`` archs use arch-specific features.
-ARCHS: dict[str, str] = {
-    "sm_80": "arch=compute_80,code=sm_80",
-    "sm_86": "arch=compute_86,code=sm_86",
-    "sm_89": "arch=compute_89,code=sm_89",
-    "sm_90": "arch=compute_90,code=sm_90",
-    "sm_90a": "arch=compute_90a,code=sm_90a",
-    "sm_100a": "arch=compute_100a,code=sm_100a",
-    "sm_120": "arch=compute_120,code=sm_120",
-}
+logger = logging.getLogger("jitattn.build")
 
 #: Flags every build uses; part of the cache key. ``-Xptxas -v`` puts register and spill counts in
 #: the build log that the cache manifest keeps.
@@ -75,38 +68,6 @@ class CompileError(RuntimeError):
         super().__init__(message)
         self.source_path, self.arch, self.functor, self.line, self.nvcc_output = (
             source_path, arch, functor, line, nvcc_output)
-
-
-def normalize_arch(value: str, *, field: str = "arch") -> str:
-    """``"90a"``, ``"sm90a"``, ``"9.0a"`` or ``"sm_90a"`` -> ``"sm_90a"``; ValueError if unknown."""
-    raw = str(value).strip().lower()
-    m = re.fullmatch(r"(?:sm_?|compute_?)?(\d+)\.?(\d)?([a-z]?)", raw)
-    name = None
-    if m:
-        major_minor = m.group(1) + (m.group(2) or "")
-        if len(major_minor) == 1:
-            major_minor += "0"
-        name = f"sm_{major_minor}{m.group(3)}"
-    if name not in ARCHS:
-        raise ValueError(f"{field}={value!r}: unknown target arch; expected one of {sorted(ARCHS)}")
-    return name
-
-
-def archs_for_capability(major: int, minor: int) -> list[str]:
-    """Archs whose cubins run on a device of this compute capability, best first.
-
-    A cubin runs on devices of the same major version and an equal or higher minor; ``a`` archs
-    run only on exactly their own capability.
-    """
-    exact = f"sm_{major}{minor}"
-    out = [a for a in (exact + "a", exact) if a in ARCHS]
-    for name in sorted(ARCHS, reverse=True):
-        if name.endswith("a") or name in out:
-            continue
-        num = int(name[3:])
-        if num // 10 == major and num % 10 <= minor:
-            out.append(name)
-    return out
 
 
 @lru_cache(maxsize=None)
@@ -151,6 +112,12 @@ def write_if_different(path: Path, text: str) -> bool:
 
 def cubin_name(arch: str) -> str:
     return f"kernel.{arch}.cubin"
+
+
+def nvcc_command(arch: str, nvcc: str, flags: tuple[str, ...], include_dir: str = INCLUDE_DIR) -> list[str]:
+    """The nvcc command line ninja runs for ``arch`` in a build directory (as :func:`ninja_file` writes it)."""
+    return [nvcc, *flags, f"-I{include_dir}", "-cubin", f"-gencode={ARCHS[arch]}", "-o", cubin_name(arch),
+            RENDERED_FILE]
 
 
 def ninja_file(archs: list[str], nvcc: str, *, flags: tuple[str, ...] | None = None,
@@ -248,8 +215,12 @@ def build(source: RenderedSource, arch: str, build_dir: Path, *, flags: tuple[st
         OSError: ``build_dir`` cannot be written.
     """
     arch = normalize_arch(arch)
-    nvcc_version(settings.nvcc())  # fails early, with a clear message, when nvcc is missing
+    settings.configure_logging()
+    nvcc = settings.nvcc()
+    nvcc_version(nvcc)  # fails early, with a clear message, when nvcc is missing
     cmd = prepare(source, arch, build_dir, flags=flags, templates=templates)
+    command = nvcc_command(arch, nvcc, NVCC_FLAGS if flags is None else flags)
+    logger.debug("compile %s in %s: %s", arch, build_dir, shlex.join(command))
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if k not in _NVCC_ENV_FLAGS}

@@ -42,20 +42,22 @@ import contextlib
 import errno
 import hashlib
 import json
+import logging
 import os
-import shlex
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator
 
-import jitattn
+from jitattn import _version
 from jitattn import build as _build
+from jitattn import modules as _modules
 from jitattn import render as _render
 from jitattn import settings
 from jitattn.build import BuildError, CompileError, cubin_name, normalize_arch, nvcc_version
-from jitattn.spec import AttentionSpec
+from jitattn.commands import fill_hint
+from jitattn.modules import KernelModule
 
 LAYOUT_VERSION = "v1"
 MANIFEST = "manifest.json"
@@ -63,8 +65,30 @@ MANIFEST = "manifest.json"
 _BUILD_ONLY = (".ninja_log", ".ninja_deps", _build.INCLUDE_DIR)
 
 
+logger = logging.getLogger("jitattn.cache")
+
+
 class MissingKernelError(RuntimeError):
-    """A kernel is not in any cache layer and JITATTN_DISABLE_JIT=1 forbids compiling it."""
+    """A kernel is not in any cache layer and JITATTN_DISABLE_JIT=1 forbids compiling it.
+
+    The message names the kernel, the layers searched, every corrupt entry of it that was passed
+    over (now, or moved to quarantine earlier), and the ``jitattn warmup`` command that fills it.
+
+    Attributes:
+        module: the spec (or utility module) asked for.
+        arch: the target arch (``"sm_90a"``).
+        key: its source key (the key without nvcc), as the message abbreviates it.
+        roots: the cache roots searched, in order.
+        corrupt: ``"<path>: <problem>"`` of each corrupt entry of this kernel.
+    """
+
+    def __init__(self, module: KernelModule, arch: str, key: str, roots: tuple[Path, ...],
+                 corrupt: tuple[str, ...] = ()):
+        self.module, self.arch, self.key, self.roots, self.corrupt = module, arch, key, tuple(roots), tuple(corrupt)
+        super().__init__(missing_message(module, arch, key, self.roots, self.corrupt))
+
+    def __reduce__(self):  # picklable (a worker process may raise it)
+        return type(self), (self.module, self.arch, self.key, self.roots, self.corrupt)
 
 
 class CacheWriteError(RuntimeError):
@@ -113,7 +137,7 @@ def source_key_of(key_inputs_json: dict[str, Any]) -> str:
     return _sha256_json({k: v for k, v in key_inputs_json.items() if k != "nvcc"})
 
 
-def key_inputs(spec: AttentionSpec, source: _render.RenderedSource, arch: str, *, nvcc: str | None = None
+def key_inputs(spec: KernelModule, source: _render.RenderedSource, arch: str, *, nvcc: str | None = None
                ) -> KeyInputs:
     """The key inputs of (spec, arch); ``nvcc`` defaults to this machine's (runs ``nvcc --version`` once).
 
@@ -122,7 +146,7 @@ def key_inputs(spec: AttentionSpec, source: _render.RenderedSource, arch: str, *
     """
     return KeyInputs(spec=spec.canonical_json(), source_sha256=source.sha256, templates=_render.template_hashes(),
                      nvcc=nvcc_version(settings.nvcc()) if nvcc is None else nvcc, arch=normalize_arch(arch),
-                     flags=tuple(_build.NVCC_FLAGS), jitattn_version=jitattn.__version__)
+                     flags=tuple(_build.NVCC_FLAGS), jitattn_version=_version.__version__)
 
 
 @lru_cache(maxsize=None)
@@ -137,18 +161,18 @@ def _python_files_digest(package: str) -> str:
 
 def code_digest() -> str:
     """sha256 of the jitattn package's Python files: with the templates, everything rendering depends on."""
-    return _python_files_digest(str(Path(jitattn.__file__).resolve().parent))
+    return _python_files_digest(str(Path(__file__).resolve().parent))
 
 
-def spec_key_inputs(spec: AttentionSpec, arch: str) -> dict[str, Any]:
+def spec_key_inputs(spec: KernelModule, arch: str) -> dict[str, Any]:
     """What the spec key hashes: the key inputs, with the package's code instead of the rendered
     source (which it determines) and without nvcc."""
     return {"spec": json.loads(spec.canonical_json()), "arch": normalize_arch(arch),
             "templates": _render.template_hashes(), "code": code_digest(), "flags": list(_build.NVCC_FLAGS),
-            "jitattn_version": jitattn.__version__}
+            "jitattn_version": _version.__version__}
 
 
-def spec_key(spec: AttentionSpec, arch: str) -> str:
+def spec_key(spec: KernelModule, arch: str) -> str:
     """A key for (spec, arch) that needs no rendering: what produces the source instead of the source.
 
     Equal spec keys render equal sources (rendering is a function of the spec, the templates and the
@@ -223,12 +247,9 @@ class CacheEntry:
         return self.path / cubin_name(self.arch)
 
     @property
-    def spec(self) -> AttentionSpec:
-        """The spec the entry was built for (a :class:`jitattn.merge_module.MergeModule` for a utility module)."""
-        data = self.manifest["key_inputs"]["spec"]
-        from jitattn.merge_module import MergeModule, is_module_json
-
-        return MergeModule.from_json(data) if is_module_json(data) else AttentionSpec.from_json(data)
+    def spec(self) -> KernelModule:
+        """The module the entry was built for: an AttentionSpec, or a utility module (its JSON's ``kind``)."""
+        return _modules.from_json(self.manifest["key_inputs"]["spec"])
 
 
 @dataclass
@@ -306,11 +327,15 @@ class KernelCache:
     Args:
         root: writable root (default: ``settings.cache_dir()``).
         layers: read-only roots searched after it (default: ``settings.cache_path()``).
+        look_only: lookups write nothing at all, not even the best-effort quarantine move or
+            spec-key marker (``jitattn doctor`` inspects a node without changing it).
     """
 
-    def __init__(self, root: Path | None = None, layers: tuple[Path, ...] | None = None):
+    def __init__(self, root: Path | None = None, layers: tuple[Path, ...] | None = None, *,
+                 look_only: bool = False):
         self.root = Path(root) if root is not None else settings.cache_dir()
         self.layers = tuple(Path(p) for p in layers) if layers is not None else settings.cache_path()
+        self.look_only = look_only
 
     # ---- paths ---------------------------------------------------------------------------------
     @property
@@ -376,6 +401,8 @@ class KernelCache:
                 manifest = _read_manifest(self.entry_dir(key, root))
                 if manifest is not None and _serves(manifest, index, name, nvcc, expect):
                     candidates.append((manifest.get("created", ""), key))
+                elif not _manifest_matches(manifest, key):
+                    self._entry_at(root, key, rejected)  # a broken or altered manifest: reported, not skipped
             for _, key in sorted(candidates, reverse=True):
                 entry = self._entry_at(root, key, rejected)
                 if entry is not None:
@@ -394,11 +421,12 @@ class KernelCache:
         if problem is None:
             return CacheEntry(key, path, manifest)
         rejected.append(f"{path}: {problem}")
-        if root == self.root:
+        logger.debug("corrupt entry %s: %s; not loaded", path, problem)
+        if root == self.root and not self.look_only:
             self.quarantine(path, problem)
         return None
 
-    def find(self, spec: AttentionSpec, arch: str) -> CacheEntry | None:
+    def find(self, spec: KernelModule, arch: str) -> CacheEntry | None:
         """The cached kernel of ``(spec, arch)``, or None; never compiles.
 
         Writes nothing a load depends on: at most (best effort) a corrupt entry of the writable root
@@ -410,25 +438,68 @@ class KernelCache:
         """
         return self._search(spec, normalize_arch(arch)).entry
 
-    def _search(self, spec: AttentionSpec, arch: str) -> _Search:
+    def _search(self, spec: KernelModule, arch: str) -> _Search:
+        settings.configure_logging()
         expect = spec_key_inputs(spec, arch)
         found = _Search(spec_key=_sha256_json(expect))
         nvcc = None if settings.disable_jit() else _local_nvcc()
         found.entry = self._newest("specs", found.spec_key, nvcc, found.rejected, expect)
         if found.entry is not None:  # found without rendering
+            logger.debug("hit %s for %s: %s (spec key %s)", spec.name, arch, found.entry.path, found.spec_key[:16])
             return found
-        found.source = _render.render(spec)
+        found.source = _modules.render(spec)
         found.inputs = key_inputs(spec, found.source, arch, nvcc=nvcc or "")
         if nvcc is not None:
             found.entry = self._lookup(found.inputs.key, found.rejected)
+            how = f"key {found.inputs.key[:16]}, this nvcc"
         else:
             found.entry = self._newest("index", found.inputs.source_key, None, found.rejected)
-        if found.entry is not None and found.entry.path.is_relative_to(self.root):
-            self._remember_spec_key(found.entry, found.spec_key)
+            how = f"source key {found.inputs.source_key[:16]}, any nvcc"
+        if found.entry is not None:
+            logger.debug("hit %s for %s: %s (%s)", spec.name, arch, found.entry.path, how)
+            if found.entry.path.is_relative_to(self.root):
+                self._remember_spec_key(found.entry, found.spec_key)
+        else:
+            logger.debug("miss %s for %s (%s) in %s", spec.name, arch, how, ", ".join(map(str, self.roots)))
         return found
+
+    def quarantined(self, source_key: str, spec_key: str = "") -> list[tuple[Path, str]]:
+        """``(path, problem)`` of each entry of one kernel that ``quarantine/`` holds (moved there
+        earlier, by this process or another). An entry is the kernel's when a marker of
+        ``source_key`` or ``spec_key`` names its key (markers stay when an entry moves; they are how
+        an entry whose manifest no longer parses is recognised), or its manifest has that source key."""
+        base = self.base() / "quarantine"
+        if not base.is_dir():
+            return []
+        keys = set()
+        for marker_dir in (self.index_dir(source_key), *([self.spec_index_dir(spec_key)] if spec_key else [])):
+            with contextlib.suppress(OSError):
+                keys.update(os.listdir(marker_dir))
+        out = []
+        for path in sorted(base.iterdir()):
+            manifest = _read_manifest(path)
+            try:
+                ours = manifest is not None and source_key_of(manifest["key_inputs"]) == source_key
+            except (KeyError, TypeError, AttributeError):
+                ours = False
+            if ours or path.name.rsplit(".", 1)[0] in keys:  # quarantine/<key>.<ms>
+                with contextlib.suppress(OSError):
+                    out.append((path, (path / "QUARANTINED").read_text().strip()))
+        return out
+
+    def _missing(self, spec: KernelModule, arch: str, found: _Search) -> MissingKernelError:
+        """The error of a miss under JITATTN_DISABLE_JIT=1, naming every corrupt entry of the kernel:
+        those this lookup passed over, and those an earlier lookup moved to quarantine."""
+        moved_now = {Path(r.split(": ", 1)[0]).name for r in found.rejected}
+        earlier = [f"{path}: {problem} (quarantined)"
+                   for path, problem in self.quarantined(found.inputs.source_key, found.spec_key)
+                   if path.name.rsplit(".", 1)[0] not in moved_now]
+        return MissingKernelError(spec, arch, found.inputs.source_key, self.roots, (*found.rejected, *earlier))
 
     def _remember_spec_key(self, entry: CacheEntry, key: str) -> None:
         """Best effort: let the next process find ``entry`` without rendering (never fails a load)."""
+        if self.look_only:
+            return
         with contextlib.suppress(OSError):
             marker_dir = self.spec_index_dir(key)
             marker_dir.mkdir(parents=True, exist_ok=True)
@@ -447,7 +518,7 @@ class KernelCache:
         return sorted(p.parent for p in base.glob(f"*/*/{MANIFEST}")) if base.is_dir() else []
 
     # ---- writing -------------------------------------------------------------------------------
-    def get_or_build(self, spec: AttentionSpec, arch: str) -> tuple[CacheEntry, bool]:
+    def get_or_build(self, spec: KernelModule, arch: str) -> tuple[CacheEntry, bool]:
         """The cached kernel of ``(spec, arch)``, compiling it on a miss.
 
         Returns:
@@ -468,15 +539,20 @@ class KernelCache:
         if found.entry is not None:
             return found.entry, False
         if settings.disable_jit():
-            raise MissingKernelError(missing_message(spec, arch, found.inputs.source_key, self.roots, found.rejected))
+            raise self._missing(spec, arch, found)
         if not found.inputs.nvcc:
             nvcc_version(settings.nvcc())  # raises BuildError: what was tried and how to fix it
         key = found.inputs.key
         with self.locked(key, f"{spec.name} for {arch}"):
             entry = self.entry_in_root(key)  # another process may have built it while we waited
             if entry is not None:
+                logger.debug("hit %s for %s: %s (built by another process while this one waited)",
+                             spec.name, arch, entry.path)
                 return entry, False
-            return self._build_and_publish(spec, found), True
+            entry = self._build_and_publish(spec, found)
+            logger.debug("published %s for %s as %s (%.1f s)", spec.name, arch, entry.path,
+                         entry.manifest.get("build_seconds", 0.0))
+            return entry, True
 
     @contextlib.contextmanager
     def locked(self, key: str, what: str) -> Iterator[None]:
@@ -488,7 +564,7 @@ class KernelCache:
                 stack.enter_context(key_lock(lock, settings.lock_timeout(), what))
             yield
 
-    def _build_and_publish(self, spec: AttentionSpec, found: _Search) -> CacheEntry:
+    def _build_and_publish(self, spec: KernelModule, found: _Search) -> CacheEntry:
         """Build in ``build/<key>`` (a fixed path: reproducible), then publish it as ``entries/<key>``.
         Called with the key's lock held, so nobody else uses that directory."""
         inputs = found.inputs
@@ -522,7 +598,7 @@ class KernelCache:
         return CacheEntry(key, final, manifest)
 
     @staticmethod
-    def _manifest(spec: AttentionSpec, inputs: KeyInputs, skey: str, stage: Path, result: _build.BuildResult
+    def _manifest(spec: KernelModule, inputs: KeyInputs, skey: str, stage: Path, result: _build.BuildResult
                   ) -> dict[str, Any]:
         return {
             "key": inputs.key,
@@ -574,8 +650,7 @@ class KernelCache:
             return None
         with contextlib.suppress(OSError):
             (dest / "QUARANTINED").write_text(problem + "\n")
-        if settings.verbose():
-            print(f"[jitattn] corrupt cache entry {path} moved to {dest}: {problem}")
+        logger.debug("corrupt cache entry %s moved to %s: %s", path, dest, problem)
         return dest
 
     def discard(self, path: Path) -> None:
@@ -608,12 +683,20 @@ def write_error_message(root: Path, path: Path, what: str, exc: OSError) -> str:
     """``cannot <what> <path>: <reason>`` and the fix, for a cache root that refuses a write."""
     reason = exc.strerror or str(exc)
     if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        fix = (f"the disk holding {root} is full: free space (`jitattn cache prune`), or set JITATTN_CACHE_DIR "
-               f"to a directory with room")
+        fix = (f"the disk holding {root} is full: free space (`jitattn cache prune`), or "
+               f"{point_root_elsewhere(root, 'with room')}")
     else:
-        fix = ("set JITATTN_CACHE_DIR to a writable directory (a read-only cache belongs in JITATTN_CACHE_PATH, "
+        fix = (f"{point_root_elsewhere(root, 'writable')} (a read-only cache belongs in JITATTN_CACHE_PATH, "
                "which is only read)")
     return f"cannot {what} {path}: {reason}; {fix}"
+
+
+def point_root_elsewhere(root: Path, what: str) -> str:
+    """How to give jitattn another writable root than ``root``: set JITATTN_CACHE_DIR, or, when it
+    is already set to ``root``, point it at another directory."""
+    if settings.cache_dir_is_set() and settings.cache_dir() == Path(root):
+        return f"JITATTN_CACHE_DIR is set to this root: point it at a {what} directory"
+    return f"set JITATTN_CACHE_DIR to a {what} directory"
 
 
 def _serves(manifest: dict[str, Any], index: str, name: str, nvcc: str | None,
@@ -632,6 +715,15 @@ def _serves(manifest: dict[str, Any], index: str, name: str, nvcc: str | None,
             ok = source_key_of(inputs) == name
         return ok and (nvcc is None or inputs.get("nvcc") == nvcc)
     except (KeyError, TypeError, AttributeError):
+        return False
+
+
+def _manifest_matches(manifest: dict[str, Any] | None, key: str) -> bool:
+    """Whether a manifest read through a marker is intact enough to be judged by its inputs (readable,
+    its ``key_inputs`` hashing to its entry's key); one that is not gets the full check."""
+    try:
+        return manifest is not None and _sha256_json(manifest["key_inputs"]) == key
+    except (KeyError, TypeError, ValueError):
         return False
 
 
@@ -661,39 +753,12 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def warmup_command(spec: AttentionSpec, arch: str) -> str:
-    """The shell command that compiles ``(spec, arch)`` into the cache."""
-    return f"jitattn warmup --spec {shlex.quote(spec.canonical_json())} --arch {arch}"
-
-
-def model_warmup_command(spec: AttentionSpec, arch: str) -> str | None:
-    """``jitattn warmup --model <config.json>`` with the flags under which a model's layer specs can equal
-    ``spec`` (its dtype, KV dtype, page size, layout), or None when no model config gives such a spec
-    (jitattn.models makes causal, paged specs without a variant: ragged K/V or a variant need --spec).
-    """
-    if not isinstance(spec, AttentionSpec):  # a utility module: the model's output dtype builds it
-        return f"jitattn warmup --model <config.json> --arch {arch}"
-    if spec.variant is not None or spec.ragged or not spec.causal or spec.window_right >= 0 \
-            or spec.o_dtype != spec.q_dtype:
-        return None
-    words = ["jitattn warmup --model <config.json>", f"--dtype {spec.q_dtype}"]
-    if spec.kv_dtype != spec.q_dtype:
-        words.append(f"--kv-dtype {spec.kv_dtype}")
-    if spec.page_size != 16:
-        words.append(f"--page-size {spec.page_size}")
-    if spec.kv_layout != "NHD":
-        words.append(f"--kv-layout {spec.kv_layout}")
-    return " ".join(words + [f"--arch {arch}"])
-
-
-def missing_message(spec: AttentionSpec, arch: str, key: str, roots: tuple[Path, ...],
-                    rejected: list[str] | tuple[str, ...] = ()) -> str:
-    """The error text of a DISABLE_JIT miss: which kernel, where we looked, the command that fills it."""
+def missing_message(module: KernelModule, arch: str, key: str, roots: tuple[Path, ...],
+                    corrupt: list[str] | tuple[str, ...] = ()) -> str:
+    """The error text of a DISABLE_JIT miss: which kernel, where we looked, what was corrupt, and
+    (from :func:`jitattn.commands.fill_hint`) the command that fills it."""
     looked = ", ".join(str(r) for r in roots)
-    corrupt = "".join(f"\n  corrupt, not loaded: {r}" for r in rejected)
-    model = model_warmup_command(spec, arch)
-    return (f"kernel {spec.name} for {arch} (key {key[:16]}) is not cached and JITATTN_DISABLE_JIT=1 forbids "
-            f"compiling it.\n  looked in: {looked}{corrupt}\n  fill it on a build box with:\n"
-            f"    {warmup_command(spec, arch)}\n"
-            + (f"  (or `{model}` for the whole model), " if model else "  ")
-            + "then ship the cache.")
+    state = "is cached only as corrupt entries" if corrupt else "is not cached"
+    lines = "".join(f"\n  corrupt, not loaded: {r}" for r in corrupt)
+    return (f"kernel {module.name} for {arch} (key {key[:16]}) {state} and JITATTN_DISABLE_JIT=1 forbids "
+            f"compiling it.\n  looked in: {looked}{lines}\n{fill_hint(module, arch)}")

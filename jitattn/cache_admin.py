@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-import jitattn
+from jitattn import _version
 from jitattn import build as _build
 from jitattn import render as _render
 from jitattn.cache import MANIFEST, CacheEntry, KernelCache, check_entry, source_key_of, try_key_lock
@@ -197,7 +197,7 @@ def _alive(pid: int) -> bool:
 
 def _prune_entries(plan: _Plan) -> None:
     """Entries this installation never loads: incomplete, corrupt, or keyed by other inputs."""
-    current = {"jitattn_version": jitattn.__version__, "templates": _render.template_hashes(),
+    current = {"jitattn_version": _version.__version__, "templates": _render.template_hashes(),
                "flags": list(_build.NVCC_FLAGS)}
     what = {"jitattn_version": "another jitattn version ({0}; this is {1})",
             "templates": "other templates than this installation's", "flags": "other nvcc flags ({0})"}
@@ -287,7 +287,7 @@ def export_entries(cache: KernelCache, wanted: list[Wanted], out: Path) -> list[
     if missing:
         raise MissingEntriesError(missing)
     entries = {e.key: (w, e) for w, e in found}  # type: ignore[union-attr]
-    listing = {"format": "jitattn-cache-export", "layout": "v1", "jitattn_version": jitattn.__version__,
+    listing = {"format": "jitattn-cache-export", "layout": "v1", "jitattn_version": _version.__version__,
                "entries": [{"key": k, "name": e.manifest.get("name"), "arch": e.arch, "needed_by": list(w.needed_by)}
                            for k, (w, e) in sorted(entries.items())]}
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")

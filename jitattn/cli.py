@@ -10,14 +10,20 @@
   (:mod:`jitattn.cache_admin`).
 - ``jitattn select``: which backend serves each layer kind of a model on a device, and why
   (:func:`jitattn.selector.select_model`).
+- ``jitattn doctor``: can this node serve some models with ``JITATTN_DISABLE_JIT=1``? nvcc, GPU,
+  torch, the cache layers and, per model, which kernels are present (:mod:`jitattn.doctor`).
 - ``jitattn bench``: jitattn against the anchors on a CUDA GPU (:mod:`jitattn.bench`).
+
+``warmup``, ``cache export``, ``select`` and ``doctor`` take ``--tensor-parallel-size N``: the specs
+are then one rank's (:func:`jitattn.models.per_rank_heads`).
 
 Exit codes: 0 success; 1 the work found a problem: a kernel failed to compile (nvcc's message is
 printed), ``cache verify`` found corrupt entries, ``cache export`` misses kernels (the warm-up
 command that fills them is printed), ``cache import`` refused an archive, ``select`` found a layer
-kind no backend serves; 2 a usage error (missing file, bad JSON, unknown arch, invalid spec, nvcc
-missing, an unwritable cache root, no GPU), printed as one ``jitattn: error: ...`` line without
-a traceback.
+kind no backend serves, ``doctor`` found the node cannot serve the models (the warm-up command is
+printed); 2 a usage error (missing file, bad JSON, unknown arch, invalid spec, an unknown model
+type, heads that do not split over the ranks, nvcc missing, an unwritable cache root, no GPU),
+printed as one ``jitattn: error: ...`` line without a traceback.
 
 Each verb is a small function over the library's own objects (:class:`~jitattn.cache.KernelCache`,
 :func:`~jitattn.models.load_model_config`, :class:`~jitattn.spec.AttentionSpec`).
@@ -28,8 +34,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shlex
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,12 +48,17 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-import jitattn
-from jitattn import settings
+from jitattn import modules, settings
+from jitattn._version import __version__
 from jitattn.build import BuildError, CompileError, normalize_arch, nvcc_version
-from jitattn.cache import MANIFEST, CacheWriteError, KernelCache
-from jitattn.merge_module import MergeModule, is_module_json
-from jitattn.spec import AttentionSpec
+from jitattn.cache import MANIFEST, CacheWriteError, KernelCache, point_root_elsewhere
+from jitattn.commands import models_warmup_command
+from jitattn.merge_module import MergeModule
+from jitattn.modules import KernelModule
+
+# torch prints this at import when its NumPy bridge cannot load (no NumPy, or one built for another
+# ABI); jitattn never hands torch a NumPy array, so it is noise on every command that loads torch.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
 # The click that typer runs on: its own copy (typer.core._click, typer >= 0.2x) or the click package.
 _click = getattr(typer.core, "_click", None) or typer.core.click
@@ -132,13 +143,13 @@ def _need_torch(command: str) -> None:
     try:
         import torch  # noqa: F401
     except ImportError:
-        _fail(f"`jitattn {command}` needs torch, which is not installed here (only `jitattn warmup` and "
-              f"`jitattn cache` work without it): pip install 'jitattn[torch]'")
+        _fail(f"`jitattn {command}` needs torch, which is not installed here (`jitattn warmup`, `cache`, `doctor` "
+              f"and `select --device NAME` work without it): pip install 'jitattn[torch]'")
 
 
 def _version_callback(value: bool) -> None:
     if value:
-        typer.echo(f"jitattn {jitattn.__version__}")
+        typer.echo(f"jitattn {__version__}")
         raise typer.Exit()
 
 
@@ -146,6 +157,8 @@ def _version_callback(value: bool) -> None:
 def main(version: Annotated[bool, typer.Option("--version", callback=_version_callback, is_eager=True,
                                                help="Print the version and exit.")] = False) -> None:
     """JIT kernel-specialisation compiler for attention."""
+    with _usage_errors():
+        settings.configure_logging()  # JITATTN_VERBOSE=1: compile commands and cache decisions on stderr
 
 
 # ---- options shared by the verbs that take models ----------------------------------------------
@@ -167,6 +180,9 @@ CascadeOpt = Annotated[bool, typer.Option(
     "--cascade", help="Also each paged spec's explicit-position twin (the module cascade attention runs) and the "
                       "merge_state module it merges with.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="JSON output, for scripts.")]
+TpOpt = Annotated[int, typer.Option(
+    "--tensor-parallel-size", "--tp", help="Ranks a model's heads are split over: the specs are one rank's "
+                                           "(query heads / N; KV heads / N, or 1 when fewer KV heads than ranks).")]
 
 
 # ---- warmup: what to build ---------------------------------------------------------------------
@@ -175,7 +191,7 @@ class Target:
     """One spec (or utility module) to build, with every source that asked for it (``model/layer kind``,
     ``model/merge_state`` or ``--spec #i``)."""
 
-    spec: AttentionSpec | MergeModule
+    spec: KernelModule
     sources: list[str]
 
 
@@ -202,7 +218,7 @@ def _available_gib() -> int:
         return 2
 
 
-def parse_spec_arg(text: str) -> list[AttentionSpec]:
+def parse_spec_arg(text: str) -> list[KernelModule]:
     """``--spec`` value: AttentionSpec JSON text, or a path to a file holding a spec object or a list.
 
     An object with ``"kind": "merge_state"`` is a :class:`~jitattn.merge_module.MergeModule` (the
@@ -232,37 +248,37 @@ def parse_spec_arg(text: str) -> list[AttentionSpec]:
         where = source if len(items) == 1 else f"{source} [{i}]"
         if not isinstance(item, dict):
             raise UsageError(f"{where}: expected a JSON object with AttentionSpec fields, got {type(item).__name__}")
-        try:
-            if is_module_json(item):  # a utility module: {"kind": "merge_state", "dtype": ...}
-                specs.append(MergeModule.from_json(item))
-            else:
-                specs.append(AttentionSpec.from_json(item))
+        try:  # an AttentionSpec, or a module of another kind: {"kind": "merge_state", "dtype": ...}
+            specs.append(modules.from_json(item))
         except (ValueError, TypeError, KeyError) as exc:
             raise UsageError(f"{where}: invalid spec: {exc}") from None
     return specs
 
 
 def collect_targets(models: list[Path], spec_args: list[str], *, dtype: str | None, page_size: int,
-                    kv_layout: str, kv_dtype: str | None = None, cascade: bool = False) -> list[Target]:
+                    kv_layout: str, kv_dtype: str | None = None, cascade: bool = False,
+                    tensor_parallel_size: int = 1) -> list[Target]:
     """The distinct specs to build, in order of first mention, each with who asked for it.
 
     Each model also needs the ``merge_state`` module of each of its output dtypes (after its specs).
     With ``cascade``, every paged spec's explicit-position twin too (the module cascade attention's
     passes run, :mod:`jitattn.cascade`) and the ``merge_state`` module of its output dtype (which merges
-    the passes' states), after the spec itself.
+    the passes' states), after the spec itself. ``tensor_parallel_size`` makes a model's specs one
+    rank's (``--spec`` values are taken as given).
     """
     from jitattn.models import load_model_config
 
-    targets: dict[AttentionSpec, Target] = {}
+    targets: dict[KernelModule, Target] = {}
 
-    def add(spec: AttentionSpec, source: str) -> None:
+    def add(spec: KernelModule, source: str) -> None:
         targets.setdefault(spec, Target(spec, [])).sources.append(source)
-        if cascade and isinstance(spec, AttentionSpec) and spec.has_decode:
+        if cascade and modules.kind_of(spec).name == modules.ATTENTION and spec.has_decode:
             add(spec.replace(query_positions="explicit"), f"{source} (cascade)")
             add(MergeModule(spec.o_dtype), f"{source} (cascade merge)")  # the cascade merges its levels' states
 
     for path in models:
-        model = load_model_config(path, dtype=dtype, kv_layout=kv_layout, page_size=page_size, kv_dtype=kv_dtype)
+        model = load_model_config(path, dtype=dtype, kv_layout=kv_layout, page_size=page_size, kv_dtype=kv_dtype,
+                                  tensor_parallel_size=tensor_parallel_size)
         for kind in model.layer_kinds:
             add(kind.spec, f"{Path(path).stem}/{kind.name}")
         for out_dtype in dict.fromkeys(kind.spec.o_dtype for kind in model.layer_kinds):
@@ -287,9 +303,10 @@ def _check_build_box(cache: KernelCache) -> str:
     try:
         base.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise UsageError(f"cache root {cache.root} is not writable ({exc.strerror}); set JITATTN_CACHE_DIR") from None
+        raise UsageError(f"cache root {cache.root} is not writable ({exc.strerror}); "
+                         f"{point_root_elsewhere(cache.root, 'writable')}") from None
     if not os.access(base, os.W_OK):
-        raise UsageError(f"cache root {cache.root} is not writable; set JITATTN_CACHE_DIR to a writable directory")
+        raise UsageError(f"cache root {cache.root} is not writable; {point_root_elsewhere(cache.root, 'writable')}")
     return version
 
 
@@ -364,6 +381,7 @@ def warmup(
     kv_layout: KvLayoutOpt = "NHD",
     kv_dtype: KvDtypeOpt = None,
     cascade: CascadeOpt = False,
+    tensor_parallel_size: TpOpt = 1,
 ) -> None:
     """Compile every kernel the models or specs need, for every arch, into the cache (nvcc only, no GPU).
 
@@ -375,7 +393,7 @@ def warmup(
         if jobs is not None and jobs < 1:
             raise UsageError(f"--jobs {jobs}: expected a number of compiles >= 1 (or leave it out for the default)")
         targets = collect_targets(model or [], spec or [], dtype=dtype, page_size=page_size, kv_layout=kv_layout,
-                                  kv_dtype=kv_dtype, cascade=cascade)
+                                  kv_dtype=kv_dtype, cascade=cascade, tensor_parallel_size=tensor_parallel_size)
         archs = resolve_archs(arch or [])
         cache = KernelCache()
         nvcc = _check_build_box(cache)
@@ -584,23 +602,6 @@ def cache_clear(
     _print_removals(removals, "remove", dry_run, as_json, cache.root)
 
 
-def _warmup_command(models: list[Path], specs: list[str], archs: list[str], dtype: str | None, page_size: int,
-                    kv_layout: str, kv_dtype: str | None = None) -> str:
-    """The ``jitattn warmup`` command that builds what the same arguments name."""
-    words = ["jitattn", "warmup"]
-    words += [w for m in models for w in ("--model", str(m))] + [w for s in specs for w in ("--spec", s)]
-    words += [w for a in archs for w in ("--arch", a)]
-    if dtype:
-        words += ["--dtype", dtype]
-    if page_size != 16:
-        words += ["--page-size", str(page_size)]
-    if kv_layout != "NHD":
-        words += ["--kv-layout", kv_layout]
-    if kv_dtype:
-        words += ["--kv-dtype", kv_dtype]
-    return " ".join(shlex.quote(w) for w in words)
-
-
 @cache_app.command("export")
 def cache_export(
     output: Annotated[Path, typer.Option("--output", "-o", help="Archive to write: .tar.gz, .tgz or .tar.")],
@@ -612,6 +613,7 @@ def cache_export(
     kv_layout: KvLayoutOpt = "NHD",
     kv_dtype: KvDtypeOpt = None,
     cascade: CascadeOpt = False,
+    tensor_parallel_size: TpOpt = 1,
 ) -> None:
     """Write exactly the entries the models or specs need, for the archs, into one archive.
 
@@ -625,7 +627,7 @@ def cache_export(
         if not model and not spec:
             raise UsageError("nothing to export: pass --model CONFIG.json and/or --spec JSON_OR_FILE")
         targets = collect_targets(model or [], spec or [], dtype=dtype, page_size=page_size, kv_layout=kv_layout,
-                                  kv_dtype=kv_dtype, cascade=cascade)
+                                  kv_dtype=kv_dtype, cascade=cascade, tensor_parallel_size=tensor_parallel_size)
         archs = resolve_archs(arch or [])
         cache = _open_cache()
         wanted = cache_admin.needed(((t.spec, t.sources) for t in targets), archs)
@@ -634,7 +636,9 @@ def cache_export(
         except cache_admin.MissingEntriesError as exc:
             lines = [f"  {w.spec.name} {w.arch} (needed by {', '.join(w.needed_by)})" for w in exc.missing]
             looked = ", ".join(str(r) for r in cache.roots)
-            command = _warmup_command(model or [], spec or [], archs, dtype, page_size, kv_layout, kv_dtype)
+            command = models_warmup_command(model or [], spec or [], archs, dtype=dtype, page_size=page_size,
+                                            kv_layout=kv_layout, kv_dtype=kv_dtype, cascade=cascade,
+                                            tensor_parallel_size=tensor_parallel_size)
             typer.echo(f"jitattn: error: {len(exc.missing)} of {len(wanted)} kernels are not cached (looked in "
                        f"{looked}); nothing written:\n" + "\n".join(lines) +
                        f"\nbuild them on a machine with nvcc, then export again:\n  {command}", err=True)
@@ -690,24 +694,110 @@ def select(
     need_lse: Annotated[bool, typer.Option("--need-lse", help="The caller needs the lse.")] = False,
     cuda_graph: Annotated[bool, typer.Option("--cuda-graph", help="Calls are captured in CUDA graphs.")] = False,
     backend: Annotated[Optional[str], typer.Option("--backend", help="Force one backend by name.")] = None,
+    tensor_parallel_size: TpOpt = 1,
     as_json: JsonOpt = False,
 ) -> None:
     """Which backend serves each layer kind of a model on a device, and why the others do not.
 
-    Works without a GPU when the device is named. Exit code 1 when a layer kind has no backend.
+    Works without a GPU, and without torch, when the device is named (--device h100): the planning
+    command for a serving node, on a build box. Exit code 1 when a layer kind has no backend.
     """
-    _need_torch("select")
     from jitattn.selector import format_model_selection, select_model
 
     with _usage_errors():
         result = select_model(model, device, phase=phase, dtype=dtype, kv_layout=kv_layout, page_size=page_size,
-                              need_lse=need_lse, cuda_graph=cuda_graph, backend=backend, kv_dtype=kv_dtype)
+                              need_lse=need_lse, cuda_graph=cuda_graph, backend=backend, kv_dtype=kv_dtype,
+                              tensor_parallel_size=tensor_parallel_size)
     if as_json:
         typer.echo(json.dumps(result.to_json(), indent=1))
     else:
         typer.echo(format_model_selection(result), nl=False)
     if not result.ok:
         raise typer.Exit(1)
+
+
+# ---- doctor ------------------------------------------------------------------------------------
+@app.command()
+def doctor(
+    model: ModelOpt = None,
+    arch: ArchOpt = None,
+    dtype: DtypeOpt = None,
+    page_size: PageSizeOpt = 16,
+    kv_layout: KvLayoutOpt = "NHD",
+    kv_dtype: KvDtypeOpt = None,
+    tensor_parallel_size: TpOpt = 1,
+    as_json: JsonOpt = False,
+) -> None:
+    """Can this node serve the models with JITATTN_DISABLE_JIT=1? nvcc, GPU and driver, torch, the cache
+    layers, and which kernels each model needs are cached for which arch.
+
+    Exit code 0 when every model's kernels are cached for an arch this node runs (without a GPU: for
+    every --arch, default JITATTN_ARCHS), 1 otherwise, printing the `jitattn warmup` command that
+    fills the gap: a health check for a deployment. Never compiles, never writes.
+    """
+    from jitattn import doctor as _doctor
+
+    with _usage_errors():
+        report = _doctor.diagnose(model or [], arch or [], dtype=dtype, page_size=page_size, kv_layout=kv_layout,
+                                  kv_dtype=kv_dtype, tensor_parallel_size=tensor_parallel_size, cache=_open_cache())
+    if as_json:
+        typer.echo(json.dumps(report.to_json(), indent=1))
+    else:
+        _print_report(report, _console())
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def _print_report(report, out: Console) -> None:
+    """``jitattn doctor``'s tables: the node, the cache layers, each model's kernels, the verdict."""
+    node = Table(title="node", show_header=False)
+    node.add_column(no_wrap=True)
+    node.add_column()
+    n, d, t = report.nvcc, report.driver, report.torch
+    node.add_row("nvcc", escape(f"{n.path}: {n.version}") if n.version else f"[red]not found[/] ({escape(n.error)})")
+    node.add_row("driver", f"CUDA {d.version}" if d.version else escape(d.error))
+    for g in d.gpus:
+        node.add_row(f"GPU {g.index}", escape(f"{g.name}, compute capability {g.capability[0]}.{g.capability[1]} "
+                                              f"(runs {', '.join(g.archs) or 'no jitattn arch'})"))
+    node.add_row("torch", "torch not installed" if t.version is None else
+                 escape(f"{t.version}, CUDA {t.cuda or 'none (CPU build)'}"
+                        + (", sees the GPU" if t.cuda_available else "")))
+    node.add_row("archs checked", ", ".join(report.archs) + (" (any one per kernel)" if report.any_arch else " (each)"))
+    out.print(node)
+    layers = Table(title="cache layers")
+    for name in ("root", "layer", "exists", "writable", "entries", "corrupt"):
+        layers.add_column(name, justify="right" if name in ("entries", "corrupt") else "left")
+    for lay in report.layers:
+        layers.add_row(escape(lay.root), lay.kind, "yes" if lay.exists else "no", "yes" if lay.writable else "no",
+                       str(lay.entries), f"[bold red]{len(lay.corrupt)}[/]" if lay.corrupt else "0")
+    out.print(layers)
+    for lay in report.layers:
+        for c in lay.corrupt:
+            _say(out, f"corrupt, not loaded: {c}")
+    for m in report.models:
+        table = Table(title=escape(f"{m.name} ({m.config})" + (f", tensor parallel {m.tensor_parallel_size}"
+                                                                if m.tensor_parallel_size > 1 else "")))
+        table.add_column("kernel", no_wrap=True)
+        table.add_column("needed by")
+        for a in report.archs:
+            table.add_column(a)
+        table.add_column("served")
+        for k in m.kernels:
+            table.add_row(k.name, escape(", ".join(k.needed_by)),
+                          *("[green]present[/]" if a in k.found else "[red]missing[/]" for a in report.archs),
+                          "[green]yes[/]" if k.served else "[bold red]no[/]")
+        out.print(table)
+    for note in report.notes:
+        _say(out, f"note: {note}")
+    if not report.models:
+        _say(out, "no --model given: only the node and the cache were checked")
+    elif report.ok:
+        _say(out, "ok: this node can serve every model with JITATTN_DISABLE_JIT=1")
+    else:
+        missing = sum(not k.served for m in report.models for k in m.kernels)
+        _say(out, f"NOT OK: {missing} kernels are missing; JITATTN_DISABLE_JIT=1 would fail on them. "
+                  f"Fill the cache on a build box with:\n  {report.warmup_command}\nthen ship it "
+                  f"(jitattn cache export / import).")
 
 
 # ---- bench -------------------------------------------------------------------------------------

@@ -3,8 +3,9 @@
 The attention kernels are one module per :class:`~jitattn.spec.AttentionSpec`. ``merge_state``
 (:mod:`jitattn.merge`) needs no spec, only the element type of the attention output, so it is one
 small fixed module per dtype (``templates/merge.cu.j2``; head_dim, head count, strides and the
-number of states are launch arguments). :class:`MergeModule` describes it with the same surface
-the cache and the build use for a spec (``canonical_json``, ``name``, ``key``, rendering), so it
+number of states are launch arguments). :class:`MergeModule` satisfies the module protocol the
+cache and the build use for a spec (:class:`jitattn.modules.KernelModule`: ``canonical_json``,
+``name``, ``describe``; its row in :data:`jitattn.modules.KINDS` reads its JSON and renders it), so it
 goes through the very same pipeline: rendered, compiled by nvcc through ninja, stored in the
 content-addressed cache (keyed by its canonical JSON, the rendered source, every template and
 header, nvcc, arch, flags and version), found under ``JITATTN_DISABLE_JIT=1``, built by
@@ -102,7 +103,7 @@ class MergeModule:
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_merge_dtype(self.dtype))
 
-    # ---- the surface the cache uses (same names as AttentionSpec) ---------------------------------
+    # ---- the module protocol (jitattn.modules.KernelModule) ----------------------------------------
     def to_json(self) -> dict[str, Any]:
         return {"kind": KIND, "dtype": self.dtype}
 
@@ -159,12 +160,6 @@ class MergeModule:
 
         fields = self.fields
         _, size = params_layout(fields)
-        env = _render._environment(str(_render.template_dir()))
-        text = env.get_template(TEMPLATE_NAME).render(module=self, dtype=CTYPES[self.dtype], fields=fields,
+        text = _render.template(TEMPLATE_NAME).render(module=self, dtype=CTYPES[self.dtype], fields=fields,
                                                        params_size=size, names=KERNEL_NAMES, threads=THREADS)
         return RenderedSource(text, fields, size, dict(KERNEL_NAMES))
-
-
-def is_module_json(data: Any) -> bool:
-    """Whether parsed JSON describes a merge module (rather than an AttentionSpec)."""
-    return isinstance(data, dict) and data.get("kind") == KIND

@@ -28,6 +28,16 @@ How the fields map (all models here are decoders: every spec is ``causal=True``)
   ALiBi for BLOOM, MPT and Falcon with ``alibi: true``; sinks for gpt-oss.
 - dtype: the ``dtype`` argument, else the config's ``torch_dtype`` / ``dtype``, else bfloat16.
 
+- Tensor parallelism (``tensor_parallel_size=N``): each rank runs ``num_attention_heads / N`` query
+  heads and ``num_key_value_heads / N`` KV heads, or one KV head (replicated) when there are fewer
+  KV heads than ranks, as vLLM shards them (:func:`per_rank_heads`); heads that do not divide are
+  an error. The specs are the per-rank ones: what a rank's kernels run.
+
+Only the model types in :data:`MODEL_TYPES` are mapped (their attention is standard MHA/GQA/MQA
+with the features above); another ``model_type`` is an error listing them, rather than a guess.
+Multi-head latent attention (DeepSeek-V2/V3: ``kv_lora_rank``, ``q_lora_rank``,
+``qk_rope_head_dim``) is refused by name.
+
 A multimodal config whose attention fields sit under ``text_config`` (Gemma-3, Llava, ...) is read
 from there. Missing fields are not filled from Hugging Face's class defaults: they raise.
 """
@@ -57,6 +67,17 @@ IMPLIED_FEATURES: dict[str, Callable[[Mapping[str, Any]], dict[str, bool]]] = {
     "falcon": lambda cfg: {"alibi": bool(cfg.get("alibi", False))},
     "gpt_oss": lambda cfg: {"sinks": True},
 }
+
+#: The model types jitattn maps: their attention is the generic MHA/GQA/MQA of this module's rules,
+#: plus what :data:`IMPLIED_FEATURES` adds. Another type is refused (its attention may differ).
+MODEL_TYPES: tuple[str, ...] = (
+    "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen2_moe", "qwen3", "gemma", "gemma2",
+    "gemma3", "gemma3_text", "gpt_oss", "bloom", "mpt", "falcon",
+)
+
+#: Multi-head latent attention (DeepSeek-style): these model types, or any of these fields.
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim")
 
 #: Generic fields and the other names configs use for them, in lookup order.
 _ALIASES = {
@@ -93,12 +114,14 @@ class ModelAttention:
         num_layers: ``num_hidden_layers``.
         layer_kinds: one entry per layer kind, in order of each kind's first layer; their
             ``layers`` partition ``range(num_layers)``.
+        tensor_parallel_size: the ranks the heads are split over; the specs hold one rank's heads.
     """
 
     model_type: str
     name: str
     num_layers: int
     layer_kinds: tuple[LayerKind, ...]
+    tensor_parallel_size: int = 1
 
     def specs(self) -> list[AttentionSpec]:
         """The distinct specs, in order of the first layer that needs each."""
@@ -109,8 +132,37 @@ class ModelAttention:
         return out
 
 
+def per_rank_heads(num_qo_heads: int, num_kv_heads: int, tensor_parallel_size: int) -> tuple[int, int]:
+    """``(query heads, KV heads)`` one rank runs when a model's heads are split over
+    ``tensor_parallel_size`` ranks, as vLLM shards them: query heads divide evenly; KV heads divide
+    evenly too, or, when there are fewer KV heads than ranks, each rank holds one (replicated, the
+    ranks a multiple of the KV heads). Llama-3-70B (64 / 8) at TP 8: ``(8, 1)``; at TP 16: ``(4, 1)``.
+
+    Raises:
+        ValueError: ``tensor_parallel_size`` is not a positive int, or the heads do not split over it
+            (the message names the numbers).
+    """
+    tp = tensor_parallel_size
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_parallel_size={tp!r}: expected a positive int")
+    if num_qo_heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp}: num_attention_heads={num_qo_heads} does not divide over "
+                         f"{tp} ranks; expected a divisor of {num_qo_heads}")
+    if num_kv_heads >= tp:
+        if num_kv_heads % tp:
+            raise ValueError(f"tensor_parallel_size={tp}: num_key_value_heads={num_kv_heads} does not divide over "
+                             f"{tp} ranks (with at least as many KV heads as ranks, each rank takes an equal share)")
+        return num_qo_heads // tp, num_kv_heads // tp
+    if tp % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size={tp}: {tp} ranks are not a multiple of num_key_value_heads="
+                         f"{num_kv_heads} (with fewer KV heads than ranks, each KV head is replicated over an "
+                         f"equal number of ranks)")
+    return num_qo_heads // tp, 1
+
+
 def load_model_config(config: str | os.PathLike | dict, *, dtype: str | None = None,
-                      kv_layout: str = "NHD", page_size: int = 16, kv_dtype: str | None = None) -> ModelAttention:
+                      kv_layout: str = "NHD", page_size: int = 16, kv_dtype: str | None = None,
+                      tensor_parallel_size: int = 1) -> ModelAttention:
     """Map a Hugging Face ``config.json`` to its layer kinds and their specs (module doc: how).
 
     Args:
@@ -120,24 +172,33 @@ def load_model_config(config: str | os.PathLike | dict, *, dtype: str | None = N
         kv_layout, page_size: passed to every spec (see :class:`~jitattn.spec.AttentionSpec`).
         kv_dtype: the KV cache's dtype for every spec, e.g. ``"float8_e4m3fn"`` for an FP8 cache (a
             serving choice the config does not record); None: the q dtype.
+        tensor_parallel_size: ranks the heads are split over; the specs get one rank's heads
+            (:func:`per_rank_heads`).
 
     Raises:
         FileNotFoundError: ``config`` is a path that does not exist, or a directory without config.json.
-        ValueError: invalid JSON; a required field missing or invalid; a float32 config without a
-            ``dtype`` argument; a feature the specs cannot express (e.g. multi-head latent
-            attention); or a spec the kernels cannot serve (e.g. head_dim 72): AttentionSpec's
-            message, prefixed with the config and the layer kind. Each message names the source.
+        ValueError: invalid JSON; a required field missing or invalid; a ``model_type`` not in
+            :data:`MODEL_TYPES`; a float32 config without a ``dtype`` argument; a feature the specs
+            cannot express (multi-head latent attention); heads that do not split over
+            ``tensor_parallel_size``; or a spec the kernels cannot serve (e.g. head_dim 72):
+            AttentionSpec's message, prefixed with the config and the layer kind. Each message
+            names the source.
     """
     raw, source = _read_config(config)
     cfg = _attention_fields(raw)
     model_type = _model_type(cfg, source)
-    _reject_unsupported(cfg, source)
+    _reject_unsupported(cfg, model_type, source)
     num_layers = _int_field(cfg, "num_hidden_layers", source)
     base = _base_spec_args(cfg, model_type, source)
+    try:
+        base["num_qo_heads"], base["num_kv_heads"] = per_rank_heads(base["num_qo_heads"], base["num_kv_heads"],
+                                                                    tensor_parallel_size)
+    except ValueError as err:
+        raise ValueError(f"{source}: {err}") from None
     base.update(q_dtype=_dtype(raw, cfg, dtype, source), kv_layout=kv_layout, page_size=page_size, kv_dtype=kv_dtype)
     types = _layer_types(cfg, model_type, num_layers, source)
     kinds = tuple(_layer_kind(name, layers, base, cfg, source) for name, layers in _group(types))
-    return ModelAttention(model_type, _model_name(raw, config), num_layers, kinds)
+    return ModelAttention(model_type, _model_name(raw, config), num_layers, kinds, tensor_parallel_size)
 
 
 def model_specs(config: str | os.PathLike | dict, **kwargs: Any) -> list[AttentionSpec]:
@@ -197,11 +258,18 @@ def _model_type(cfg: Mapping[str, Any], source: str) -> str:
     return value
 
 
-def _reject_unsupported(cfg: Mapping[str, Any], source: str) -> None:
-    """Raise for attention the specs cannot express, rather than map it to a wrong spec."""
-    if _has(cfg, "kv_lora_rank"):
-        raise ValueError(f"{source}: kv_lora_rank={cfg['kv_lora_rank']!r}: multi-head latent attention "
-                         f"(DeepSeek-style) is not supported; only standard MHA/GQA/MQA maps to a spec")
+def _reject_unsupported(cfg: Mapping[str, Any], model_type: str, source: str) -> None:
+    """Raise for attention the specs cannot express, or a model type not known to map, rather than
+    map it to a wrong spec."""
+    mla = [f"{f}={cfg[f]!r}" for f in MLA_FIELDS if _has(cfg, f)]
+    if model_type in MLA_MODEL_TYPES or mla:
+        what = ", ".join([f"model_type={model_type!r}"] * (model_type in MLA_MODEL_TYPES) + mla)
+        raise ValueError(f"{source}: {what}: multi-head latent attention (DeepSeek-style) is not supported yet; "
+                         f"only standard MHA/GQA/MQA maps to a spec")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"{source}: model_type={model_type!r} is not a model type jitattn maps (its attention "
+                         f"may differ from standard MHA/GQA in ways the config does not say); known: "
+                         f"{', '.join(MODEL_TYPES)}")
 
 
 # ---- fields ------------------------------------------------------------------------------------
@@ -282,12 +350,13 @@ def _dtype(raw: Mapping[str, Any], cfg: Mapping[str, Any], override: Any, source
     if value is None:
         return "bfloat16"
     if str(value) in ("float32", "torch.float32", "float", "fp32"):
-        raise ValueError(f"{source}: {field}={value!r}: the kernels take float16 or bfloat16; pass "
-                         f"dtype=\"bfloat16\" (or \"float16\") to choose the serving dtype")
+        raise ValueError(f"{source}: {field}={value!r}: the kernels take float16 or bfloat16; choose the serving "
+                         f"dtype: --dtype bfloat16 (or float16) on the command line, dtype=\"bfloat16\" in Python")
     try:
         return normalize_dtype(value, field=field, allowed=QO_DTYPES)
     except ValueError as err:
-        raise ValueError(f"{source}: {err}; or pass dtype=\"bfloat16\"") from None
+        raise ValueError(f"{source}: {err}; or choose the serving dtype: --dtype bfloat16 on the command line, "
+                         f"dtype=\"bfloat16\" in Python") from None
 
 
 # ---- layer kinds -------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ import torch
 from jitattn.backends import DeviceInfo, get_backend
 from jitattn.checks import check_flag, check_max_query_len, check_scales, check_spec
 from jitattn.reference import torch_dtype
-from jitattn.selector import _build_cached, select_cached
+from jitattn.selector import build_cached, select_cached
 from jitattn.spec import AttentionSpec, live_spec
 
 _specs: dict[str, AttentionSpec] = {}
@@ -70,7 +70,7 @@ def paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
                        param_scalars: list[float], return_lse: bool, max_query_len: int, k_scale: float = 1.0,
                        v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     spec = spec_from_json(spec_json)
-    fn = _build_cached(get_backend(backend), spec, DeviceInfo.from_torch(q.device))
+    fn = build_cached(get_backend(backend), spec, DeviceInfo.from_torch(q.device))
     fp8 = {"k_scale": k_scale, "v_scale": v_scale} if spec.kv_dtype != spec.q_dtype else {}
     res = fn(q, kv_cache, block_table, seq_lens, query_start_loc, sinks=sinks, alibi_slopes=alibi_slopes,
              params=_unpack_params(spec, param_tensors, param_scalars), return_lse=return_lse,

@@ -170,6 +170,16 @@ def _cbool(x: bool) -> str:
     return "true" if x else "false"
 
 
+def template(name: str):
+    """The jinja2 template ``name`` of :func:`template_dir`, in jitattn's environment (strict
+    undefined names; ``cfloat`` / ``cbool`` / ``ctype`` helpers): what every module kind renders from.
+
+    Raises:
+        jinja2.TemplateNotFound: no such template.
+    """
+    return _environment(str(template_dir())).get_template(name)
+
+
 @lru_cache(maxsize=4)
 def _environment(directory: str):
     import jinja2  # here, not at import: a serving node that only loads cached kernels never renders
@@ -234,19 +244,16 @@ FUNCTOR_NAMES = ("soft_cap", "alibi", "logits_transform", "logits_mask", "struct
 def render(spec: AttentionSpec) -> RenderedSource:
     """Render the CUDA source of one spec (decode, split-merge and prefill kernels in one module).
 
-    A utility module (:class:`jitattn.merge_module.MergeModule`) passed instead renders its own
-    template (``spec.render()``), so the cache and the build serve it like a spec.
+    The attention kind's renderer; :func:`jitattn.modules.render` renders a module of any kind.
 
     Raises:
         FileNotFoundError: the templates are missing.
         jinja2.TemplateError: a broken template (a bug in jitattn, not in the spec).
     """
-    if not isinstance(spec, AttentionSpec):  # a utility module (jitattn.merge_module.MergeModule) renders itself
-        return spec.render()
     fields = params_fields(spec)
     _, size = params_layout(fields)
     context = {"spec": spec, "fields": fields, "params_size": size, "names": KERNEL_NAMES, **functors(spec)}
-    text = _environment(str(template_dir())).get_template(TEMPLATE_NAME).render(**context)
+    text = template(TEMPLATE_NAME).render(**context)
     return RenderedSource(_restore_line_directives(text), fields, size, dict(KERNEL_NAMES))
 
 

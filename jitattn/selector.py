@@ -39,7 +39,7 @@ from typing import Any
 
 from jitattn import settings
 from jitattn.backends import Backend, DeviceInfo, PagedAttentionFn, Requirements, get_backend, registered_backends
-from jitattn.backends.base import _check_phase
+from jitattn.backends.base import check_phase
 from jitattn.models import LayerKind, ModelAttention, load_model_config
 from jitattn.spec import AttentionSpec
 
@@ -103,7 +103,7 @@ class Selection:
 
     def build(self) -> PagedAttentionFn:
         """The chosen backend's callable for this spec and device (built once per process, then reused)."""
-        return _build_cached(self.backend, self.spec, self.device)
+        return build_cached(self.backend, self.spec, self.device)
 
     def explain(self) -> str:
         how = f"forced by {self.forced_by or 'JITATTN_BACKEND'}={self.name}" if self.forced else "by priority"
@@ -129,7 +129,7 @@ def select(spec: AttentionSpec, device: DeviceInfo | str | Any = None, phase: st
         ValueError: an unknown backend name, device name or phase.
     """
     device = DeviceInfo.parse(device)
-    _check_phase(phase)
+    check_phase(phase)
     req = Requirements(need_lse=need_lse, cuda_graph=cuda_graph)
     forced = backend or settings.forced_backend()
     verdicts = [(b, tuple(b.reasons(spec, device, phase, req))) for b in registered_backends()]
@@ -215,10 +215,18 @@ def _log_once(sel: Selection) -> None:
         if key in _logged:
             return
         _logged.add(key)
-    logger.info("jitattn: %s", sel.explain())
+    # A deployment that meant to ship its kernels must hear that a slower backend took over.
+    missing = any("missing kernel" in reason for r in sel.passed_over for reason in r.reasons)
+    logger.log(logging.WARNING if missing else logging.INFO, "jitattn: %s", sel.explain())
 
 
-def _build_cached(backend: Backend, spec: AttentionSpec, device: DeviceInfo) -> PagedAttentionFn:
+def build_cached(backend: Backend, spec: AttentionSpec, device: DeviceInfo) -> PagedAttentionFn:
+    """``backend.build(spec, device)``, once per process per (backend, spec, device); later calls
+    return the same callable (what :meth:`Selection.build` and :mod:`jitattn.ops` run).
+
+    Raises:
+        whatever the backend's ``build`` raises (a failed build is not remembered).
+    """
     key = (backend.name, id(backend), spec, device)
     with _lock:
         fn = _built.get(key)
@@ -278,24 +286,29 @@ class ModelSelection:
 
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model.name, "model_type": self.model.model_type, "num_layers": self.model.num_layers,
+                "tensor_parallel_size": self.model.tensor_parallel_size,
                 "device": self.device.describe(), "phase": self.phase, "ok": self.ok,
                 "layer_kinds": [r.to_json() for r in self.rows]}
 
 
 def select_model(config: str | os.PathLike | dict, device: DeviceInfo | str | Any = None, *, phase: str = "mixed",
                  dtype: str | None = None, kv_layout: str = "NHD", page_size: int = 16, need_lse: bool = False,
-                 cuda_graph: bool = False, backend: str | None = None, kv_dtype: str | None = None
-                 ) -> ModelSelection:
+                 cuda_graph: bool = False, backend: str | None = None, kv_dtype: str | None = None,
+                 tensor_parallel_size: int = 1) -> ModelSelection:
     """The backend of each layer kind of a Hugging Face model config on ``device``.
 
     A layer kind no backend serves gets its :class:`NoBackendError` in ``error`` instead of raising,
-    so the whole model is reported; check :attr:`ModelSelection.ok`.
+    so the whole model is reported; check :attr:`ModelSelection.ok`. ``tensor_parallel_size``: the
+    layer specs are one rank's (:func:`jitattn.models.per_rank_heads`). Needs torch only when
+    ``device`` is None (to find the current device) or a torch device: a named device
+    (``"h100"``, ``"sm_90"``) is planned without it.
 
     Raises:
         FileNotFoundError, ValueError: the config cannot be read or mapped (:func:`jitattn.models.load_model_config`);
             an unknown device name, phase or forced backend name.
     """
-    model = load_model_config(config, dtype=dtype, kv_layout=kv_layout, page_size=page_size, kv_dtype=kv_dtype)
+    model = load_model_config(config, dtype=dtype, kv_layout=kv_layout, page_size=page_size, kv_dtype=kv_dtype,
+                              tensor_parallel_size=tensor_parallel_size)
     device = DeviceInfo.parse(device)
     rows = []
     for kind in model.layer_kinds:
@@ -321,7 +334,8 @@ def selection_table(model_config_path: str | os.PathLike | dict, device: DeviceI
 
 def format_model_selection(ms: ModelSelection) -> str:
     m = ms.model
-    lines = [f"{m.name} ({m.model_type}, {m.num_layers} layers) on {ms.device.describe()}, phase {ms.phase}", "",
+    tp = f", tensor parallel {m.tensor_parallel_size} (heads per rank)" if m.tensor_parallel_size > 1 else ""
+    lines = [f"{m.name} ({m.model_type}, {m.num_layers} layers{tp}) on {ms.device.describe()}, phase {ms.phase}", "",
              "| layer kind | layers | backend | spec |", "|---|---|---|---|"]
     for row in ms.rows:
         chosen = row.backend or "none"

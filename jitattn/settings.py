@@ -12,18 +12,28 @@ Nothing else in the package calls ``os.environ``: modules ask this one. Tests ch
 | ``JITATTN_ARCHS`` | comma-separated target archs for warm-up, e.g. ``sm_80,sm_90a`` | ``sm_80,sm_90a`` |
 | ``JITATTN_LOCK_TIMEOUT`` | seconds to wait for another process's build of the same kernel | ``600`` |
 | ``JITATTN_BACKEND`` | force one attention backend by name (see :mod:`jitattn.selector`) | automatic |
-| ``JITATTN_VERBOSE`` | ``1``: log each compile command and cache decision | ``0`` |
+| ``JITATTN_VERBOSE`` | ``1``: log each compile command and cache decision to stderr | ``0`` |
+
+Logging: every module logs on a child of the ``jitattn`` logger (``jitattn.cache``,
+``jitattn.build``, ``jitattn.selector``). :func:`configure_logging` gives that logger a stderr
+handler at DEBUG when ``JITATTN_VERBOSE=1`` (and takes it away when it is not); the cache, the
+build and the command line call it, so the variable takes effect without any logging setup by
+the caller. An application that configures logging itself can leave the variable unset and set
+the ``jitattn`` logger's level.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterator
+
+from jitattn.archs import normalize_arch
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -68,8 +78,6 @@ def _parse_paths(name: str, raw: str) -> tuple[Path, ...]:
 
 
 def _parse_archs(name: str, raw: str) -> tuple[str, ...]:
-    from jitattn.build import normalize_arch  # the one place that knows arch names
-
     archs = tuple(a.strip() for a in raw.split(",") if a.strip())
     if not archs:
         raise ValueError(f"{name}={raw!r}: expected a comma-separated list such as 'sm_80,sm_90a'")
@@ -89,6 +97,11 @@ VARIABLES: dict[str, _Var] = {
         _Var("JITATTN_VERBOSE", "0", _parse_bool, "log compiles and cache decisions"),
     ]
 }
+
+
+def cache_dir_is_set() -> bool:
+    """Whether ``JITATTN_CACHE_DIR`` names the root (rather than the platformdirs default)."""
+    return bool(VARIABLES["JITATTN_CACHE_DIR"].get())
 
 
 def cache_dir() -> Path:
@@ -113,7 +126,10 @@ def disable_jit() -> bool:
 
 def nvcc() -> str:
     """The nvcc to run: ``JITATTN_NVCC``, else ``$CUDA_HOME/bin/nvcc``, else ``nvcc`` on PATH, else
-    the one ``pip install 'jitattn[nvcc]'`` brought (:func:`wheel_nvcc`), else ``"nvcc"``."""
+    the one ``pip install 'jitattn[nvcc]'`` brought (:func:`wheel_nvcc`), else ``"nvcc"``.
+
+    The one place that resolves nvcc (the build, the cache key and ``jitattn doctor`` ask it).
+    """
     explicit = VARIABLES["JITATTN_NVCC"].get()
     if explicit:
         return str(explicit)
@@ -164,7 +180,45 @@ def forced_backend() -> str | None:
 
 
 def verbose() -> bool:
+    """True when ``JITATTN_VERBOSE`` asks for each compile command and cache decision on stderr."""
     return bool(VARIABLES["JITATTN_VERBOSE"].get())
+
+
+#: The logger every jitattn module logs under (as ``jitattn.<module>``).
+LOGGER = "jitattn"
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to the ``sys.stderr`` of the moment (pytest and CLI runners replace it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        import sys
+
+        self.setStream(sys.stderr)
+        super().emit(record)
+
+
+_handler = _StderrHandler()
+_handler.setFormatter(logging.Formatter("[jitattn] %(message)s"))
+
+
+def configure_logging() -> logging.Logger:
+    """Match the ``jitattn`` logger to ``JITATTN_VERBOSE``: with it, DEBUG records go to stderr
+    through one handler of ours; without it, our handler is removed and the level left to the
+    application. Cheap (one environment read), so callers run it on each entry point.
+
+    Raises:
+        ValueError: ``JITATTN_VERBOSE`` is not a boolean.
+    """
+    log = logging.getLogger(LOGGER)
+    if verbose():
+        if _handler not in log.handlers:
+            log.addHandler(_handler)
+        log.setLevel(logging.DEBUG)
+    elif _handler in log.handlers:
+        log.removeHandler(_handler)
+        log.setLevel(logging.NOTSET)
+    return log
 
 
 @contextlib.contextmanager

@@ -431,7 +431,7 @@ def test_read_only_root_holding_entries_serves_loads(tmp_path, shipped, read_onl
         assert "jitattn.cache.MissingKernelError: kernel h8x2_d64_bf16_nhd_p32" in proc.stderr
     else:  # a build that cannot write says where and why
         assert last.startswith("jitattn.cache.CacheWriteError: cannot create the build lock of h8x2_d64_bf16_nhd_p32")
-        assert f"{root / 'v1' / 'locks'}" in last and "Permission denied; set JITATTN_CACHE_DIR to a writable" in last
+        assert f"{root / 'v1' / 'locks'}" in last and "Permission denied; JITATTN_CACHE_DIR is set to this root: point it at a writable" in last
 
 
 @pytest.mark.slow
@@ -447,7 +447,7 @@ def test_unwritable_root_with_the_entry_in_a_layer(tmp_path, shipped, read_only)
     proc = run_child(env, spec=SPEC.replace(page_size=32), check=False, prefix=_without_root_privileges())
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("jitattn.cache.CacheWriteError: cannot create the build lock of h8x2_d64_bf16_nhd_p32"), last
-    assert f"{root / 'v1' / 'locks'}" in last and "Permission denied; set JITATTN_CACHE_DIR to a writable" in last
+    assert f"{root / 'v1' / 'locks'}" in last and "Permission denied; JITATTN_CACHE_DIR is set to this root: point it at a writable" in last
 
 
 def _no_more_bytes() -> None:
@@ -578,7 +578,7 @@ def test_key_covers_arch_spec_templates_flags_and_version(monkeypatch):
         "nvcc": key_inputs(SPEC, source, "sm_80", nvcc="release 99.9").key,
     }
     spec_keys = {"arch": spec_key(SPEC, "sm_90a"), "spec": spec_key(other_spec, "sm_80")}
-    for name, target, attr, value in [("version", jitattn, "__version__", "9.9.9"),
+    for name, target, attr, value in [("version", jitattn._version, "__version__", "9.9.9"),
                                       ("templates", render_module, "template_hashes", lambda: {"decode.cuh": "0" * 64}),
                                       ("flags", build_module, "NVCC_FLAGS", ("-O2",))]:
         monkeypatch.setattr(target, attr, value)
@@ -618,7 +618,7 @@ def test_changing_any_key_input_rebuilds_never_reuses(tmp_path, shipped, monkeyp
     nvcc, log = fake_nvcc(tmp_path, "record")
     monkeypatch.setenv("JITATTN_NVCC", str(nvcc))
     if change == "jitattn version":
-        monkeypatch.setattr(jitattn, "__version__", "0.0.1+other")
+        monkeypatch.setattr(jitattn._version, "__version__", "0.0.1+other")
     elif change == "nvcc flags":
         monkeypatch.setattr(build_module, "NVCC_FLAGS", (*build_module.NVCC_FLAGS, "-DJITATTN_TEST_FLAG=1"))
     elif change == "template header":
@@ -689,10 +689,10 @@ import time
 t0 = time.perf_counter()
 import json, sys
 import jitattn
-from jitattn import render
+from jitattn import modules
 from jitattn.cache import KernelCache
 t1 = time.perf_counter()
-render.render = None  # the lookup of a cached kernel must not render
+modules.render = None  # the lookup of a cached kernel must not render
 spec = jitattn.AttentionSpec.from_json(sys.argv[1])
 entry = KernelCache().find(spec, sys.argv[2])
 data = entry.cubin.read_bytes()

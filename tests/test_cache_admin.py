@@ -232,11 +232,9 @@ def test_export_ships_exactly_the_model_entries_and_import_makes_them_load_anywh
 
 _LOAD = """
 import json, sys
-from jitattn import AttentionSpec
+from jitattn import modules
 from jitattn.cache import KernelCache
-from jitattn.merge_module import MergeModule, is_module_json
-data = json.loads(sys.argv[1])
-spec = MergeModule.from_json(data) if is_module_json(data) else AttentionSpec.from_json(data)
+spec = modules.from_json(json.loads(sys.argv[1]))
 entry, built = KernelCache().get_or_build(spec, "sm_80")
 print(json.dumps({"built": built, "key": entry.key}))
 """

@@ -173,7 +173,9 @@ BAD_ARGS = [
      r"--spec: invalid spec: AttentionSpec.from_json: unknown fields \['nope'\]"),
     (("--spec", "[1, 2]"), {}, r"--spec \[0\]: expected a JSON object with AttentionSpec fields, got int"),
     (("--spec", "[]"), {}, r"--spec: an empty list; --spec needs at least one AttentionSpec object"),
-    (("--model", str(GEMMA), "--arch", "sm_75"), {}, r"--arch='sm_75': unknown target arch; expected one of"),
+    (("--model", str(GEMMA), "--arch", "sm_75"), {}, r"--arch='sm_75': sm_75 is below sm_80, which jitattn needs"),
+    (("--model", str(GEMMA), "--tensor-parallel-size", "3"), {},
+     r"gemma-2-9b.json: tensor_parallel_size=3: num_attention_heads=16 does not divide over 3 ranks"),
     (("--model", str(GEMMA), "--kv-layout", "nhd"), {}, r"kv_layout='nhd': expected one of \('NHD', 'HND'\)"),
     (("--model", str(GEMMA), "--dtype", "float32"), {}, r"dtype='float32': expected one of"),
     (("--model", str(GEMMA), "--page-size", "0"), {}, r"page_size=0: expected an int in \[1, 1024\]"),
@@ -197,11 +199,22 @@ def test_user_errors_exit_2_with_one_clear_line(tmp_path, args, env, match):
 
 
 def test_unwritable_cache_root_exits_2(tmp_path):
+    """JITATTN_CACHE_DIR names the unwritable root: the fix is to point it elsewhere, not to set it."""
     blocker = tmp_path / "file"
     blocker.write_text("x")
     proc = jitattn("warmup", "--spec", SMALL.canonical_json(), cache=blocker / "cache")
     assert proc.returncode == 2
     assert proc.stderr.startswith(f"jitattn: error: cache root {blocker / 'cache'} is not writable")
+    assert "JITATTN_CACHE_DIR is set to this root: point it at a writable directory" in proc.stderr
+    assert "set JITATTN_CACHE_DIR" not in proc.stderr
+
+
+def test_float32_config_error_names_the_command_line_option(tmp_path):
+    config = tmp_path / "llama-fp32.json"
+    config.write_text(json.dumps({**json.loads((REPO / "examples" / "models" / "llama-3-8b.json").read_text()),
+                                  "torch_dtype": "float32"}))
+    proc = jitattn("select", "--model", str(config), "--device", "h100", cache=tmp_path / "c")
+    assert proc.returncode == 2 and "--dtype bfloat16" in proc.stderr, proc.stderr
 
 
 def test_bad_option_value_is_a_usage_error(tmp_path):
@@ -411,16 +424,72 @@ def test_select_exit_codes(tmp_path):
     assert bad.returncode == 2 and bad.stderr.startswith("jitattn: error: device='tpu': unknown device")
 
 
-@pytest.mark.parametrize("args", [["select", "--model", "examples/models/gemma-2-9b.json", "--device", "h100"],
-                                  ["bench", "--compile-only"]])
-def test_torch_commands_without_torch_exit_2_with_one_line(tmp_path, args):
-    """A build box installs jitattn without torch: select and bench say so, without a traceback
-    (bench --list needs no torch: tests/test_bench.py::test_list_and_help_need_no_torch)."""
+def _without(tmp_path: Path, *modules: str) -> dict[str, str]:
+    """Environment for a child in which ``modules`` cannot be imported (a finder on sys.meta_path that
+    raises ModuleNotFoundError for them, as a machine without them would)."""
     blocker = tmp_path / "blocker"
-    blocker.mkdir()
-    (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None\n")
-    env = {"PYTHONPATH": os.pathsep.join([str(blocker), str(REPO)])}
-    proc = jitattn(*args, cache=tmp_path / "cache", env=env)
+    blocker.mkdir(exist_ok=True)
+    (blocker / "sitecustomize.py").write_text(f"""import sys
+class _Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {set(modules)!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (blocked by the test)", name=name)
+sys.meta_path.insert(0, _Blocked())
+""")
+    return {"PYTHONPATH": os.pathsep.join([str(blocker), str(REPO)])}
+
+
+def test_select_on_a_named_device_works_without_torch(tmp_path):
+    """The planning command for a serving node runs on a build box that has no torch."""
+    proc = jitattn("select", "--model", str(GEMMA), "--device", "h100", "--json", cache=tmp_path / "c",
+                   env=_without(tmp_path, "torch"))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert [k["backend"] for k in data["layer_kinds"]] == ["jit", "jit"]
+    probe = jitattn("select", "--model", str(GEMMA), cache=tmp_path / "c", env=_without(tmp_path, "torch"))
+    assert probe.returncode == 2 and "torch is not installed to find the current one" in probe.stderr, probe.stderr
+
+
+def test_bench_without_torch_exits_2_with_one_line(tmp_path):
+    """bench --compile-only loads torch; without it, one line (--list needs no torch:
+    tests/test_bench.py::test_list_and_help_need_no_torch)."""
+    proc = jitattn("bench", "--compile-only", cache=tmp_path / "cache", env=_without(tmp_path, "torch"))
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
-    assert proc.stderr.strip().startswith(f"jitattn: error: `jitattn {args[0]}` needs torch"), proc.stderr
+    assert proc.stderr.strip().startswith("jitattn: error: `jitattn bench` needs torch"), proc.stderr
+
+
+def test_no_numpy_warning_from_torch_on_a_command(tmp_path):
+    """torch warns "Failed to initialize NumPy" at import when its NumPy bridge cannot load; a
+    command that loads torch (select without --device looks for the current GPU) must not print it."""
+    proc = jitattn("select", "--model", str(GEMMA), "--device", "cpu", cache=tmp_path / "c",
+                   env=_without(tmp_path, "numpy"))
+    plain = jitattn("select", "--model", str(GEMMA), cache=tmp_path / "c", env=_without(tmp_path, "numpy"))
+    for p in (proc, plain):
+        assert p.returncode in (0, 1), p.stderr
+        assert "NumPy" not in p.stderr, p.stderr
+
+
+def test_bench_help_is_the_bench_option_list(tmp_path):
+    proc = jitattn("bench", "--help", cache=tmp_path / "c")
+    assert proc.returncode == 0, proc.stderr
+    assert "--case" in proc.stdout and "--list" in proc.stdout, proc.stdout
+    assert "`jitattn bench --help`" not in proc.stdout
+
+
+def test_verbose_logs_each_compile_command_and_cache_decision(tmp_path):
+    """JITATTN_VERBOSE=1: the compile command (a stand-in nvcc writes the cubin) and each decision
+    (miss, published, then a hit in the second run) go to stderr."""
+    nvcc, _ = copying_nvcc(tmp_path, sleep=0.0)
+    env = {"JITATTN_NVCC": str(nvcc), "JITATTN_VERBOSE": "1"}
+    args = ["warmup", "--spec", SMALL.canonical_json(), "--arch", "sm_80"]
+    first = jitattn(*args, cache=tmp_path / "c", env=env)
+    assert first.returncode == 0, first.stderr
+    assert re.search(rf"\[jitattn\] miss {SMALL.name} for sm_80", first.stderr), first.stderr
+    assert re.search(rf"\[jitattn\] compile sm_80 in .*: {re.escape(str(nvcc))} -O3 .*-gencode=arch=compute_80,"
+                     rf"code=sm_80 -o kernel.sm_80.cubin kernel.cu", first.stderr), first.stderr
+    assert f"[jitattn] published {SMALL.name} for sm_80 as {tmp_path / 'c'}" in first.stderr
+    second = jitattn(*args, cache=tmp_path / "c", env=env)
+    assert re.search(rf"\[jitattn\] hit {SMALL.name} for sm_80: {tmp_path / 'c'}/v1/entries/", second.stderr)
+    quiet = jitattn(*args, cache=tmp_path / "c", env={"JITATTN_NVCC": str(nvcc)})
+    assert "[jitattn]" not in quiet.stderr

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from jitattn.models import IMPLIED_FEATURES, LayerKind, ModelAttention, load_model_config, model_specs
+from jitattn.models import (IMPLIED_FEATURES, MODEL_TYPES, LayerKind, ModelAttention, load_model_config, model_specs,
+                            per_rank_heads)
 from jitattn.spec import AttentionSpec
 
 MODELS = Path(__file__).resolve().parent.parent / "examples" / "models"
@@ -236,11 +237,17 @@ def test_qwen2_moe_slides_even_layers_below_max_window_layers():
 
 
 # ---- model types: unknown and implied features --------------------------------------------------
-def test_unknown_model_type_maps_generically():
-    cfg = {"model_type": "brand_new", "hidden_size": 2560, "num_hidden_layers": 3,
+def test_unknown_model_type_is_an_error_listing_the_known_ones():
+    """A model type jitattn does not know may attend differently than its fields say (Mamba has no
+    attention at all): it is refused, never mapped as plain MHA."""
+    cfg = {"model_type": "mamba", "hidden_size": 2560, "num_hidden_layers": 3,
            "num_attention_heads": 32, "num_key_value_heads": 4}
-    model = load_model_config(cfg)
-    assert model.layer_kinds == (LayerKind("full_attention", spec(32, 4, 80), (0, 1, 2)),)
+    with pytest.raises(ValueError, match=r"config dict \(mamba\): model_type='mamba' is not a model type jitattn "
+                                         r"maps .*; known: llama, mistral, .*gpt_oss"):
+        load_model_config(cfg)
+    for known in MODEL_TYPES:  # every listed type maps (with the fields its rules read)
+        extra = {"sliding_window": 128} if known in ("gemma2", "gemma3", "gemma3_text") else {}
+        assert load_model_config({**cfg, **extra, "model_type": known}).model_type == known
 
 
 def test_implied_features_table():
@@ -296,7 +303,8 @@ def test_missing_model_type():
 
 def test_float32_config_raises_with_fix(tmp_path):
     path = write(tmp_path, {**read("llama-3-8b"), "torch_dtype": "float32"})
-    with pytest.raises(ValueError, match=rf"{path}: torch_dtype='float32'.*dtype=\"bfloat16\""):
+    with pytest.raises(ValueError, match=rf"{path}: torch_dtype='float32'.*--dtype bfloat16 \(or float16\) on the "
+                                         rf"command line, dtype=\"bfloat16\" in Python"):
         load_model_config(path)
     assert model_specs(path, dtype="bfloat16")[0].q_dtype == "bfloat16"  # the suggested fix works
 
@@ -355,6 +363,64 @@ def test_mla_is_rejected_not_mapped_wrongly():
            "num_hidden_layers": 27, "kv_lora_rank": 512}
     with pytest.raises(ValueError, match=r"kv_lora_rank=512: multi-head latent attention"):
         load_model_config(cfg)
+
+
+@pytest.mark.parametrize("cfg,named", [
+    ({"model_type": "deepseek_v3"}, "model_type='deepseek_v3'"),
+    ({"model_type": "deepseek_v2"}, "model_type='deepseek_v2'"),
+    ({"model_type": "llama", "q_lora_rank": 1536}, "q_lora_rank=1536"),
+    ({"model_type": "llama", "qk_rope_head_dim": 64}, "qk_rope_head_dim=64"),
+])
+def test_deepseek_style_configs_are_refused_as_mla_without_kv_lora_rank(cfg, named):
+    base = {"hidden_size": 7168, "num_attention_heads": 128, "num_key_value_heads": 128, "num_hidden_layers": 61}
+    with pytest.raises(ValueError, match=rf"{named}: multi-head latent attention \(DeepSeek-style\) is not supported"):
+        load_model_config({**base, **cfg})
+
+
+def test_shared_deepseek_v3_config_is_refused_as_mla():
+    path = Path("/work/shared/models/deepseek-v3.json")
+    if not path.is_file():
+        pytest.skip("the shared model configs are not on this machine")
+    data = {k: v for k, v in json.loads(path.read_text()).items() if k != "kv_lora_rank"}
+    with pytest.raises(ValueError, match=r"multi-head latent attention"):
+        load_model_config(data)
+
+
+# ---- tensor parallelism ------------------------------------------------------------------------
+LLAMA_70B = Path(__file__).resolve().parent / "models" / "llama-3-70b.json"
+
+
+@pytest.mark.parametrize("tp,heads", [(1, (64, 8)), (2, (32, 4)), (8, (8, 1)), (16, (4, 1)), (64, (1, 1))])
+def test_per_rank_heads_follow_vllm(tp, heads):
+    """Query heads divide; KV heads divide, or replicate to one per rank when fewer than the ranks."""
+    assert per_rank_heads(64, 8, tp) == heads
+
+
+def test_tp8_llama_3_70b_gives_8_query_and_1_kv_head_per_rank():
+    model = load_model_config(LLAMA_70B, tensor_parallel_size=8)
+    (kind,) = model.layer_kinds
+    assert (kind.spec.num_qo_heads, kind.spec.num_kv_heads, kind.spec.head_dim_qk) == (8, 1, 128)
+    assert kind.spec.sm_scale == pytest.approx(128 ** -0.5)  # the scale follows head_dim, not the rank's heads
+    assert model.tensor_parallel_size == 8 and len(kind.layers) == 80
+    assert load_model_config(LLAMA_70B).layer_kinds[0].spec.num_kv_heads == 8
+
+
+@pytest.mark.parametrize("tp,message", [
+    (3, r"tensor_parallel_size=3: num_attention_heads=64 does not divide over 3 ranks"),
+    (128, r"tensor_parallel_size=128: num_attention_heads=64 does not divide over 128 ranks"),
+    (0, r"tensor_parallel_size=0: expected a positive int"),
+])
+def test_heads_that_do_not_divide_are_a_clear_error(tp, message):
+    with pytest.raises(ValueError, match=rf"{LLAMA_70B}: {message}"):
+        load_model_config(LLAMA_70B, tensor_parallel_size=tp)
+
+
+def test_kv_heads_that_do_not_split_name_both_numbers():
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4: num_key_value_heads=6 does not divide over 4"):
+        per_rank_heads(24, 6, 4)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=8: 8 ranks are not a multiple of "
+                                         r"num_key_value_heads=3"):
+        per_rank_heads(24, 3, 8)
 
 
 def test_missing_file(tmp_path):

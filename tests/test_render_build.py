@@ -166,9 +166,15 @@ def test_normalize_arch(raw, name):
     assert normalize_arch(raw) == name
 
 
-@pytest.mark.parametrize("raw", ["sm_75", "sm_90b", "hopper", "", "sm_", "sm_81"])
+@pytest.mark.parametrize("raw", ["sm_90b", "hopper", "", "sm_", "sm_81"])
 def test_normalize_arch_rejects_unknown(raw):
     with pytest.raises(ValueError, match=rf"--arch={raw!r}: unknown target arch; expected one of"):
+        normalize_arch(raw, field="--arch")
+
+
+@pytest.mark.parametrize("raw,name", [("sm_75", "sm_75"), ("7.0", "sm_70"), ("sm_61", "sm_61")])
+def test_an_arch_below_sm_80_says_so(raw, name):
+    with pytest.raises(ValueError, match=rf"--arch={raw!r}: {name} is below sm_80, which jitattn needs; expected"):
         normalize_arch(raw, field="--arch")
 
 

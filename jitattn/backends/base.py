@@ -69,7 +69,8 @@ _ARCH = re.compile(r"^(?:sm_?)?(\d{2,3})a?$")
 _CAPABILITY = re.compile(r"^(\d{1,2})\.(\d)$")
 
 
-def _check_phase(phase: str) -> str:
+def check_phase(phase: str) -> str:
+    """``phase`` if it is one of :data:`PHASES`; ValueError naming the allowed ones otherwise."""
     if phase not in PHASES:
         raise ValueError(f"phase={phase!r}: expected one of {PHASES}")
     return phase
@@ -138,8 +139,16 @@ class DeviceInfo:
 
     @classmethod
     def from_torch(cls, device: Any = None) -> "DeviceInfo":
-        """The real device a torch device (or tensor's device) names; None: current CUDA device, else CPU."""
-        import torch
+        """The real device a torch device (or tensor's device) names; None: current CUDA device, else CPU.
+
+        Raises:
+            ValueError: ``device`` is None and torch is not installed (name the device instead).
+        """
+        try:
+            import torch
+        except ImportError:
+            raise ValueError("device=None: no device named, and torch is not installed to find the current one; "
+                             "name the device ('h100', 'sm_90', '9.0', 'cpu')") from None
 
         if device is None:
             device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -271,7 +280,7 @@ class Backend(ABC):
             ValueError: an unknown phase or device name (a caller error, not a reason).
         """
         device = DeviceInfo.parse(device)
-        _check_phase(phase)
+        check_phase(phase)
         out = list(self.spec_reasons(spec, device, phase))
         out += self._position_reasons(spec)
         if requirements.need_lse and not self.supports_lse:

@@ -25,15 +25,14 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from jitattn.backends.base import (Backend, DeviceInfo, PagedAttentionFn, cuda_reasons, dtype_reasons,
                                    variant_reasons)
-from jitattn.backends.common import check_call, check_flags, finish
-from jitattn.reference import torch_dtype
 from jitattn.spec import AttentionSpec
+
+if TYPE_CHECKING:  # torch loads in build(): the reasons serve `jitattn select` on a box without torch
+    import torch
 
 HEAD_DIMS = (64, 128, 256)
 WORKSPACE_BYTES = 128 << 20
@@ -79,6 +78,10 @@ class FlashInferBackend(Backend):
 
     def build(self, spec: AttentionSpec, device: DeviceInfo) -> PagedAttentionFn:
         import flashinfer
+        import torch
+
+        from jitattn.backends.common import check_call, check_flags, finish
+        from jitattn.reference import torch_dtype
 
         dev = device.torch_device()
         workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
@@ -111,6 +114,8 @@ def page_metadata(spec: AttentionSpec, block_table: torch.Tensor, seq_lens: torc
     (``(seq_lens[b] - 1) % page_size + 1``; 0 for an empty sequence): the ``plan()`` arguments of
     FlashInfer's paged wrappers.
     """
+    import torch
+
     lens = seq_lens.long()
     pages = (lens + spec.page_size - 1) // spec.page_size  # (B,)
     indptr = torch.zeros(len(lens) + 1, dtype=torch.int32, device=lens.device)

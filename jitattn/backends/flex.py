@@ -20,17 +20,16 @@ small decode batches. The returned lse is FlexAttention's, natural log.
 from __future__ import annotations
 
 import functools
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from jitattn.backends.base import Backend, DeviceInfo, PagedAttentionFn, cuda_reasons, dtype_reasons
-from jitattn.backends.common import check_call, check_flags, finish, query_positions
 from jitattn.backends.reference import missing_torch_functors
-from jitattn.reference import default_alibi_slopes, torch_dtype
 from jitattn.spec import AttentionSpec
 from jitattn.trace import ParamView
 from jitattn.variant import structural_mask
+
+if TYPE_CHECKING:  # torch loads in build(): the reasons serve `jitattn select` on a box without torch
+    import torch
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,7 +65,11 @@ class FlexBackend(Backend):
         return out + dtype_reasons(n, spec)
 
     def build(self, spec: AttentionSpec, device: DeviceInfo) -> PagedAttentionFn:
+        import torch
         from torch.nn.attention.flex_attention import create_block_mask
+
+        from jitattn.backends.common import check_call, check_flags, finish, query_positions
+        from jitattn.reference import default_alibi_slopes, torch_dtype
 
         core = _flex_core(spec)
         if device.type == "cuda":
@@ -122,6 +125,8 @@ def _variant_reasons(n: str, spec: AttentionSpec) -> list[str]:
 def _dense_kv(spec: AttentionSpec, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor):
     """Every block_table slot's K and V as one sequence ``(1, H_kv, batch*max_pages*page_size, D)``, with each
     slot's sequence, position and validity (``position < seq_lens[seq]``; invalid slots zeroed)."""
+    import torch
+
     batch, max_pages = block_table.shape
     ids = block_table.long().clamp(0, kv_cache.shape[0] - 1)  # unused entries may hold anything
     pages = kv_cache[ids]  # (B, M, 2, P, H, D) or (B, M, 2, H, P, D)
@@ -140,6 +145,8 @@ def _dense_kv(spec: AttentionSpec, kv_cache: torch.Tensor, block_table: torch.Te
 
 def _mask_mod(spec: AttentionSpec, q_seq, q_pos, kv_seq, kv_pos, valid, params: dict[str, Any]):
     """Visibility: same sequence, a valid slot, causal/window bounds, then the variant's torch mask."""
+    import torch
+
     user_mask = spec.variant.reference("logits_mask") if spec.variant is not None else None
     bounds = structural_mask(spec.causal, spec.window_left, spec.window_right)
     view = ParamView(params)
@@ -158,6 +165,7 @@ def _mask_mod(spec: AttentionSpec, q_seq, q_pos, kv_seq, kv_pos, valid, params: 
 
 def _flex_core(spec: AttentionSpec):
     """FlexAttention with the spec's score_mod (soft-cap, ALiBi, variant transform, in the reference's order)."""
+    import torch
     from torch.nn.attention.flex_attention import flex_attention
 
     transform = spec.variant.reference("logits_transform") if spec.variant is not None else None

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jitattn import reference
 from jitattn.backends.base import Backend, DeviceInfo, PagedAttentionFn
-from jitattn.backends.common import check_call, check_flags, check_ragged, finish
 from jitattn.spec import AttentionSpec
 
 
@@ -44,6 +42,9 @@ class ReferenceBackend(Backend):
         return []  # every dtype the spec takes: the reference defines the semantics
 
     def build(self, spec: AttentionSpec, device: DeviceInfo) -> PagedAttentionFn:
+        from jitattn import reference  # torch: loaded here, so the reasons serve a box without it
+        from jitattn.backends.common import check_call, check_flags, check_ragged, finish
+
         if spec.ragged:
             def reference_ragged_attention(q, k, v, query_start_loc, kv_start_loc, *, out=None,
                                            return_lse: bool = False, max_query_len: int | None = None,

@@ -18,15 +18,13 @@ that differs from the query/key one (head_dim_vo != head_dim_qk) on its math and
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
-
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING, Any, Callable
 
 from jitattn.backends.base import Backend, DeviceInfo, PagedAttentionFn, dtype_reasons, variant_reasons
-from jitattn.backends.common import check_call, check_flags, check_ragged, finish, new_out
-from jitattn.reference import gather_kv
 from jitattn.spec import AttentionSpec
+
+if TYPE_CHECKING:  # torch loads in build(): the reasons serve `jitattn select` on a box without torch
+    import torch
 
 
 class SdpaBackend(Backend):
@@ -53,6 +51,9 @@ class SdpaBackend(Backend):
         return out + dtype_reasons(n, spec)
 
     def build(self, spec: AttentionSpec, device: DeviceInfo) -> PagedAttentionFn:
+        from jitattn.backends.common import check_call, check_flags, finish, new_out
+        from jitattn.reference import gather_kv
+
         if spec.ragged:
             return _ragged_fn(spec)
 
@@ -78,6 +79,8 @@ class SdpaBackend(Backend):
 
 
 def _ragged_fn(spec: AttentionSpec) -> PagedAttentionFn:
+    from jitattn.backends.common import check_flags, check_ragged, finish, new_out
+
     def sdpa_ragged_attention(q, k, v, query_start_loc, kv_start_loc, *, out=None, return_lse: bool = False,
                               max_query_len: int | None = None, validate: bool = True, **kwargs: Any):
         check_flags(return_lse, validate)
@@ -104,6 +107,9 @@ def _refuse_lse(return_lse: bool) -> None:  # after check_flags: a bool
 
 def _one_sequence(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """SDPA for one sequence: q ``(n, H_qo, D)``, k ``(L, H_kv, D)``, v ``(L, H_kv, Dv)`` -> ``(n, H_qo, Dv)``."""
+    import torch
+    import torch.nn.functional as F
+
     n, kv_len = q.shape[0], k.shape[0]
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (H, n, D), (H_kv, L, D)
     if spec.group_size > 1:
@@ -121,6 +127,8 @@ def _causal_mask(spec: AttentionSpec, n: int, kv_len: int, device: torch.device
     SDPA's ``is_causal`` is top-left aligned, right only when the queries are all the keys; a single
     query sees every key (no mask); a chunk after cached keys needs a boolean ``(n, kv_len)`` mask.
     """
+    import torch
+
     if not spec.causal or n == 1:
         return None, False
     if n == kv_len:
@@ -151,6 +159,7 @@ def dense_attention_fn(spec: AttentionSpec, *, sdp_backend: Any = None
     reasons = SdpaBackend().spec_reasons(spec, DeviceInfo("cpu", "cpu"), "mixed")
     if reasons:
         raise ValueError("; ".join(reasons))
+    import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
 
     gqa = spec.group_size > 1

@@ -1,0 +1,249 @@
+"""``jitattn doctor``: can this node serve some models with ``JITATTN_DISABLE_JIT=1``, and if not, why.
+
+It reports, without compiling anything and without needing torch or a GPU:
+
+- nvcc: where :func:`jitattn.settings.nvcc` resolves it and its version, or why it cannot run;
+- the GPUs and the driver (asked of the driver library, ``libcuda.so.1``, through ctypes), if any;
+- torch: its version and the CUDA it was built with, or "torch not installed";
+- every cache layer: its root, whether it exists and is writable, its entries and the corrupt ones;
+- for each model (``--model``), each kernel it needs (its layer kinds' specs, per rank under
+  ``--tensor-parallel-size``, and the ``merge_state`` module of its output dtype) and the archs it
+  is cached for.
+
+A node *can serve* a model when, for every kernel, the cache holds it for an arch the node runs:
+with a GPU, any arch of :func:`jitattn.archs.archs_for_capability` (the runtime takes the best one
+cached); without one (a build box checking what it ships), each requested arch (``--arch``, default
+``JITATTN_ARCHS``). Lookups are the ones a ``JITATTN_DISABLE_JIT=1`` process makes (an entry any
+nvcc built serves), and never write. :func:`diagnose` returns a :class:`Report`; its ``ok`` is
+the exit code's answer, its ``warmup_command`` the command that fills the gap.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from jitattn import settings
+from jitattn.archs import archs_for_capability, normalize_arch
+from jitattn.build import BuildError, nvcc_version
+from jitattn.cache import KernelCache, check_entry
+from jitattn.commands import models_warmup_command
+from jitattn.merge_module import MergeModule
+from jitattn.models import load_model_config
+
+
+@dataclass(frozen=True)
+class Nvcc:
+    path: str
+    version: str | None  # None: it cannot run (``error`` says why)
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    name: str
+    capability: tuple[int, int]
+
+    @property
+    def archs(self) -> list[str]:
+        return archs_for_capability(*self.capability)
+
+
+@dataclass(frozen=True)
+class Driver:
+    version: str | None  # "13.0"; None: no driver (``error`` says why)
+    gpus: tuple[Gpu, ...] = ()
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Torch:
+    version: str | None  # None: not installed
+    cuda: str | None = None  # the CUDA torch was built with (None: a CPU build)
+    cuda_available: bool = False
+
+
+@dataclass(frozen=True)
+class Layer:
+    root: str
+    kind: str  # "writable" | "read-only"
+    exists: bool
+    writable: bool
+    entries: int
+    corrupt: tuple[str, ...] = ()  # "<path>: <problem>"
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One module a model needs and where it is cached: ``found`` arch -> the entry's path."""
+
+    name: str
+    describe: str
+    needed_by: tuple[str, ...]
+    found: dict[str, str]
+    served: bool
+
+
+@dataclass(frozen=True)
+class ModelReport:
+    config: str
+    name: str
+    tensor_parallel_size: int
+    kernels: tuple[Kernel, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(k.served for k in self.kernels)
+
+
+@dataclass(frozen=True)
+class Report:
+    """What :func:`diagnose` found. ``ok``: every model can be served here with JITATTN_DISABLE_JIT=1."""
+
+    nvcc: Nvcc
+    driver: Driver
+    torch: Torch
+    layers: tuple[Layer, ...]
+    archs: tuple[str, ...]
+    any_arch: bool  # True: one of ``archs`` per kernel suffices (the node's GPU runs each)
+    models: tuple[ModelReport, ...] = ()
+    warmup_command: str | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def ok(self) -> bool:
+        return all(m.ok for m in self.models)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["ok"] = self.ok
+        for m, report in zip(data["models"], self.models):
+            m["ok"] = report.ok
+        return data
+
+
+# ---- the parts -----------------------------------------------------------------------------------
+def find_nvcc() -> Nvcc:
+    """Where nvcc resolves (:func:`jitattn.settings.nvcc`) and its version, or why it cannot run."""
+    path = settings.nvcc()
+    try:
+        return Nvcc(path, nvcc_version(path))
+    except BuildError as exc:
+        return Nvcc(path, None, str(exc))
+
+
+def find_driver(library: str = "libcuda.so.1") -> Driver:
+    """The NVIDIA driver's CUDA version and its GPUs, asked through ctypes (no torch needed)."""
+    try:
+        lib = ctypes.CDLL(library)
+    except OSError as exc:
+        return Driver(None, (), f"no NVIDIA driver: cannot load {library} ({exc})")
+    status = lib.cuInit(0)
+    if status != 0:
+        return Driver(None, (), f"cuInit failed with CUresult {status} (no usable GPU, or a driver problem)")
+    version, count = ctypes.c_int(), ctypes.c_int()
+    lib.cuDriverGetVersion(ctypes.byref(version))
+    lib.cuDeviceGetCount(ctypes.byref(count))
+    gpus = []
+    for index in range(count.value):
+        device, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+        name = ctypes.create_string_buffer(256)
+        lib.cuDeviceGet(ctypes.byref(device), index)
+        lib.cuDeviceGetName(name, len(name), device)
+        lib.cuDeviceGetAttribute(ctypes.byref(major), 75, device)  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+        lib.cuDeviceGetAttribute(ctypes.byref(minor), 76, device)  # ..._MINOR
+        gpus.append(Gpu(index, name.value.decode(errors="replace"), (major.value, minor.value)))
+    v = version.value
+    return Driver(f"{v // 1000}.{v % 1000 // 10}", tuple(gpus))
+
+
+def find_torch() -> Torch:
+    """torch's version and the CUDA it was built with; ``version`` None when it is not installed."""
+    try:
+        import torch
+    except ImportError:
+        return Torch(None)
+    return Torch(torch.__version__, torch.version.cuda, bool(torch.cuda.is_available()))
+
+
+def cache_layers(cache: KernelCache) -> tuple[Layer, ...]:
+    """Each root of ``cache``: exists, writable, entry count, corrupt entries (checked, never moved)."""
+    out = []
+    for root in cache.roots:
+        writable_kind = root == cache.root
+        corrupt, count = [], 0
+        for path in cache.entry_paths(root):
+            count += 1
+            problem = check_entry(path)[0]
+            if problem:
+                corrupt.append(f"{path}: {problem}")
+        existing = next((p for p in (root, *root.parents) if p.exists()), root)
+        out.append(Layer(str(root), "writable" if writable_kind else "read-only", root.is_dir(),
+                         os.access(existing, os.W_OK), count, tuple(corrupt)))
+    return tuple(out)
+
+
+def model_kernels(path: Path, cache: KernelCache, archs: Sequence[str], any_arch: bool, *, dtype: str | None,
+                  page_size: int, kv_layout: str, kv_dtype: str | None, tensor_parallel_size: int) -> ModelReport:
+    """Which archs each kernel of one model is cached for (lookups as under JITATTN_DISABLE_JIT=1).
+
+    Raises:
+        FileNotFoundError, ValueError: the config cannot be read or mapped (:func:`load_model_config`).
+    """
+    model = load_model_config(path, dtype=dtype, page_size=page_size, kv_layout=kv_layout, kv_dtype=kv_dtype,
+                              tensor_parallel_size=tensor_parallel_size)
+    needed: dict[Any, list[str]] = {}
+    for kind in model.layer_kinds:
+        needed.setdefault(kind.spec, []).append(kind.name)
+    for out_dtype in dict.fromkeys(kind.spec.o_dtype for kind in model.layer_kinds):
+        needed.setdefault(MergeModule(out_dtype), []).append("merge_state")
+    kernels = []
+    with settings.scope(JITATTN_DISABLE_JIT="1"):  # what a serving node finds: any nvcc's build, no compile
+        for module, sources in needed.items():
+            found = {a: str(e.path) for a in archs if (e := cache.find(module, a)) is not None}
+            served = bool(found) if any_arch else len(found) == len(archs)
+            kernels.append(Kernel(module.name, module.describe(), tuple(sources), found, served))
+    return ModelReport(str(path), model.name, tensor_parallel_size, tuple(kernels))
+
+
+def diagnose(models: Sequence[Path] = (), archs: Sequence[str] = (), *, dtype: str | None = None,
+             page_size: int = 16, kv_layout: str = "NHD", kv_dtype: str | None = None,
+             tensor_parallel_size: int = 1, cache: KernelCache | None = None) -> Report:
+    """Everything ``jitattn doctor`` prints (module doc: what "can serve" means).
+
+    Args:
+        models: Hugging Face config.json paths.
+        archs: target archs to check (default: the archs this node's GPU runs, else ``JITATTN_ARCHS``).
+        dtype, page_size, kv_layout, kv_dtype, tensor_parallel_size: as ``jitattn warmup`` takes them.
+
+    Raises:
+        FileNotFoundError, ValueError: a model config cannot be read or mapped; an unknown arch.
+    """
+    cache = cache or KernelCache()
+    looking = KernelCache(cache.root, cache.layers, look_only=True)  # a corrupt entry is reported, not moved
+    driver = find_driver()
+    notes = []
+    if archs:
+        chosen, any_arch = [normalize_arch(a, field="--arch") for a in archs], False
+    elif driver.gpus:
+        chosen = list(dict.fromkeys(a for g in driver.gpus for a in g.archs))
+        any_arch = True
+    else:
+        chosen, any_arch = list(settings.archs()), False
+        notes.append(f"no GPU here: checking the archs a serving node needs, {', '.join(chosen)} (JITATTN_ARCHS, "
+                     f"or --arch)")
+    reports = tuple(model_kernels(Path(m), looking, chosen, any_arch, dtype=dtype, page_size=page_size,
+                                  kv_layout=kv_layout, kv_dtype=kv_dtype, tensor_parallel_size=tensor_parallel_size)
+                    for m in models)
+    command = None
+    if any(not r.ok for r in reports):
+        fill = [normalize_arch(a) for a in archs] if archs else ([chosen[0]] if any_arch else chosen)
+        command = models_warmup_command([r.config for r in reports if not r.ok], [], fill, dtype=dtype,
+                                        page_size=page_size, kv_layout=kv_layout, kv_dtype=kv_dtype,
+                                        tensor_parallel_size=tensor_parallel_size)
+    return Report(find_nvcc(), driver, find_torch(), cache_layers(cache), tuple(chosen), any_arch, reports,
+                  command, tuple(notes))
