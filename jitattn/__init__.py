@@ -12,14 +12,15 @@ from jitattn.variant import Param, Variant
 __version__ = "0.1.0"
 
 __all__ = ["AttentionSpec", "Param", "Variant", "__version__", "paged_attention", "ragged_attention", "load_kernel",
-           "merge_state", "merge_state_in_place", "merge_states"]
+           "plan", "plan_ragged", "run", "merge_state", "merge_state_in_place", "merge_states"]
 
 
 # Submodules reachable as attributes (``jitattn.testing.random_paged_batch``) without importing them
 # first; loaded on first use, so ``import jitattn`` stays light (and torch-free).
-_SUBMODULES = frozenset({"backends", "bench", "build", "cache", "cache_admin", "checks", "cli", "cuda_driver",
-                         "integrations", "merge", "merge_module", "models", "ops", "reference", "render", "runtime",
-                         "selector", "settings", "spec", "testing", "trace", "variant"})
+_SUBMODULES = frozenset({"backends", "bench", "build", "cache", "cache_admin", "checks", "cli", "constants",
+                         "cuda_driver", "dtypes", "integrations", "merge", "merge_module", "models", "ops", "planning",
+                         "reference", "render", "runtime", "selector", "settings", "spec", "testing", "trace",
+                         "variant"})
 
 
 def __getattr__(name: str):
@@ -28,7 +29,7 @@ def __getattr__(name: str):
 
         return importlib.import_module(f"jitattn.{name}")
     # Torch-dependent entry points load lazily so a build box without torch can import jitattn.
-    if name in ("paged_attention", "ragged_attention", "load_kernel"):
+    if name in ("paged_attention", "ragged_attention", "load_kernel", "plan", "plan_ragged", "run"):
         from jitattn import runtime
 
         return getattr(runtime, name)

@@ -36,7 +36,7 @@ import torch
 
 from jitattn.backends import DeviceInfo, get_backend
 from jitattn.checks import check_flag, check_max_query_len, check_scales, check_spec
-from jitattn.reference import torch_dtype
+from jitattn.dtypes import torch_dtype
 from jitattn.selector import _build_cached, select_cached
 from jitattn.spec import AttentionSpec, live_spec
 

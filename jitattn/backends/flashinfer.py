@@ -32,7 +32,7 @@ import torch
 from jitattn.backends.base import (Backend, DeviceInfo, PagedAttentionFn, cuda_reasons, dtype_reasons,
                                    variant_reasons)
 from jitattn.backends.common import check_call, check_flags, finish
-from jitattn.reference import torch_dtype
+from jitattn.dtypes import torch_dtype
 from jitattn.spec import AttentionSpec
 
 HEAD_DIMS = (64, 128, 256)

@@ -27,7 +27,7 @@ import torch
 from jitattn.backends.base import Backend, DeviceInfo, PagedAttentionFn, cuda_reasons, dtype_reasons
 from jitattn.backends.common import check_call, check_flags, finish, query_positions
 from jitattn.backends.reference import missing_torch_functors
-from jitattn.reference import default_alibi_slopes, torch_dtype
+from jitattn.dtypes import default_alibi_slopes, torch_dtype
 from jitattn.spec import AttentionSpec
 from jitattn.trace import ParamView
 
