@@ -30,7 +30,7 @@ import torch
 from jitattn.checks import (check_flag, check_kv_cache, check_kv_cache_layout, check_max_query_len,
                             check_metadata_layout, check_metadata_values, check_out, check_paged_metadata,
                             check_params, check_position_values, check_positions, check_q_layout,
-                            check_ragged_metadata_values, check_scales, check_spec, check_tensor, check_vector,
+                            check_ragged_metadata_values, check_ragged_tensors, check_scales, check_spec, check_tensor, check_vector,
                             fail, kv_cache_shape)
 from jitattn.dtypes import TORCH_DTYPES
 from jitattn.render import params_fields, params_layout
@@ -81,6 +81,7 @@ class ParamsLayout:
                                                                      (p.name, f"{p.name}__numel")))
         kinds = {f.name: f.kind for f, _ in placed}
         self.pointer_fields = frozenset(n for n, k in kinds.items() if k == "ptr")
+        self._writers: dict[tuple[str, ...], tuple] = {}
 
     @property
     def size(self) -> int:
@@ -90,8 +91,15 @@ class ParamsLayout:
         """The struct's bytes with ``fields`` set; every other field 0."""
         return bytearray(self.packer.pack(*(fields.get(name, 0) for name in self.field_order)))
 
-    def writers(self, names: Sequence[str]) -> tuple[tuple[Callable[..., None], int, Callable[[tuple], tuple]], ...]:
-        """Writers of ``names`` (values given in this order), adjacent fields merged into one struct."""
+    def writers(self, names: tuple[str, ...]) -> tuple[tuple[Callable[..., None], int, Callable[[tuple], tuple]], ...]:
+        """Writers of ``names`` (values given in this order), adjacent fields merged into one struct
+        (made once per names tuple)."""
+        found = self._writers.get(names)
+        if found is None:
+            found = self._writers[names] = self._make_writers(names)
+        return found
+
+    def _make_writers(self, names: tuple[str, ...]) -> tuple:
         spans = sorted((self.placed[n][1], self.placed[n][0], i) for i, n in enumerate(names))
         out, group = [], []
         for off, f, i in spans:
@@ -342,6 +350,10 @@ class SpecPlan:
         self._writers = self.layout.writers(names + self.layout.param_fields)
         self._q_shape = (plan.total_q, spec.num_qo_heads, spec.head_dim_qk)
         self._kv_inner = kv_cache_shape(spec, 1)[1:] if plan.kind == "paged" else None
+        inner = self._kv_inner or ()
+        self._kv_strides = tuple(math.prod(inner[i + 1:]) for i in range(len(inner)))  # inside a page: contiguous
+        self._out_shape = (plan.total_q, spec.num_qo_heads, spec.head_dim_vo)
+        self._kv_align = 16 // torch.empty(0, dtype=TORCH_DTYPES[spec.kv_dtype]).element_size()
         self._dtypes = (TORCH_DTYPES[spec.q_dtype], TORCH_DTYPES[spec.kv_dtype], TORCH_DTYPES[spec.o_dtype])
         self._softmax = spec.variant is None or spec.variant.softmax
 
@@ -428,7 +440,9 @@ class SpecPlan:
             check_q_layout(spec, q)
         else:
             self._check_ragged_kv(q, kv)
-        if out is not None:
+        if out is not None and not (type(out) is torch.Tensor and out.dtype == self._dtypes[2] and
+                                    out.shape == self._out_shape and out.device == plan.device and
+                                    out.is_contiguous()):
             check_out(spec, out, plan.total_q, plan.device, device_of="the plan")
         if sinks is not None or spec.sinks:
             check_vector("sinks", sinks, spec.sinks, spec.num_qo_heads, plan.device, "spec.sinks")
@@ -459,11 +473,10 @@ class SpecPlan:
             fail(f"kv_cache: on {kv.device}, but the plan (its metadata and kernel) is on {self.plan.device}")
         if self.plan.num_pages is not None and kv.shape[0] != self.plan.num_pages:
             fail(f"kv_cache: {kv.shape[0]} pages, but the plan was made for num_pages={self.plan.num_pages}")
-        check_kv_cache_layout(self.spec, kv)
+        if kv.stride()[1:] != self._kv_strides or kv.stride(0) % self._kv_align or kv.data_ptr() % 16:
+            check_kv_cache_layout(self.spec, kv)  # the slow path names what differs (or passes size-1 dims)
 
     def _check_ragged_kv(self, q: torch.Tensor, kv: Any) -> None:
-        from jitattn.checks import check_ragged_tensors  # the ragged call's per-tensor checks
-
         if not isinstance(kv, (tuple, list)) or len(kv) != 2:
             fail(f"kv: a ragged plan runs with a (k, v) pair, got {type(kv).__name__}")
         check_ragged_tensors(self.spec, q, kv[0], kv[1], self.plan.device)

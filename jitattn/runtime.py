@@ -254,6 +254,7 @@ class JitKernel:
         self._unzeroed_counters: set[int] = set()  # streams whose buffer was made under capture, not yet zeroed
         self._side_streams: dict[int, torch.cuda.Stream] = {}  # caller's stream handle -> its decode stream
         self.mixed_on_two_streams = MIXED_ON_TWO_STREAMS
+        self._num_splits: dict[tuple[int, int], int] = {}  # (batch, max keys) -> split factor, made once
 
     def max_decode_keys(self, max_pages_per_seq: int) -> int:
         """Most keys one decode row can read: the page table's capacity, or the window if smaller."""
@@ -266,10 +267,13 @@ class JitKernel:
         Depends only on shapes, so a captured CUDA graph stays valid for any sequence lengths.
         (``kMaxSplits`` caps it: :data:`MAX_SPLITS`, read from the templates.)
         """
-        blocks = batch * self.spec.num_kv_heads
-        slots = self._num_sms * self._decode_blocks_per_sm
-        max_useful = max(1, max_kv_len // (4 * self.geometry["decode_tile_keys"]))
-        return choose_num_splits(blocks, slots, max_useful)
+        found = self._num_splits.get((batch, max_kv_len))
+        if found is None:
+            blocks = batch * self.spec.num_kv_heads
+            slots = self._num_sms * self._decode_blocks_per_sm
+            max_useful = max(1, max_kv_len // (4 * self.geometry["decode_tile_keys"]))
+            found = self._num_splits[(batch, max_kv_len)] = choose_num_splits(blocks, slots, max_useful)
+        return found
 
     def split_counters(self, pairs: int) -> torch.Tensor:
         """Zeroed int32 counters of the fused split-KV merge, at least one per (sequence, kv head).
