@@ -20,6 +20,7 @@ tests a kernel whose module records launches instead of running them.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from operator import itemgetter
@@ -51,9 +52,14 @@ RAGGED_LAYER_FIELDS = ("q", "k", "v", "o", "lse", "sinks", "alibi_slopes", "q_st
                        "k_stride_token", "k_stride_head", "v_stride_token", "v_stride_head", "total_kv")
 
 
+@functools.lru_cache(maxsize=1)
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()  # asked once: a process does not gain or lose CUDA
+
+
 def capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return _cuda_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -82,6 +88,7 @@ class ParamsLayout:
         kinds = {f.name: f.kind for f, _ in placed}
         self.pointer_fields = frozenset(n for n, k in kinds.items() if k == "ptr")
         self._writers: dict[tuple[str, ...], tuple] = {}
+        self._index = {name: i for i, name in enumerate(self.field_order)}
 
     @property
     def size(self) -> int:
@@ -89,7 +96,11 @@ class ParamsLayout:
 
     def pack(self, fields: Mapping[str, Any]) -> bytearray:
         """The struct's bytes with ``fields`` set; every other field 0."""
-        return bytearray(self.packer.pack(*(fields.get(name, 0) for name in self.field_order)))
+        values = [0] * len(self.field_order)
+        index = self._index
+        for name, value in fields.items():
+            values[index[name]] = value
+        return bytearray(self.packer.pack(*values))
 
     def writers(self, names: tuple[str, ...]) -> tuple[tuple[Callable[..., None], int, Callable[[tuple], tuple]], ...]:
         """Writers of ``names`` (values given in this order), adjacent fields merged into one struct
@@ -353,7 +364,7 @@ class SpecPlan:
         inner = self._kv_inner or ()
         self._kv_strides = tuple(math.prod(inner[i + 1:]) for i in range(len(inner)))  # inside a page: contiguous
         self._out_shape = (plan.total_q, spec.num_qo_heads, spec.head_dim_vo)
-        self._kv_align = 16 // torch.empty(0, dtype=TORCH_DTYPES[spec.kv_dtype]).element_size()
+        self._kv_align = 16 // TORCH_DTYPES[spec.kv_dtype].itemsize
         self._dtypes = (TORCH_DTYPES[spec.q_dtype], TORCH_DTYPES[spec.kv_dtype], TORCH_DTYPES[spec.o_dtype])
         self._softmax = spec.variant is None or spec.variant.softmax
 
@@ -536,7 +547,7 @@ class SpecPlan:
         disjoint rows and share no scratch, so the prefill blocks take each SM the memory-bound decode
         leaves (a fork and join that CUDA graph capture records as two branches)."""
         main = torch.cuda.current_stream(self.plan.device)
-        side = self.kernel.side_stream()
+        side = self.kernel.side_stream(main.cuda_stream)
         side.wait_stream(main)
         try:
             (grid, block, smem), prefill = self.decode, self.prefill

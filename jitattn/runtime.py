@@ -39,8 +39,8 @@ from jitattn.cache import CacheEntry, KernelCache
 from jitattn.checks import check_kv_cache, check_paged_q, check_spec, fail
 from jitattn.constants import template_constant
 from jitattn.dtypes import default_alibi_slopes
-from jitattn.planning import (ParamsLayout, Plan, capturing, make_paged_plan, make_ragged_plan,  # noqa: F401
-                              params_packer)
+from jitattn.planning import (ParamsLayout, Plan, SpecPlan, capturing, make_paged_plan,  # noqa: F401
+                              make_ragged_plan, params_packer)
 from jitattn.render import KERNEL_NAMES
 from jitattn.spec import AttentionSpec
 
@@ -255,6 +255,7 @@ class JitKernel:
         self._side_streams: dict[int, torch.cuda.Stream] = {}  # caller's stream handle -> its decode stream
         self.mixed_on_two_streams = MIXED_ON_TWO_STREAMS
         self._num_splits: dict[tuple[int, int], int] = {}  # (batch, max keys) -> split factor, made once
+        self._last_plans: dict[int, tuple[tuple, Any]] = {}  # stream handle -> (metadata key, its one-call plan)
 
     def max_decode_keys(self, max_pages_per_seq: int) -> int:
         """Most keys one decode row can read: the page table's capacity, or the window if smaller."""
@@ -308,13 +309,14 @@ class JitKernel:
                 self._unzeroed_counters.discard(stream)
         return buf
 
-    def side_stream(self) -> torch.cuda.Stream:
+    def side_stream(self, main: int | None = None) -> torch.cuda.Stream:
         """The stream a mixed batch's decode kernel runs on beside the caller's (one per caller stream).
 
         High priority, so the decode blocks are dispatched before the prefill blocks waiting beside
         them; the prefill kernel then fills each SM the decode leaves (see ``paged_attention``).
         """
-        main = torch.cuda.current_stream(self.device).cuda_stream
+        if main is None:  # the caller's stream handle, unless the caller has it already
+            main = torch.cuda.current_stream(self.device).cuda_stream
         side = self._side_streams.get(main)
         if side is None:
             side = torch.cuda.Stream(self.device, priority=-1)  # lower is higher
@@ -362,8 +364,9 @@ class JitKernel:
                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention over the paged KV cache; same contract as :func:`jitattn.reference.paged_attention`.
 
-        A plan made for this one call (in graph mode: nothing read on the host) and run: an engine
-        that runs several layers on one batch makes the plan once instead (:meth:`plan`, :func:`run`).
+        A graph-mode plan (nothing read on the host) and its run: the stream's last plan when the
+        metadata tensors are the ones of the last call (addresses, shapes, strides), so the layers of
+        a step plan once; an engine can also make the plan itself (:meth:`plan`, :func:`run`).
 
         Args:
             max_query_len: optional host-side hint; ``1`` promises a pure decode batch (only the decode
@@ -390,13 +393,41 @@ class JitKernel:
         if spec.ragged:
             fail("spec.kv_storage='ragged': this kernel reads ragged K/V; call "
                  "ragged_attention(q, k, v, query_start_loc, kv_start_loc, ...)")
-        check_paged_q(spec, q)  # q and the cache first: their sizes go into the plan
-        check_kv_cache(spec, kv_cache, q.device)
+        part = self._one_call_plan(q, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, validate,
+                                   (query_positions, functor_batch, position_offset))
+        return part.run(q, kv_cache, out=out, return_lse=return_lse, sinks=sinks, alibi_slopes=alibi_slopes,
+                        params=params, k_scale=k_scale, v_scale=v_scale)
+
+    def _one_call_plan(self, q: Any, kv_cache: Any, block_table: Any, seq_lens: Any, query_start_loc: Any,
+                       max_query_len: Any, validate: Any, positions: tuple) -> SpecPlan:
+        """The graph-mode plan of a one-call: the stream's last one when the call's metadata is the same
+        (same tensors: addresses, shapes, strides, dtypes; same sizes and hint), else a new one.
+
+        A graph-mode plan depends on nothing else (it reads no value), so the layers of a step that call
+        paged_attention with one batch's metadata plan once. Never reused with ``validate`` (it reads the
+        values) nor under graph capture (a plan made there holds the graph's memory).
+        """
+        key = stream = None
+        if validate is False and (max_query_len is None or type(max_query_len) is int) and not capturing():
+            try:
+                key = (q.shape[0], kv_cache.shape[0], max_query_len, *map(_layout_key, (block_table, seq_lens,
+                                                                                         query_start_loc)),
+                       *map(_layout_key, positions))
+            except AttributeError:  # not tensors: the checks below say what is wrong
+                key = None
+            if key is not None:
+                stream = self.stream_handle()
+                last = self._last_plans.get(stream)
+                if last is not None and last[0] == key:
+                    return last[1]
+        check_paged_q(self.spec, q)  # q and the cache first: their sizes go into the plan
+        check_kv_cache(self.spec, kv_cache, q.device)
         p = self.plan(block_table, seq_lens, query_start_loc, total_q=q.shape[0], max_query_len=max_query_len,
-                      num_pages=kv_cache.shape[0], query_positions=query_positions, functor_batch=functor_batch,
-                      position_offset=position_offset, mode="graph", validate=validate, shared_scratch=True)
-        return p._first.run(q, kv_cache, out=out, return_lse=return_lse, sinks=sinks, alibi_slopes=alibi_slopes,
-                            params=params, k_scale=k_scale, v_scale=v_scale)
+                      num_pages=kv_cache.shape[0], query_positions=positions[0], functor_batch=positions[1],
+                      position_offset=positions[2], mode="graph", validate=validate, shared_scratch=True)
+        if key is not None:
+            self._last_plans[stream] = (key, p._first)  # type: ignore[index]
+        return p._first  # type: ignore[return-value]
 
     def ragged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: torch.Tensor,
                          kv_start_loc: torch.Tensor, *, sinks: torch.Tensor | None = None,
@@ -485,6 +516,11 @@ def cuda_device(device: torch.device | str | int | None) -> torch.device:
         raise RuntimeError(f"device={dev}: {why}; jitattn kernels need an NVIDIA GPU and torch built with CUDA "
                            f"(jitattn.reference runs on the CPU; `jitattn warmup` compiles without a GPU)")
     return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def _layout_key(t: torch.Tensor | None) -> tuple | None:
+    """What a graph-mode plan reads of a metadata tensor: its address, shape, strides, dtype, device."""
+    return None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
 
 
 def _stream_handle(device: torch.device) -> Callable[[], int]:

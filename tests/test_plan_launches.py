@@ -191,7 +191,7 @@ def test_mixed_plan_forks_the_decode_onto_a_side_stream(monkeypatch):
     kernel, module = fake_kernel(case.spec, two_streams=True)
     main, side = _FakeStream(lc.STREAM), _FakeStream(8)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
-    kernel.side_stream = lambda: side
+    kernel.side_stream = lambda main=None: side
     plan = kernel.plan(t["block_table"], t["seq_lens"], t["query_start_loc"])
     runtime.run(t["q"], t["kv_cache"], plan)
     assert [(x["kernel"], x["stream"]) for x in module.launches] == [("decode", 8), ("prefill", lc.STREAM)]
@@ -207,7 +207,7 @@ def test_mixed_run_joins_the_side_stream_when_a_launch_raises(monkeypatch, fails
     kernel, module = fake_kernel(case.spec, two_streams=True)
     main, side = _FakeStream(lc.STREAM), _FakeStream(8)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
-    kernel.side_stream = lambda: side
+    kernel.side_stream = lambda main=None: side
     plan = kernel.plan(t["block_table"], t["seq_lens"], t["query_start_loc"])
     real = plan.for_spec(None)._launch
 
@@ -259,3 +259,54 @@ def test_plan_repr_and_type(kernels):
     t = case.tensors
     plan = runtime.plan(case.spec, t["block_table"], t["seq_lens"], t["query_start_loc"])
     assert isinstance(plan, Plan) and "kernels=decode+prefill" in repr(plan) and plan.max_query_len == 5
+
+
+def test_one_calls_on_the_same_metadata_plan_once(kernels, monkeypatch):
+    """Layers calling paged_attention with one batch's metadata tensors reuse the stream's last plan (a
+    graph-mode plan reads no value, so new values in the same tensors change nothing it holds); other
+    tensors, validate=True or a capture make a new one."""
+    from jitattn import planning
+
+    case = lc.cases()["split_kv_mixed"]
+    t = case.tensors
+    made = []
+    real = planning.make_paged_plan
+    monkeypatch.setattr(runtime, "make_paged_plan", lambda *a, **kw: made.append(1) or real(*a, **kw))
+    args = lambda: (t["q"], t["kv_cache"], t["block_table"], t["seq_lens"], t["query_start_loc"])  # noqa: E731
+    for _ in range(3):
+        runtime.paged_attention(case.spec, *args())
+    t["seq_lens"].copy_(t["seq_lens"].flip(0))  # new values, same tensor: the plan still holds
+    runtime.paged_attention(case.spec, *args())
+    assert len(made) == 1
+    kernel, module = kernels[case.spec.canonical_text]
+    same = [{**x, "fields": {k: v for k, v in x["fields"].items() if k != "o"}} for x in module.launches]
+    assert len(same) == 8 and all(x == same[i % 2] for i, x in enumerate(same))  # out aside (new per call)
+    t["seq_lens"] = t["seq_lens"].clone()  # another tensor: a new plan
+    runtime.paged_attention(case.spec, *args())
+    assert len(made) == 2
+    runtime.paged_attention(case.spec, *args(), max_query_len=7)  # another hint
+    assert len(made) == 3
+    bad = t["block_table"].clone()
+    bad[0, 0] = 10 ** 6
+    t["block_table"] = bad
+    runtime.paged_attention(case.spec, *args())
+    with pytest.raises(ValueError, match=r"block_table\[0\]: page ids must be in"):
+        runtime.paged_attention(case.spec, *args(), validate=True)  # values read again, never a reused plan
+    monkeypatch.setattr(runtime, "capturing", lambda: True)
+    n = len(made)
+    runtime.paged_attention(case.spec, *args())
+    runtime.paged_attention(case.spec, *args())
+    assert len(made) == n + 2  # under capture: planned per call, as before
+
+
+def test_a_reused_one_call_plan_checks_the_layer_tensors(kernels):
+    """A reused plan still checks q / kv_cache / out of each call."""
+    case = lc.cases()["mixed_out_hint"]
+    t = case.tensors
+    runtime.paged_attention(case.spec, t["q"], t["kv_cache"], t["block_table"], t["seq_lens"], t["query_start_loc"])
+    with pytest.raises(ValueError, match=r"q: expected dtype torch.bfloat16, got torch.float16"):
+        runtime.paged_attention(case.spec, t["q"].half(), t["kv_cache"], t["block_table"], t["seq_lens"],
+                                t["query_start_loc"])
+    with pytest.raises(ValueError, match=r"out: expected a contiguous \(7, 8, 64\)"):
+        runtime.paged_attention(case.spec, t["q"], t["kv_cache"], t["block_table"], t["seq_lens"],
+                                t["query_start_loc"], out=torch.empty(7, 8, 32, dtype=torch.bfloat16))

@@ -170,7 +170,7 @@ def test_mixed_call_forks_the_decode_onto_a_side_stream(monkeypatch):
     kernel, launches = _dry_kernel(spec, monkeypatch)
     main, side = _STREAMS[-1], _FakeStream(8)
     main.waited_for.clear()
-    kernel.mixed_on_two_streams, kernel.side_stream = True, lambda: side
+    kernel.mixed_on_two_streams, kernel.side_stream = True, lambda main=None: side
     b = random_paged_batch(spec, [1, 5, 1], [30, 4000, 17])
     kernel.paged_attention(*b.args())
     assert [name for name, *_ in launches] == ["decode", "prefill"] and kernel.launch_streams == [8, 7]
@@ -194,7 +194,7 @@ def test_mixed_call_joins_the_side_stream_when_a_launch_raises(monkeypatch, fail
     kernel, launches = _dry_kernel(spec, monkeypatch)
     main, side = _STREAMS[-1], _FakeStream(8)
     main.waited_for.clear()
-    kernel.mixed_on_two_streams, kernel.side_stream = True, lambda: side
+    kernel.mixed_on_two_streams, kernel.side_stream = True, lambda main=None: side
     real_launch = kernel.launch
 
     def launch(name, *args):
