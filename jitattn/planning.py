@@ -194,6 +194,7 @@ class Plan:
                  load: Callable[[AttentionSpec], Any], shared_scratch: bool = False):
         self.kind, self.device, self.mode = kind, device, mode
         self.batch, self.total_q, self.max_pages_per_seq, self.num_pages = batch, total_q, max_pages_per_seq, num_pages
+        self.total_kv: int | None = None  # a ragged plan's rows of k and v, when given
         self.max_query_len = max_query_len
         self.decode_rows, self.prefill_rows = decode_rows, prefill_rows  # None: unknown (graph mode)
         self.metadata, self.validate = metadata, validate
@@ -281,8 +282,8 @@ def make_paged_plan(load: Callable[[AttentionSpec], Any], specs: Sequence[Attent
     if validate:
         if num_pages is None:
             fail("num_pages: validate=True checks the page ids against the cache; pass num_pages=kv_cache.shape[0]")
-        for spec in specs:
-            check_metadata_values(spec, seq_lens, query_start_loc, block_table, num_pages, total_q)
+        # the specs share page size and query positions (Plan.add checks), all these checks read
+        check_metadata_values(first, seq_lens, query_start_loc, block_table, num_pages, total_q)
         if first.explicit_positions:
             check_position_values(functor_batch, first, None)
         if max_query_len is not None and lens and max(lens) > max_query_len:

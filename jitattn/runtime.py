@@ -461,12 +461,26 @@ class JitKernel:
         if not spec.ragged:
             fail(f"spec.kv_storage={spec.kv_storage!r}: this kernel reads the paged cache; call "
                  f"paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, ...)")
+        key = stream = None
+        if validate is False and not capturing():  # as paged_attention: the stream's last plan if it fits
+            try:
+                key = ("ragged", q.shape[0], _layout_key(query_start_loc), _layout_key(kv_start_loc))
+            except AttributeError:
+                key = None
+            if key is not None:
+                stream = self.stream_handle()
+                last = self._last_plans.get(stream)
+                if last is not None and last[0] == key:
+                    return last[1].run(q, (k, v), out=out, return_lse=return_lse, sinks=sinks,
+                                       alibi_slopes=alibi_slopes, params=params)
         check_paged_q(spec, q)
-        p = self.plan_ragged(query_start_loc, kv_start_loc, total_q=q.shape[0],
-                             total_kv=k.shape[0] if isinstance(k, torch.Tensor) else None, mode="graph",
-                             validate=validate)
-        return p._first.run(q, (k, v), out=out, return_lse=return_lse, sinks=sinks, alibi_slopes=alibi_slopes,
-                            params=params)
+        part = self.plan_ragged(query_start_loc, kv_start_loc, total_q=q.shape[0],
+                                total_kv=k.shape[0] if isinstance(k, torch.Tensor) else None, mode="graph",
+                                validate=validate)._first
+        if key is not None:
+            self._last_plans[stream] = (key, part)  # type: ignore[index]
+        return part.run(q, (k, v), out=out, return_lse=return_lse, sinks=sinks, alibi_slopes=alibi_slopes,
+                        params=params)
 
 
 class LoadedOnce:

@@ -310,3 +310,18 @@ def test_a_reused_one_call_plan_checks_the_layer_tensors(kernels):
     with pytest.raises(ValueError, match=r"out: expected a contiguous \(7, 8, 64\)"):
         runtime.paged_attention(case.spec, t["q"], t["kv_cache"], t["block_table"], t["seq_lens"],
                                 t["query_start_loc"], out=torch.empty(7, 8, 32, dtype=torch.bfloat16))
+
+
+def test_ragged_one_calls_on_the_same_metadata_plan_once(kernels, monkeypatch):
+    case = lc.cases()["ragged"]
+    t = case.tensors
+    made = []
+    real = runtime.make_ragged_plan
+    monkeypatch.setattr(runtime, "make_ragged_plan", lambda *a, **kw: made.append(1) or real(*a, **kw))
+    for k in (t["k"], t["k"].clone()):  # another k: a per-layer tensor, the same plan
+        runtime.ragged_attention(case.spec, t["q"], k, t["v"], t["query_start_loc"], t["kv_start_loc"])
+    runtime.ragged_attention(case.spec, t["q"], t["k"], t["v"], t["query_start_loc"], t["kv_start_loc"].clone())
+    assert len(made) == 2
+    _, module = kernels[case.spec.canonical_text]
+    assert [x["fields"]["k"] for x in module.launches[:2]] == [t["k"].data_ptr(), module.launches[1]["fields"]["k"]]
+    assert module.launches[0]["fields"]["k"] != module.launches[1]["fields"]["k"]
