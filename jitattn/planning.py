@@ -258,52 +258,80 @@ def make_paged_plan(load: Callable[[AttentionSpec], Any], specs: Sequence[Attent
                     query_positions: torch.Tensor | None, functor_batch: torch.Tensor | None,
                     position_offset: torch.Tensor | None, mode: str | None, validate: bool,
                     shared_scratch: bool = False) -> Plan:
-    """The :class:`Plan` of a paged batch (the checks and decisions of :func:`jitattn.plan`, its docs)."""
-    first = specs[0]
-    mode = choose_mode(mode)
+    """The :class:`Plan` of a paged batch (the checks and decisions of :func:`jitattn.plan`, its docs):
+    check the metadata, read it on the host if the mode allows and something needs it, check its values
+    if asked, choose the kernels, plan each spec."""
+    first, mode = specs[0], choose_mode(mode)
     batch, max_pages = check_paged_metadata(first, block_table, seq_lens, query_start_loc, device,
                                             device_of="the kernel")
     check_metadata_layout(block_table, seq_lens, query_start_loc)
     total_q, num_pages = _count("total_q", total_q), _count("num_pages", num_pages)
-    max_query_len = check_max_query_len(max_query_len)
-    validate = _validating(validate)
-    eager = mode == "eager"
-    if total_q is None and not eager:
-        fail("total_q: required in graph mode (the plan reads nothing on the host); pass q.shape[0]")
-    read = validate or (eager and (total_q is None or max_query_len is None))
-    qsl = query_start_loc.tolist() if read else None  # the plan's one host read
-    if qsl is not None and total_q is None:
-        total_q = qsl[-1]
+    max_query_len, validate = check_max_query_len(max_query_len), _validating(validate)
+    qsl = _read_starts(query_start_loc, mode, total_q, max_query_len, validate)
+    lens = None if qsl is None else [b - a for a, b in zip(qsl, qsl[1:])]
+    total_q = total_q if total_q is not None else qsl[-1]  # type: ignore[index]
     if total_q >= 2 ** 31:
         fail(f"total_q={total_q}: at most 2**31 - 1 query tokens (int32 start locations)")
-    check_positions(first, query_positions, functor_batch, position_offset, total_q=total_q, batch=batch,
-                    device=device)
-    lens = [b - a for a, b in zip(qsl, qsl[1:])] if qsl is not None else None
+    positions = {"query_positions": query_positions, "functor_batch": functor_batch,
+                 "position_offset": position_offset}
+    check_positions(first, *positions.values(), total_q=total_q, batch=batch, device=device)
     if validate:
-        if num_pages is None:
-            fail("num_pages: validate=True checks the page ids against the cache; pass num_pages=kv_cache.shape[0]")
-        # the specs share page size and query positions (Plan.add checks), all these checks read
-        check_metadata_values(first, seq_lens, query_start_loc, block_table, num_pages, total_q)
-        if first.explicit_positions:
-            check_position_values(functor_batch, first, None)
-        if max_query_len is not None and lens and max(lens) > max_query_len:
-            fail(f"max_query_len={max_query_len}: a sequence brings {max(lens)} queries; "
-                 f"pass the longest query count (or None)")
-    decode_rows = prefill_rows = None
-    if max_query_len == 1:
-        decode_rows, prefill_rows = None, False
-    if eager and lens is not None:  # exactly the kernels this step's values need
-        decode_rows, prefill_rows = any(n == 1 for n in lens), any(n > 1 for n in lens)
-        if max_query_len is None:
-            max_query_len = max(lens, default=0)
-    metadata = {"block_table": block_table, "seq_lens": seq_lens, "query_start_loc": query_start_loc,
-                "query_positions": query_positions, "functor_batch": functor_batch, "position_offset": position_offset}
+        _check_values(first, block_table, seq_lens, query_start_loc, functor_batch, num_pages, total_q,
+                      max_query_len, lens)
+    decode_rows, prefill_rows = _kernels(mode, max_query_len, lens)
+    if mode == "eager" and lens is not None and max_query_len is None:
+        max_query_len = max(lens, default=0)
+    metadata = {"block_table": block_table, "seq_lens": seq_lens, "query_start_loc": query_start_loc, **positions}
     plan = Plan("paged", device, mode, batch, total_q, metadata, max_pages_per_seq=max_pages, num_pages=num_pages,
                 max_query_len=max_query_len, decode_rows=decode_rows, prefill_rows=prefill_rows, validate=validate,
                 load=load, shared_scratch=shared_scratch)
     for spec in specs:
         plan.add(spec)
     return plan
+
+
+def _read_starts(query_start_loc: torch.Tensor, mode: str, total_q: int | None, max_query_len: int | None,
+                 validate: bool) -> list[int] | None:
+    """``query_start_loc`` read on the host (the plan's one device sync) when the checks ask for values
+    or an eager plan lacks ``total_q`` / ``max_query_len``; None when nothing is read.
+
+    Raises:
+        ValueError: graph mode without ``total_q``.
+    """
+    eager = mode == "eager"
+    if total_q is None and not eager:
+        fail("total_q: required in graph mode (the plan reads nothing on the host); pass q.shape[0]")
+    if not (validate or (eager and (total_q is None or max_query_len is None))):
+        return None
+    return query_start_loc.tolist()
+
+
+def _check_values(spec: AttentionSpec, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                  query_start_loc: torch.Tensor, functor_batch: torch.Tensor | None, num_pages: int | None,
+                  total_q: int, max_query_len: int | None, lens: list[int] | None) -> None:
+    """``validate=True``: the metadata's values (every spec of a plan shares what these read).
+
+    Raises:
+        ValueError: naming the entry (:func:`jitattn.checks.check_metadata_values`), or ``num_pages``
+            missing, or a broken ``max_query_len`` promise.
+    """
+    if num_pages is None:
+        fail("num_pages: validate=True checks the page ids against the cache; pass num_pages=kv_cache.shape[0]")
+    check_metadata_values(spec, seq_lens, query_start_loc, block_table, num_pages, total_q)
+    if spec.explicit_positions:
+        check_position_values(functor_batch, spec, None)  # against the params: at each run
+    if max_query_len is not None and lens and max(lens) > max_query_len:
+        fail(f"max_query_len={max_query_len}: a sequence brings {max(lens)} queries; "
+             f"pass the longest query count (or None)")
+
+
+def _kernels(mode: str, max_query_len: int | None, lens: list[int] | None) -> tuple[bool | None, bool | None]:
+    """Whether the batch has decode rows (one query) and prefill rows (more): None where not known, and
+    an unknown kind of row is launched for. Eager with the lengths read: exactly; else ``max_query_len=1``
+    promises no prefill row."""
+    if mode == "eager" and lens is not None:
+        return any(n == 1 for n in lens), any(n > 1 for n in lens)
+    return None, (False if max_query_len == 1 else None)
 
 
 def make_ragged_plan(load: Callable[[AttentionSpec], Any], specs: Sequence[AttentionSpec], device: torch.device,
