@@ -385,7 +385,7 @@ class SpecPlan:
         self.counters: torch.Tensor | None = None
         self._unzeroed = False  # counters made under graph capture: zero them at the next run
         fields = self._plan_fields(plan, kernel, shared_scratch)
-        self._bytes = self.layout.pack(fields)
+        self._bytes = bytes(self.layout.pack(fields))  # the plan's Params; each run patches a copy
         names = PAGED_LAYER_FIELDS if plan.kind == "paged" else RAGGED_LAYER_FIELDS
         self._writers = self.layout.writers(names + self.layout.param_fields)
         self._q_shape = (plan.total_q, spec.num_qo_heads, spec.head_dim_qk)
@@ -545,7 +545,7 @@ class SpecPlan:
                       v.stride(1), k.shape[0])
         if self.layout.param_fields:
             values += self._param_values(params)
-        buf = self._bytes
+        buf = bytearray(self._bytes)  # a copy per run: runs from two threads never mix their fields
         for write, offset, pick in self._writers:
             write(buf, offset, *pick(values))
         return bytes(buf)
