@@ -24,6 +24,7 @@ import functools
 import math
 import struct
 from operator import itemgetter
+from types import SimpleNamespace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -75,6 +76,7 @@ class ParamsLayout:
     """
 
     def __init__(self, spec: AttentionSpec):
+        self.spec = spec
         placed, size = params_layout(params_fields(spec))
         fmt, pos = "<", 0
         for f, off in placed:
@@ -89,6 +91,24 @@ class ParamsLayout:
         self.pointer_fields = frozenset(n for n, k in kinds.items() if k == "ptr")
         self._writers: dict[tuple[str, ...], tuple] = {}
         self._index = {name: i for i, name in enumerate(self.field_order)}
+        self._constants: dict[str, SimpleNamespace] = {}
+
+    def constants(self, kind: str) -> SimpleNamespace:
+        """What every run of the spec on a ``kind`` ("paged" / "ragged") plan checks against and writes,
+        made once: the writers of the per-layer fields, the cache's inner shape and strides, the dtypes."""
+        found = self._constants.get(kind)
+        if found is None:
+            spec = self.spec
+            inner = kv_cache_shape(spec, 1)[1:] if kind == "paged" else ()
+            names = PAGED_LAYER_FIELDS if kind == "paged" else RAGGED_LAYER_FIELDS
+            found = self._constants[kind] = SimpleNamespace(
+                writers=self.writers(names + self.param_fields), kv_inner=inner or None,
+                kv_strides=tuple(math.prod(inner[i + 1:]) for i in range(len(inner))),  # a page is contiguous
+                kv_stride_kv=math.prod(inner[1:]) if inner else 0,
+                kv_align=16 // TORCH_DTYPES[spec.kv_dtype].itemsize,
+                dtypes=(TORCH_DTYPES[spec.q_dtype], TORCH_DTYPES[spec.kv_dtype], TORCH_DTYPES[spec.o_dtype]),
+                softmax=spec.variant is None or spec.variant.softmax)
+        return found
 
     @property
     def size(self) -> int:
@@ -384,21 +404,16 @@ class SpecPlan:
         self.partial: torch.Tensor | None = None  # split-KV partial states (float32), None without splits
         self.counters: torch.Tensor | None = None
         self._unzeroed = False  # counters made under graph capture: zero them at the next run
-        fields = self._plan_fields(plan, kernel, shared_scratch)
-        self._bytes = bytes(self.layout.pack(fields))  # the plan's Params; each run patches a copy
-        names = PAGED_LAYER_FIELDS if plan.kind == "paged" else RAGGED_LAYER_FIELDS
-        self._writers = self.layout.writers(names + self.layout.param_fields)
+        c = self.layout.constants(plan.kind)
+        self._writers, self._kv_inner, self._kv_strides, self._kv_align, self._dtypes, self._softmax = (
+            c.writers, c.kv_inner, c.kv_strides, c.kv_align, c.dtypes, c.softmax)
         self._q_shape = (plan.total_q, spec.num_qo_heads, spec.head_dim_qk)
-        self._kv_inner = kv_cache_shape(spec, 1)[1:] if plan.kind == "paged" else None
-        inner = self._kv_inner or ()
-        self._kv_strides = tuple(math.prod(inner[i + 1:]) for i in range(len(inner)))  # inside a page: contiguous
         self._out_shape = (plan.total_q, spec.num_qo_heads, spec.head_dim_vo)
-        self._kv_align = 16 // TORCH_DTYPES[spec.kv_dtype].itemsize
-        self._dtypes = (TORCH_DTYPES[spec.q_dtype], TORCH_DTYPES[spec.kv_dtype], TORCH_DTYPES[spec.o_dtype])
-        self._softmax = spec.variant is None or spec.variant.softmax
+        fields = self._plan_fields(plan, kernel, shared_scratch, c.kv_stride_kv)
+        self._bytes = bytes(self.layout.pack(fields))  # the plan's Params; each run patches a copy
 
     # ---- plan ---------------------------------------------------------------------------------------
-    def _plan_fields(self, plan: Plan, kernel: Any, shared_scratch: bool) -> dict[str, Any]:
+    def _plan_fields(self, plan: Plan, kernel: Any, shared_scratch: bool, kv_stride_kv: int) -> dict[str, Any]:
         """The plan-time fields, the kernels to launch and their grids, the split scratch."""
         spec, g, md = self.spec, kernel.geometry, plan.metadata
         fields = {k: _ptr(t) for k, t in md.items()}
@@ -411,7 +426,7 @@ class SpecPlan:
             return fields
         # a paged run checks q's head stride and the cache's inner strides: they are the spec's
         fields.update(block_table_stride=md["block_table"].stride(0), q_stride_head=spec.head_dim_qk,
-                      kv_stride_kv=math.prod(kv_cache_shape(spec, 1)[2:]))
+                      kv_stride_kv=kv_stride_kv)
         if spec.explicit_positions:  # the prefill kernel serves every row (no decode kernel is built)
             return fields
         fields["prefill_skip_decode_rows"] = 1
