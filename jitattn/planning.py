@@ -32,8 +32,8 @@ import torch
 from jitattn.checks import (check_flag, check_kv_cache, check_kv_cache_layout, check_max_query_len,
                             check_metadata_layout, check_metadata_values, check_out, check_paged_metadata,
                             check_params, check_position_values, check_positions, check_q_layout,
-                            check_ragged_metadata_values, check_ragged_tensors, check_scales, check_spec, check_tensor, check_vector,
-                            fail, kv_cache_shape)
+                            check_ragged_metadata_values, check_ragged_tensors, check_scales, check_spec,
+                            check_tensor, check_vector, fail, kv_cache_shape)
 from jitattn.dtypes import TORCH_DTYPES
 from jitattn.render import params_fields, params_layout
 from jitattn.spec import AttentionSpec
@@ -267,7 +267,8 @@ class Plan:
         return self.for_spec(kwargs.pop("spec", None)).run(q, kv, **kwargs)
 
     def __repr__(self) -> str:
-        kernels = "+".join(k for k, on in (("decode", self.decode_rows), ("prefill", self.prefill_rows)) if on is not False)
+        launched = (("decode", self.decode_rows), ("prefill", self.prefill_rows))
+        kernels = "+".join(k for k, on in launched if on is not False)
         return (f"Plan({self.kind}, batch={self.batch}, total_q={self.total_q}, mode={self.mode!r}, "
                 f"kernels={kernels}, specs={len(self._parts)})")
 
@@ -485,20 +486,8 @@ class SpecPlan:
         Raises:
             ValueError: naming the argument, what the plan expects and what was given.
         """
+        self._check_tensors(q, kv, out)
         spec, plan = self.spec, self.plan
-        if type(q) is not torch.Tensor or q.dtype != self._dtypes[0] or tuple(q.shape) != self._q_shape:
-            self._explain_q(q)
-        if q.device != plan.device:
-            fail(f"q: on {q.device}, but the plan (its metadata and kernel) is on {plan.device}")
-        if plan.kind == "paged":
-            self._check_kv_cache(kv)
-            check_q_layout(spec, q)
-        else:
-            self._check_ragged_kv(q, kv)
-        if out is not None and not (type(out) is torch.Tensor and out.dtype == self._dtypes[2] and
-                                    out.shape == self._out_shape and out.device == plan.device and
-                                    out.is_contiguous()):
-            check_out(spec, out, plan.total_q, plan.device, device_of="the plan")
         if sinks is not None or spec.sinks:
             check_vector("sinks", sinks, spec.sinks, spec.num_qo_heads, plan.device, "spec.sinks")
         if alibi_slopes is not None:
@@ -510,9 +499,27 @@ class SpecPlan:
                 check_position_values(plan.metadata["functor_batch"], spec, params)
         if return_lse is not False and check_flag("return_lse", return_lse) and not self._softmax:
             fail(f"return_lse=True: variant {spec.variant.name!r} has no softmax, so there is no lse")
-        if k_scale == 1.0 and v_scale == 1.0 and type(k_scale) is float and type(v_scale) is float:
+        if type(k_scale) is float and type(v_scale) is float and k_scale == 1.0 and v_scale == 1.0:
             return 1.0, 1.0
         return check_scales(spec, k_scale, v_scale)
+
+    def _check_tensors(self, q: Any, kv: Any, out: Any) -> None:
+        """q, the cache (or k and v) and out: compared with what the plan made once, the slow checks
+        only to name what differs."""
+        plan = self.plan
+        if type(q) is not torch.Tensor or q.dtype != self._dtypes[0] or tuple(q.shape) != self._q_shape:
+            self._explain_q(q)
+        if q.device != plan.device:
+            fail(f"q: on {q.device}, but the plan (its metadata and kernel) is on {plan.device}")
+        if plan.kind == "paged":
+            self._check_kv_cache(kv)
+            check_q_layout(self.spec, q)
+        else:
+            self._check_ragged_kv(q, kv)
+        if out is not None and not (type(out) is torch.Tensor and out.dtype == self._dtypes[2] and
+                                    out.shape == self._out_shape and out.device == plan.device and
+                                    out.is_contiguous()):
+            check_out(self.spec, out, plan.total_q, plan.device, device_of="the plan")
 
     def _explain_q(self, q: Any) -> None:
         """The slow path of q's check: passes a tensor subclass that fits, else names what differs."""

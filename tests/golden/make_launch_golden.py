@@ -63,7 +63,8 @@ def main() -> None:
         kernel, launches = _old_kernel(case.spec)
         fn = kernel.paged_attention if case.kind == "paged" else kernel.ragged_attention
         result = case.call(fn)
-        extra = {"default_slopes": kernel._default_slopes, **{"split_counters": t for t in kernel._split_counters.values()}}
+        extra = {"default_slopes": kernel._default_slopes,
+                 **{"split_counters": t for t in kernel._split_counters.values()}}
         names = lc.pointer_names(case, result, extra)
         ptrs = {f.name for f in params_fields(case.spec) if f.kind == "ptr"}
         for launch in launches:
