@@ -12,15 +12,16 @@ from jitattn.trace import TraceError
 from jitattn.variant import Param, Variant
 
 __all__ = ["AttentionSpec", "Param", "Variant", "__version__", "paged_attention", "ragged_attention", "load_kernel",
-           "merge_state", "merge_state_in_place", "merge_states", "TraceError", "MissingKernelError"]
+           "plan", "plan_ragged", "run", "merge_state", "merge_state_in_place", "merge_states", "TraceError",
+           "MissingKernelError"]
 
 
 # Submodules reachable as attributes (``jitattn.testing.random_paged_batch``) without importing them
 # first; loaded on first use, so ``import jitattn`` stays light (and torch-free).
 _SUBMODULES = frozenset({"archs", "backends", "bench", "build", "cache", "cache_admin", "checks", "cli", "commands",
-                         "cuda_driver", "doctor", "integrations", "merge", "merge_module", "models", "modules", "ops",
-                         "reference", "render", "runtime", "selector", "settings", "spec", "testing", "trace",
-                         "variant"})
+                         "constants", "cuda_driver", "doctor", "dtypes", "integrations", "merge", "merge_module",
+                         "models", "modules", "ops", "planning", "reference", "render", "runtime", "selector",
+                         "settings", "spec", "testing", "trace", "variant"})
 
 
 def __getattr__(name: str):
@@ -29,7 +30,7 @@ def __getattr__(name: str):
 
         return importlib.import_module(f"jitattn.{name}")
     # Torch-dependent entry points load lazily so a build box without torch can import jitattn.
-    if name in ("paged_attention", "ragged_attention", "load_kernel"):
+    if name in ("paged_attention", "ragged_attention", "load_kernel", "plan", "plan_ragged", "run"):
         from jitattn import runtime
 
         return getattr(runtime, name)

@@ -32,7 +32,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from jitattn.checks import _check_tensor, _check_vector, _fail, check_flag, check_params, check_scales, check_spec
+from jitattn.checks import (check_flag, check_out, check_params, check_scales, check_spec, check_tensor, check_vector,
+                            fail)
+from jitattn.planning import choose_mode
 from jitattn.spec import AttentionSpec
 
 #: Keys per chunk of a shared level at least (shorter chunks cost more in merging than they gain).
@@ -76,9 +78,16 @@ def two_level(prefix_block_table: torch.Tensor, prefix_lens: torch.Tensor, prefi
             CascadeLevel(suffix_block_table, suffix_lens, query_start_loc)]
 
 
-def cascade_pays(num_requests: int, prefix_len: int, suffix_len: float) -> bool:
+def cascade_pays(num_requests: int, prefix_len: int, suffix_len: float, *, mode: str = "graph") -> bool:
     """The measured rule: whether the cascade beats the plain paged call for R decode requests sharing a
-    P-key prefix, each with about s keys of its own.
+    P-key prefix, each with about s keys of its own, run as ``mode`` runs them.
+
+    ``mode="graph"`` (CUDA-graph replay, what the rule was measured on) is the rule below.
+    ``mode="eager"``: never. Eager, the cascade pays its host work per layer on top (the bench's
+    R50 / P1000 / s100 case took 0.174 ms eager against 0.080 ms for the plain call, a rule fitted on
+    graph times choosing the slower path); no eager sweep of the planned cascade (plan once, run per
+    layer) exists yet, so an eager caller takes the cascade only by asking for it (``use_cascade=True``
+    or a ``plan``). The bench's cascade and host cases are where an eager rule would be fitted.
 
     Measured on the H200 (2026-11-29, hd128 32/8 heads bf16 page 16, both by CUDA-graph replay, the
     plain call reading the shared prefix pages from every request's table; BENCHMARKS.md "Cascade rule sweep",
@@ -89,6 +98,8 @@ def cascade_pays(num_requests: int, prefix_len: int, suffix_len: float) -> bool:
     paid (0.47-0.79x). Of the 84 measured shapes the rule errs on three: R = 8, P = 8192, s = 2048
     (taken, 0.92x) and P = 1024, s = 512 at R = 8 and 128 (not taken, 1.12x and 1.05x).
     """
+    if choose_mode(mode) == "eager":
+        return False
     r, p, s = num_requests, prefix_len, suffix_len
     return r >= 8 and p >= 1000 and (p >= 4 * s or (r >= 32 and p >= 4096 and p >= 2 * s))
 
@@ -96,20 +107,20 @@ def cascade_pays(num_requests: int, prefix_len: int, suffix_len: float) -> bool:
 def _check_levels(levels: Sequence[CascadeLevel], dev: torch.device) -> None:
     """Types, dtypes, devices and shapes of the levels (no host read)."""
     if not isinstance(levels, (list, tuple)) or len(levels) < 1 or not all(isinstance(v, CascadeLevel) for v in levels):
-        _fail(f"levels: expected a non-empty list of CascadeLevel, got {levels!r:.120}")
+        fail(f"levels: expected a non-empty list of CascadeLevel, got {levels!r:.120}")
     for i, lv in enumerate(levels):
-        _check_tensor(f"levels[{i}].query_start_loc", lv.query_start_loc, dtype=torch.int32, ndim=1, device=dev)
+        check_tensor(f"levels[{i}].query_start_loc", lv.query_start_loc, dtype=torch.int32, ndim=1, device=dev)
         n = lv.query_start_loc.shape[0] - 1
         if n < 1:
-            _fail(f"levels[{i}].query_start_loc: expected shape (num_segments + 1,) with num_segments >= 1, "
-                  f"got {tuple(lv.query_start_loc.shape)}")
-        _check_tensor(f"levels[{i}].kv_lens", lv.kv_lens, dtype=torch.int32, ndim=1, device=dev)
+            fail(f"levels[{i}].query_start_loc: expected shape (num_segments + 1,) with num_segments >= 1, "
+                 f"got {tuple(lv.query_start_loc.shape)}")
+        check_tensor(f"levels[{i}].kv_lens", lv.kv_lens, dtype=torch.int32, ndim=1, device=dev)
         if lv.kv_lens.shape[0] != n:
-            _fail(f"levels[{i}].kv_lens: expected shape ({n},) (num_segments, from query_start_loc), "
-                  f"got {tuple(lv.kv_lens.shape)}")
-        _check_tensor(f"levels[{i}].block_table", lv.block_table, dtype=torch.int32, ndim=2, device=dev)
+            fail(f"levels[{i}].kv_lens: expected shape ({n},) (num_segments, from query_start_loc), "
+                 f"got {tuple(lv.kv_lens.shape)}")
+        check_tensor(f"levels[{i}].block_table", lv.block_table, dtype=torch.int32, ndim=2, device=dev)
         if lv.block_table.shape[0] != n or lv.block_table.shape[1] < 1:
-            _fail(f"levels[{i}].block_table: expected shape ({n}, max_pages >= 1), got {tuple(lv.block_table.shape)}")
+            fail(f"levels[{i}].block_table: expected shape ({n}, max_pages >= 1), got {tuple(lv.block_table.shape)}")
 
 
 def check_level_values(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: int, num_pages: int) -> None:
@@ -124,26 +135,26 @@ def check_level_values(spec: AttentionSpec, levels: Sequence[CascadeLevel], tota
     for i, lv in enumerate(levels):
         qsl = lv.query_start_loc.tolist()
         if qsl[0] != 0 or qsl[-1] != total_q:
-            _fail(f"levels[{i}].query_start_loc: must start at 0 and end at total_q={total_q}, got {qsl[0]} ... {qsl[-1]}")
+            fail(f"levels[{i}].query_start_loc: must start at 0 and end at total_q={total_q}, got {qsl[0]} ... {qsl[-1]}")
         if any(b < a for a, b in zip(qsl, qsl[1:])):
             j = next(j for j, (a, b) in enumerate(zip(qsl, qsl[1:])) if b < a)
-            _fail(f"levels[{i}].query_start_loc: decreases at segment {j} ({qsl[j]} -> {qsl[j + 1]})")
+            fail(f"levels[{i}].query_start_loc: decreases at segment {j} ({qsl[j]} -> {qsl[j + 1]})")
         if prev is not None and not prev <= set(qsl):
             missing = sorted(prev - set(qsl))[0]
-            _fail(f"levels[{i}].query_start_loc: level {i - 1} has a segment boundary at query {missing} that level "
-                  f"{i} does not; segments must nest (a later level splits the earlier one's segments)")
+            fail(f"levels[{i}].query_start_loc: level {i - 1} has a segment boundary at query {missing} that level "
+                 f"{i} does not; segments must nest (a later level splits the earlier one's segments)")
         prev = set(qsl)
         capacity = lv.block_table.shape[1] * spec.page_size
         table = lv.block_table.cpu()
         for j, n in enumerate(lv.kv_lens.tolist()):
             if n < 0 or n > capacity:
-                _fail(f"levels[{i}].kv_lens[{j}]={n}: expected 0 <= kv_len <= block_table capacity "
-                      f"{lv.block_table.shape[1]} pages x {spec.page_size} = {capacity}")
+                fail(f"levels[{i}].kv_lens[{j}]={n}: expected 0 <= kv_len <= block_table capacity "
+                     f"{lv.block_table.shape[1]} pages x {spec.page_size} = {capacity}")
             used = table[j, : -(-n // spec.page_size)]
             if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_pages):
-                _fail(f"levels[{i}].block_table[{j}]: page ids must be in [0, {num_pages}), got {used.tolist()}")
+                fail(f"levels[{i}].block_table[{j}]: page ids must be in [0, {num_pages}), got {used.tolist()}")
     if levels and levels[-1].query_start_loc.shape[0] - 1 < 1:
-        _fail("levels[-1]: the last level's segments are the requests; expected at least one")
+        fail("levels[-1]: the last level's segments are the requests; expected at least one")
     # each request's queries are the last positions of its whole sequence (every level's segment): as the
     # plain call, a request may not bring more queries than it has keys
     req = levels[-1].query_start_loc.tolist() if levels else []
@@ -152,8 +163,8 @@ def check_level_values(spec: AttentionSpec, levels: Sequence[CascadeLevel], tota
         if b > a:
             kv = sum(n[bisect.bisect_right(s, a) - 1] for s, n in lens)
             if b - a > kv:
-                _fail(f"levels: request {r} has qo_len={b - a} queries but {kv} keys over all levels; "
-                      f"expected qo_len <= kv_len (its queries are the last positions of its sequence)")
+                fail(f"levels: request {r} has qo_len={b - a} queries but {kv} keys over all levels; "
+                     f"expected qo_len <= kv_len (its queries are the last positions of its sequence)")
 
 
 @dataclass
@@ -172,6 +183,8 @@ class CascadePlan:
     functor_batch: torch.Tensor    # (num_states * total_q,)
     position_offset: torch.Tensor  # (pseudo_batch,)
     layout: tuple = ()             # _layout(spec, levels) it was made for (checked when it is run)
+    mode: str = "graph"            # what it was planned for: "eager" or "graph" (jitattn.planning.MODES)
+    attention_plan: Any = None     # the jit kernels' plan of the pseudo-batch, made at its first run
 
 
 @functools.lru_cache(maxsize=256)
@@ -207,7 +220,7 @@ def _request_segments(levels: Sequence[CascadeLevel], total_q: int) -> list[torc
 
 
 def plan_cascade(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: int, *, num_sms: int,
-                 chunks: Sequence[int] | None = None) -> CascadePlan:
+                 chunks: Sequence[int] | None = None, mode: str | None = None) -> CascadePlan:
     """Lay a cascade batch out as one explicit-position batch (shapes only decide the layout).
 
     Level ``l`` is cut into ``C_l`` chunks of ``L_l`` keys (``L_l`` a multiple of the page size); chunk
@@ -221,13 +234,19 @@ def plan_cascade(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: i
         num_sms: the GPU's SM count (the default chunk counts aim at :data:`BLOCKS_PER_SM` per SM).
         chunks: ``C_l`` per level (default: :data:`BLOCKS_PER_SM` blocks per SM for the shared levels,
             chunks of at least :data:`MIN_CHUNK_KEYS` keys; 1 for the last level).
+        mode: what the plan will be run as, "eager" or "graph" (None: graph while the current stream
+            captures, else eager), kept as ``plan.mode``: whether to plan the cascade at all is
+            ``cascade_pays(*rule_shape(...), mode=mode)``, and the rule differs by mode. The
+            pseudo-batch depends only on shapes, and its jit plan (made at the first run, reused by
+            every later layer) reads nothing on the host, so one plan serves a captured graph too.
 
     Returns:
         a :class:`CascadePlan` on the levels' device (int32 tensors; ``num_states * total_q`` query rows).
 
     Raises:
-        ValueError: ``chunks`` that is not one int >= 1 per level.
+        ValueError: ``chunks`` that is not one int >= 1 per level, a bad ``mode``.
     """
+    mode = choose_mode(mode)
     dev = levels[0].kv_lens.device
     page = spec.page_size
     seg = [_segment_of(lv.query_start_loc, total_q) for lv in levels]
@@ -258,7 +277,7 @@ def plan_cascade(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: i
         counts = []
     if isinstance(chunks, (str, bytes)) or len(counts) != len(chunks) or len(counts) != len(levels) or \
             any(c < 1 for c in counts):
-        _fail(f"chunks={chunks!r}: expected one int >= 1 per level ({len(levels)})")
+        fail(f"chunks={chunks!r}: expected one int >= 1 per level ({len(levels)})")
     chunks = counts
     chunk_pages = [math.ceil(lv.block_table.shape[1] / c) for lv, c in zip(levels, chunks)]
     width = max(chunk_pages)
@@ -289,7 +308,7 @@ def plan_cascade(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: i
     return CascadePlan(num_states=state, block_table=as32(torch.cat(tables)), seq_lens=as32(torch.cat(kv_lens)),
                        query_start_loc=as32(torch.cat(qsls)), query_positions=as32(torch.cat(positions)),
                        functor_batch=as32(torch.cat(hook_batch)), position_offset=as32(torch.cat(offsets)),
-                       layout=_layout(spec, levels))
+                       layout=_layout(spec, levels), mode=mode)
 
 
 def _fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -305,7 +324,8 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tens
                       params: Mapping[str, Any] | None = None, return_lse: bool = False,
                       k_scale: float = 1.0, v_scale: float = 1.0, use_cascade: bool | None = None,
                       validate: bool = False, chunks: Sequence[int] | None = None,
-                      plan: CascadePlan | None = None, attention: Callable[..., Any] | None = None
+                      plan: CascadePlan | None = None, attention: Callable[..., Any] | None = None,
+                      out: torch.Tensor | None = None, mode: str | None = None
                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a batch whose requests share key prefixes, reading each shared level once.
 
@@ -323,9 +343,9 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tens
         sinks, alibi_slopes, params, k_scale, v_scale: as :func:`jitattn.paged_attention`; ``params``
             indexed by batch are indexed by the request (the last level's segment).
         return_lse: also return the natural-log lse, float32 ``(total_q, num_qo_heads)``.
-        use_cascade: None (default): :func:`cascade_pays` decides from :func:`rule_shape` (the lengths:
-            a host read; under CUDA graph capture the block tables' capacities); a batch the plain call
-            cannot express (a shared level that ends mid-page) always runs the cascade. True: always
+        use_cascade: None (default): :func:`cascade_pays` decides for ``mode`` from :func:`rule_shape`
+            (the lengths: a host read; under CUDA graph capture the block tables' capacities); a batch
+            the plain call cannot express (a shared level that ends mid-page) always runs the cascade. True: always
             the cascade. False: the plain paged call on the concatenated block tables (ValueError when
             a shared level ends mid-page).
         validate: check the levels' values on the host first (a device sync):
@@ -333,13 +353,18 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tens
             are checked; bad values (start locations, lengths past a table, segments that do not
             nest, a request with more queries than keys) give an undefined result.
         chunks: per-level chunk counts (default: :func:`plan_cascade`'s).
-        plan: the batch's :func:`plan_cascade` layout, made once ahead (as FlashInfer's ``plan``): the
-            call then only copies q per state, launches the prefill kernel and merges (planning is
-            some forty small torch operations). Given, the cascade runs (``use_cascade`` and ``chunks``
-            are ignored). A plan whose page size or level shapes differ from the call's is refused; one
-            made from other level values of the same shapes is not detected (its lengths are baked in).
+        plan: the batch's :func:`plan_cascade` layout, made once per step and given to every layer:
+            a layer then only copies q per state, runs the prefill kernel on the plan's jit plan (made
+            at the first layer's run: :func:`jitattn.plan`) and merges (planning is some forty small
+            torch operations). Given, the cascade runs (``use_cascade`` and ``chunks`` are ignored). A
+            plan whose page size or level shapes differ from the call's is refused; one made from other
+            level values of the same shapes is not detected (its lengths are baked in).
         attention: the paged-attention function to run the passes with (default: the jit kernels,
             :func:`jitattn.paged_attention`; :func:`jitattn.reference.paged_attention` runs it in torch).
+        out: optional contiguous ``(total_q, num_qo_heads, head_dim_vo)`` of ``spec.o_dtype`` on q's
+            device: written in place and returned.
+        mode: what :func:`cascade_pays` assumes ("eager" / "graph"; None: graph while the current
+            stream captures, else eager).
 
     Returns:
         ``out`` ``(total_q, num_qo_heads, head_dim_vo)`` in ``spec.o_dtype`` and, if asked, the lse.
@@ -352,61 +377,65 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tens
     """
     check_spec(spec, "cascade_attention(spec, q, kv_cache, levels, ...)")
     if spec.ragged or spec.explicit_positions:
-        _fail(f"spec: cascade attention takes a paged spec with implicit query positions, got "
-              f"kv_storage={spec.kv_storage!r}, query_positions={spec.query_positions!r}")
+        fail(f"spec: cascade attention takes a paged spec with implicit query positions, got "
+             f"kv_storage={spec.kv_storage!r}, query_positions={spec.query_positions!r}")
     v = spec.variant
     if v is not None and not v.softmax:
-        _fail(f"spec.variant={v.name!r} has no softmax: its levels' weighted sums have no lse to merge by")
+        fail(f"spec.variant={v.name!r} has no softmax: its levels' weighted sums have no lse to merge by")
     if v is not None and "output_transform" in v.cuda:
-        _fail(f"spec.variant={v.name!r} has an output_transform: it applies to the finished output, which a "
-              f"cascade only has after the merge; run the plain paged_attention")
+        fail(f"spec.variant={v.name!r} has an output_transform: it applies to the finished output, which a "
+             f"cascade only has after the merge; run the plain paged_attention")
     if v is not None and any(isinstance(v.cuda.get(h), str) and re.search(r"\b(qo_len|kv_len)\b", v.cuda[h])
                              for h in v.cuda):  # the names, not a parameter such as max_kv_len
-        _fail(f"spec.variant={v.name!r}: a CUDA hook reads qo_len / kv_len, which a cascade level does not know "
-              f"for the whole request; write it with positions only, or run the plain paged_attention")
+        fail(f"spec.variant={v.name!r}: a CUDA hook reads qo_len / kv_len, which a cascade level does not know "
+             f"for the whole request; write it with positions only, or run the plain paged_attention")
     check_flag("return_lse", return_lse)
     check_flag("validate", validate)
     if use_cascade is not None:
         check_flag("use_cascade", use_cascade)
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
-        _fail(f"q: expected a (total_q, num_qo_heads, head_dim_qk) tensor, got {type(q).__name__}"
-              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else ''}")
+        fail(f"q: expected a (total_q, num_qo_heads, head_dim_qk) tensor, got {type(q).__name__}"
+             f"{tuple(q.shape) if isinstance(q, torch.Tensor) else ''}")
     total_q = q.shape[0]
+    if out is not None:
+        check_out(spec, out, total_q, q.device)
     _check_levels(levels, q.device)
     if validate:
         if not isinstance(kv_cache, torch.Tensor):
-            _fail(f"kv_cache: expected a torch.Tensor, got {type(kv_cache).__name__}")
+            fail(f"kv_cache: expected a torch.Tensor, got {type(kv_cache).__name__}")
         check_level_values(spec, levels, total_q, kv_cache.shape[0])
     check_scales(spec, k_scale, v_scale)
-    if attention is None:
+    jit = attention is None  # the jit kernels: the cascade then runs through jitattn.plan / run
+    if jit:
         from jitattn.runtime import paged_attention as attention
+    mode = choose_mode(mode)
     # sinks are folded in after the merge (the passes get -inf ones): check them here, as the plain call does
-    _check_vector("sinks", sinks, spec.sinks, spec.num_qo_heads, q.device, "spec.sinks")
+    check_vector("sinks", sinks, spec.sinks, spec.num_qo_heads, q.device, "spec.sinks")
     shared = levels[:-1]
     num_requests = levels[-1].query_start_loc.shape[0] - 1
     check_params(spec, dict(params or {}), batch=num_requests, total_q=total_q, device=q.device)
     kw = dict(sinks=sinks, alibi_slopes=alibi_slopes, params=params, k_scale=k_scale, v_scale=v_scale)
     if plan is not None:
         if not isinstance(plan, CascadePlan):
-            _fail(f"plan: expected a CascadePlan from plan_cascade, got {type(plan).__name__}")
+            fail(f"plan: expected a CascadePlan from plan_cascade, got {type(plan).__name__}")
         if plan.layout and plan.layout != _layout(spec, levels):
-            _fail(f"plan: made for page_size and level shapes (block_table, query_start_loc) {plan.layout}, this call "
-                  f"has {_layout(spec, levels)}; plan this batch with plan_cascade(spec, levels, ...)")
-        return _cascade(spec, q, kv_cache, plan, total_q, attention, return_lse, kw)
+            fail(f"plan: made for page_size and level shapes (block_table, query_start_loc) {plan.layout}, this call "
+                 f"has {_layout(spec, levels)}; plan this batch with plan_cascade(spec, levels, ...)")
+        return _cascade(spec, q, kv_cache, plan, total_q, attention if not jit else None, return_lse, out, kw)
     forced_plain = use_cascade is False  # the rule's "no" below falls back to the cascade on a mid-page level
     if use_cascade is None:
-        use_cascade = bool(shared) and cascade_pays(*rule_shape(spec, levels, total_q))
+        use_cascade = bool(shared) and cascade_pays(*rule_shape(spec, levels, total_q), mode=mode)
     if not use_cascade or not shared:
         # whether every shared segment fills whole pages is a value (a host read, only on this path)
         aligned = all(bool((lv.kv_lens % spec.page_size == 0).all()) for lv in shared)
         if not aligned and forced_plain and shared:
-            _fail("use_cascade=False: a shared level ends mid-page (a kv_lens entry not a multiple of page_size="
-                  f"{spec.page_size}), so the requests' keys are not one page list each; use the cascade")
+            fail("use_cascade=False: a shared level ends mid-page (a kv_lens entry not a multiple of page_size="
+                 f"{spec.page_size}), so the requests' keys are not one page list each; use the cascade")
         if aligned:
-            return _plain(spec, q, kv_cache, levels, total_q, attention, return_lse, kw)
+            return _plain(spec, q, kv_cache, levels, total_q, attention, return_lse, out, kw)
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
-    plan = plan_cascade(spec, levels, total_q, num_sms=num_sms, chunks=chunks)
-    return _cascade(spec, q, kv_cache, plan, total_q, attention, return_lse, kw)
+    plan = plan_cascade(spec, levels, total_q, num_sms=num_sms, chunks=chunks, mode=mode)
+    return _cascade(spec, q, kv_cache, plan, total_q, attention if not jit else None, return_lse, out, kw)
 
 
 def plain_metadata(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: int
@@ -450,30 +479,56 @@ def rule_shape(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: int
     return per_segment, sum(values[:-1]), values[-1]
 
 
-def _plain(spec, q, kv_cache, levels, total_q, attention, return_lse, kw):
+def _plain(spec, q, kv_cache, levels, total_q, attention, return_lse, out, kw):
     """The un-split batch, one plain paged call."""
     table, seq_lens, qsl = plain_metadata(spec, levels, total_q)
-    return attention(spec, q, kv_cache, table, seq_lens, qsl, return_lse=return_lse, **kw)
+    res = attention(spec, q, kv_cache, table, seq_lens, qsl, return_lse=return_lse, **kw)
+    return _into(out, res, return_lse)
 
 
-def _cascade(spec, q, kv_cache, plan, total_q, attention, return_lse, kw):
+def _into(out, res, return_lse):
+    """``res`` with its output written into ``out`` when one is given."""
+    if out is None:
+        return res
+    out.copy_(res[0] if return_lse else res)
+    return (out, res[1]) if return_lse else out
+
+
+def _run_planned(espec, qq, kv_cache, plan, kw):
+    """The pseudo-batch on the jit kernels through the cascade plan's own jit plan (made once)."""
+    from jitattn import runtime
+
+    if plan.attention_plan is None:  # graph mode: the pseudo-batch's launches depend on shapes alone
+        plan.attention_plan = runtime.plan(espec, plan.block_table, plan.seq_lens, plan.query_start_loc,
+                                           total_q=qq.shape[0], query_positions=plan.query_positions,
+                                           functor_batch=plan.functor_batch, position_offset=plan.position_offset,
+                                           mode="graph")
+    return runtime.run(qq, kv_cache, plan.attention_plan, spec=espec, return_lse=True, **kw)
+
+
+def _cascade(spec, q, kv_cache, plan, total_q, attention, return_lse, out, kw):
+    """The planned cascade: q per state, one pass over every level's chunks, the merge (``attention``
+    None: the jit kernels through :func:`jitattn.run`)."""
     from jitattn.merge import merge_states
 
     if plan.query_positions.shape[0] != plan.num_states * total_q:
-        _fail(f"plan: made for {plan.query_positions.shape[0] // max(plan.num_states, 1)} query tokens, "
-              f"q has {total_q}")
+        fail(f"plan: made for {plan.query_positions.shape[0] // max(plan.num_states, 1)} query tokens, "
+             f"q has {total_q}")
     espec = explicit_twin(spec)
     sinks = kw.pop("sinks")
     if spec.sinks:  # sinks join the denominator once: after the merge, not in every level
         kw["sinks"] = torch.full_like(sinks, -math.inf)
     n = plan.num_states
     qq = q.unsqueeze(0).expand(n, *q.shape).reshape(n * total_q, *q.shape[1:])
-    out, lse = attention(espec, qq, kv_cache, plan.block_table, plan.seq_lens, plan.query_start_loc, return_lse=True,
-                         query_positions=plan.query_positions, functor_batch=plan.functor_batch,
-                         position_offset=plan.position_offset, **kw)
-    v = out.view(n, total_q, *out.shape[1:]).transpose(0, 1)
+    if attention is None:
+        states, lse = _run_planned(espec, qq, kv_cache, plan, kw)
+    else:
+        states, lse = attention(espec, qq, kv_cache, plan.block_table, plan.seq_lens, plan.query_start_loc,
+                                return_lse=True, query_positions=plan.query_positions,
+                                functor_batch=plan.functor_batch, position_offset=plan.position_offset, **kw)
+    v = states.view(n, total_q, *states.shape[1:]).transpose(0, 1)
     s = lse.view(n, total_q, lse.shape[1]).transpose(0, 1)
     merged, merged_lse = merge_states(v, s)
     if spec.sinks:
         merged, merged_lse = _fold_sinks(merged, merged_lse, sinks)
-    return (merged, merged_lse) if return_lse else merged
+    return _into(out, (merged, merged_lse) if return_lse else merged, return_lse)

@@ -12,15 +12,13 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, NoReturn
 
 import torch
 
+from jitattn.dtypes import TORCH_DTYPES as _TORCH_DTYPES
 from jitattn.spec import AttentionSpec
 from jitattn.variant import Param
-
-_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-                 "int32": torch.int32, "int64": torch.int64, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
@@ -33,24 +31,32 @@ class PagedCall:
     max_pages_per_seq: int
 
 
-def _fail(msg: str) -> None:
+def fail(msg: str) -> NoReturn:
+    """Raise the ValueError every check raises (one place, so a test or a caller can rely on the type)."""
     raise ValueError(msg)
 
 
-def _check_tensor(name: str, t: Any, *, dtype: torch.dtype, ndim: int, device: torch.device | None) -> None:
+def check_tensor(name: str, t: Any, *, dtype: torch.dtype, ndim: int, device: torch.device | None,
+                 device_of: str = "q") -> None:
+    """``t`` a tensor of ``dtype`` with ``ndim`` dims on ``device`` (None: any), ``device_of`` naming
+    where that device comes from.
+
+    Raises:
+        ValueError: naming ``name``, what was expected and what was given.
+    """
     if not isinstance(t, torch.Tensor):
-        _fail(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        fail(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype != dtype:
-        _fail(f"{name}: expected dtype {dtype}, got {t.dtype}")
+        fail(f"{name}: expected dtype {dtype}, got {t.dtype}")
     if t.dim() != ndim:
-        _fail(f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}")
+        fail(f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}")
     if device is not None and t.device != device:
-        _fail(f"{name}: expected device {device} (the device of q), got {t.device}")
+        fail(f"{name}: expected device {device} (the device of {device_of}), got {t.device}")
 
 
 def _check_dim(name: str, t: torch.Tensor, dim: int, expected: int, what: str) -> None:
     if t.shape[dim] != expected:
-        _fail(f"{name}: dim {dim} ({what}) must be {expected}, got {t.shape[dim]} (shape {tuple(t.shape)})")
+        fail(f"{name}: dim {dim} ({what}) must be {expected}, got {t.shape[dim]} (shape {tuple(t.shape)})")
 
 
 def kv_cache_shape(spec: AttentionSpec, num_pages: int) -> tuple[int, ...]:
@@ -64,14 +70,11 @@ def _check_extras(spec: AttentionSpec, q: torch.Tensor, sinks: torch.Tensor | No
                   alibi_slopes: torch.Tensor | None, params: Mapping[str, Any] | None, out: torch.Tensor | None,
                   batch: int, dev: torch.device) -> None:
     """The checks a paged and a ragged call share: sinks, ALiBi slopes, variant params and ``out``."""
-    _check_vector("sinks", sinks, spec.sinks, spec.num_qo_heads, dev, "spec.sinks")
-    _check_vector("alibi_slopes", alibi_slopes, spec.alibi, spec.num_qo_heads, dev, "spec.alibi", optional=True)
+    check_vector("sinks", sinks, spec.sinks, spec.num_qo_heads, dev, "spec.sinks")
+    check_vector("alibi_slopes", alibi_slopes, spec.alibi, spec.num_qo_heads, dev, "spec.alibi", optional=True)
     check_params(spec, params or {}, batch=batch, total_q=q.shape[0], device=dev)
     if out is not None:
-        _check_tensor("out", out, dtype=_TORCH_DTYPES[spec.o_dtype], ndim=3, device=dev)
-        if tuple(out.shape) != (q.shape[0], spec.num_qo_heads, spec.head_dim_vo) or not out.is_contiguous():
-            _fail(f"out: expected a contiguous ({q.shape[0]}, {spec.num_qo_heads}, {spec.head_dim_vo}) tensor, "
-                  f"got shape {tuple(out.shape)} strides {out.stride()}")
+        check_out(spec, out, q.shape[0], dev)
 
 
 def check_spec(spec: Any, call: str) -> AttentionSpec:
@@ -83,8 +86,8 @@ def check_spec(spec: Any, call: str) -> AttentionSpec:
     if not isinstance(spec, AttentionSpec):
         hint = {str: " (a JSON text becomes one through AttentionSpec.from_json)",
                 dict: " (a dict of fields becomes one through AttentionSpec(**fields))"}.get(type(spec), "")
-        _fail(f"spec: expected a jitattn.AttentionSpec, got {type(spec).__name__}{hint}; the spec comes first: "
-              f"{call}")
+        fail(f"spec: expected a jitattn.AttentionSpec, got {type(spec).__name__}{hint}; the spec comes first: "
+             f"{call}")
     return spec
 
 
@@ -101,35 +104,90 @@ def check_paged_call(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tenso
     Raises:
         ValueError: the first problem found, naming the tensor, the dimension and the expectation.
     """
+    check_paged_spec(spec)
+    check_paged_q(spec, q)
+    dev = q.device
+    check_kv_cache(spec, kv_cache, dev)
+    batch, max_pages = check_paged_metadata(spec, block_table, seq_lens, query_start_loc, dev)
+    _check_extras(spec, q, sinks, alibi_slopes, params, out, batch, dev)
+    if for_kernel:
+        if q.device.type != "cuda":
+            fail(f"q: the jit backend runs on CUDA devices, got {q.device}; use the reference backend on CPU")
+        check_q_layout(spec, q)
+        check_kv_cache_layout(spec, kv_cache)
+        check_metadata_layout(block_table, seq_lens, query_start_loc)
+    return PagedCall(batch=batch, total_q=q.shape[0], num_pages=kv_cache.shape[0], max_pages_per_seq=max_pages)
+
+
+def check_paged_spec(spec: Any) -> AttentionSpec:
+    """``spec`` an :class:`AttentionSpec` that reads the paged cache.
+
+    Raises:
+        ValueError: not a spec, or a ragged one (naming the call to use instead).
+    """
     check_spec(spec, "paged_attention(spec, q, kv_cache, block_table, seq_lens, query_start_loc, ...)")
     if spec.ragged:
-        _fail("spec.kv_storage='ragged': a ragged spec takes k, v and kv_start_loc (ragged_attention), "
-              "not a paged cache; build the spec with kv_storage='paged' for paged_attention")
-    dev = q.device if isinstance(q, torch.Tensor) else None
-    _check_tensor("q", q, dtype=_TORCH_DTYPES[spec.q_dtype], ndim=3, device=None)
+        fail("spec.kv_storage='ragged': a ragged spec takes k, v and kv_start_loc (ragged_attention), "
+             "not a paged cache; build the spec with kv_storage='paged' for paged_attention")
+    return spec
+
+
+def check_paged_q(spec: AttentionSpec, q: Any) -> None:
+    """``q`` ``(total_q, num_qo_heads, head_dim_qk)`` of ``spec.q_dtype`` (any device).
+
+    Raises:
+        ValueError: naming the dim, the value and the expectation.
+    """
+    check_tensor("q", q, dtype=_TORCH_DTYPES[spec.q_dtype], ndim=3, device=None)
     _check_dim("q", q, 1, spec.num_qo_heads, "num_qo_heads")
     _check_dim("q", q, 2, spec.head_dim_qk, "head_dim_qk")
-    _check_tensor("kv_cache", kv_cache, dtype=_TORCH_DTYPES[spec.kv_dtype], ndim=5, device=dev)
+
+
+def check_kv_cache(spec: AttentionSpec, kv_cache: Any, device: torch.device | None, device_of: str = "q") -> None:
+    """``kv_cache`` of ``spec.kv_dtype`` in the spec's layout (:func:`kv_cache_shape`), any page count.
+
+    Raises:
+        ValueError: naming the dim (page_size, num_kv_heads, ...), the value and the layout.
+    """
+    check_tensor("kv_cache", kv_cache, dtype=_TORCH_DTYPES[spec.kv_dtype], ndim=5, device=device, device_of=device_of)
     expected = kv_cache_shape(spec, kv_cache.shape[0])
     names = ("num_pages", "K/V", "page_size" if spec.kv_layout == "NHD" else "num_kv_heads",
              "num_kv_heads" if spec.kv_layout == "NHD" else "page_size", "head_dim")
     for d in range(1, 5):
         if kv_cache.shape[d] != expected[d]:
-            _fail(f"kv_cache: dim {d} ({names[d]}) must be {expected[d]} for {spec.kv_layout} layout "
-                  f"{expected[1:]} after num_pages, got shape {tuple(kv_cache.shape)}")
-    _check_tensor("query_start_loc", query_start_loc, dtype=torch.int32, ndim=1, device=dev)
+            fail(f"kv_cache: dim {d} ({names[d]}) must be {expected[d]} for {spec.kv_layout} layout "
+                 f"{expected[1:]} after num_pages, got shape {tuple(kv_cache.shape)}")
+
+
+def check_paged_metadata(spec: AttentionSpec, block_table: Any, seq_lens: Any, query_start_loc: Any,
+                         device: torch.device | None, device_of: str = "q") -> tuple[int, int]:
+    """The paged batch's metadata: int32 ``query_start_loc`` ``(batch + 1,)``, ``seq_lens`` ``(batch,)``,
+    ``block_table`` ``(batch, max_pages)`` on ``device``. Returns ``(batch, max_pages)``.
+
+    Raises:
+        ValueError: naming the tensor, the dim and the expectation.
+    """
+    check_tensor("query_start_loc", query_start_loc, dtype=torch.int32, ndim=1, device=device, device_of=device_of)
     batch = query_start_loc.shape[0] - 1
     if batch < 1:
-        _fail(f"query_start_loc: expected shape (batch + 1,) with batch >= 1, got {tuple(query_start_loc.shape)}")
-    _check_tensor("seq_lens", seq_lens, dtype=torch.int32, ndim=1, device=dev)
+        fail(f"query_start_loc: expected shape (batch + 1,) with batch >= 1, got {tuple(query_start_loc.shape)}")
+    check_tensor("seq_lens", seq_lens, dtype=torch.int32, ndim=1, device=device, device_of=device_of)
     _check_dim("seq_lens", seq_lens, 0, batch, "batch, from query_start_loc")
-    _check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=dev)
+    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=device, device_of=device_of)
     _check_dim("block_table", block_table, 0, batch, "batch, from query_start_loc")
-    _check_extras(spec, q, sinks, alibi_slopes, params, out, batch, dev)
-    if for_kernel:
-        _check_kernel_layout(spec, q, kv_cache, block_table, seq_lens, query_start_loc)
-    return PagedCall(batch=batch, total_q=q.shape[0], num_pages=kv_cache.shape[0],
-                     max_pages_per_seq=block_table.shape[1])
+    return batch, block_table.shape[1]
+
+
+def check_out(spec: AttentionSpec, out: Any, total_q: int, device: torch.device | None, device_of: str = "q") -> None:
+    """A preallocated output: contiguous ``(total_q, num_qo_heads, head_dim_vo)`` of ``spec.o_dtype``.
+
+    Raises:
+        ValueError: naming what differs.
+    """
+    check_tensor("out", out, dtype=_TORCH_DTYPES[spec.o_dtype], ndim=3, device=device, device_of=device_of)
+    if tuple(out.shape) != (total_q, spec.num_qo_heads, spec.head_dim_vo) or not out.is_contiguous():
+        fail(f"out: expected a contiguous ({total_q}, {spec.num_qo_heads}, {spec.head_dim_vo}) tensor, "
+             f"got shape {tuple(out.shape)} strides {out.stride()}")
 
 
 @dataclass(frozen=True)
@@ -157,47 +215,65 @@ def check_ragged_call(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: 
     """
     check_spec(spec, "ragged_attention(spec, q, k, v, query_start_loc, kv_start_loc, ...)")
     if not spec.ragged:
-        _fail(f"spec.kv_storage={spec.kv_storage!r}: ragged K/V need a spec with kv_storage='ragged' "
-              f"(a paged spec takes kv_cache / block_table / seq_lens: paged_attention)")
-    dev = q.device if isinstance(q, torch.Tensor) else None
-    _check_tensor("q", q, dtype=_TORCH_DTYPES[spec.q_dtype], ndim=3, device=None)
-    _check_dim("q", q, 1, spec.num_qo_heads, "num_qo_heads")
-    _check_dim("q", q, 2, spec.head_dim_qk, "head_dim_qk")
-    for name, t, dim, what in (("k", k, spec.head_dim_qk, "head_dim_qk"), ("v", v, spec.head_dim_vo, "head_dim_vo")):
-        _check_tensor(name, t, dtype=_TORCH_DTYPES[spec.kv_dtype], ndim=3, device=dev)
-        _check_dim(name, t, 1, spec.num_kv_heads, "num_kv_heads")
-        _check_dim(name, t, 2, dim, what)
-    if v.shape[0] != k.shape[0]:
-        _fail(f"v: dim 0 (total_kv) must equal k's, {k.shape[0]}, got shape {tuple(v.shape)}")
-    _check_tensor("query_start_loc", query_start_loc, dtype=torch.int32, ndim=1, device=dev)
+        fail(f"spec.kv_storage={spec.kv_storage!r}: ragged K/V need a spec with kv_storage='ragged' "
+             f"(a paged spec takes kv_cache / block_table / seq_lens: paged_attention)")
+    check_paged_q(spec, q)  # q's checks are the paged call's
+    dev = q.device
+    _check_ragged_kv(spec, k, v, dev)
+    check_tensor("query_start_loc", query_start_loc, dtype=torch.int32, ndim=1, device=dev)
     batch = query_start_loc.shape[0] - 1
     if batch < 1:
-        _fail(f"query_start_loc: expected shape (batch + 1,) with batch >= 1, got {tuple(query_start_loc.shape)}")
-    _check_tensor("kv_start_loc", kv_start_loc, dtype=torch.int32, ndim=1, device=dev)
+        fail(f"query_start_loc: expected shape (batch + 1,) with batch >= 1, got {tuple(query_start_loc.shape)}")
+    check_tensor("kv_start_loc", kv_start_loc, dtype=torch.int32, ndim=1, device=dev)
     _check_dim("kv_start_loc", kv_start_loc, 0, batch + 1, "batch + 1, from query_start_loc")
     _check_extras(spec, q, sinks, alibi_slopes, params, out, batch, dev)
     if for_kernel:
         if q.device.type != "cuda":
-            _fail(f"q: the jit backend runs on CUDA devices, got {q.device}; use the reference backend on CPU")
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            _check_rows_16b(name, t)
+            fail(f"q: the jit backend runs on CUDA devices, got {q.device}; use the reference backend on CPU")
+        _check_ragged_layout(q, k, v)
         for name, t in (("query_start_loc", query_start_loc), ("kv_start_loc", kv_start_loc)):
             if not t.is_contiguous():
-                _fail(f"{name}: must be contiguous")
-        if max(k.shape[0], q.shape[0]) >= 2 ** 31:
-            _fail(f"k / q: at most 2**31 - 1 tokens (int32 start locations), got {k.shape[0]} / {q.shape[0]}")
+                fail(f"{name}: must be contiguous")
     return RaggedCall(batch=batch, total_q=q.shape[0], total_kv=k.shape[0])
+
+
+def _check_ragged_kv(spec: AttentionSpec, k: Any, v: Any, dev: torch.device | None, device_of: str = "q") -> None:
+    for name, t, dim, what in (("k", k, spec.head_dim_qk, "head_dim_qk"), ("v", v, spec.head_dim_vo, "head_dim_vo")):
+        check_tensor(name, t, dtype=_TORCH_DTYPES[spec.kv_dtype], ndim=3, device=dev, device_of=device_of)
+        _check_dim(name, t, 1, spec.num_kv_heads, "num_kv_heads")
+        _check_dim(name, t, 2, dim, what)
+    if v.shape[0] != k.shape[0]:
+        fail(f"v: dim 0 (total_kv) must equal k's, {k.shape[0]}, got shape {tuple(v.shape)}")
+
+
+def _check_ragged_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_rows_16b(name, t)
+    if max(k.shape[0], q.shape[0]) >= 2 ** 31:
+        fail(f"k / q: at most 2**31 - 1 tokens (int32 start locations), got {k.shape[0]} / {q.shape[0]}")
+
+
+def check_ragged_tensors(spec: AttentionSpec, q: torch.Tensor, k: Any, v: Any, device: torch.device) -> None:
+    """A ragged run's k and v (``(total_kv, num_kv_heads, head_dim)``, the spec's KV dtype, on
+    ``device``) and what the kernel needs of q, k and v: contiguous last dims, 16-byte aligned rows.
+    (q's dtype and shape are the caller's to check.)
+
+    Raises:
+        ValueError: naming the tensor, the dim or stride and the expectation.
+    """
+    _check_ragged_kv(spec, k, v, device, device_of="the plan")
+    _check_ragged_layout(q, k, v)
 
 
 def _check_rows_16b(name: str, t: torch.Tensor) -> None:
     """A (tokens, heads, dim) tensor the kernels read by 16-byte copies: dim contiguous, rows 16-byte aligned."""
     per16 = 16 // t.element_size()
     if t.stride(2) != 1 and t.shape[2] > 1:
-        _fail(f"{name}: the last dim (head_dim) must be contiguous (stride 1), got strides {t.stride()}")
+        fail(f"{name}: the last dim (head_dim) must be contiguous (stride 1), got strides {t.stride()}")
     bad = [(d, t.stride(d)) for d in (0, 1) if t.shape[d] > 1 and (t.stride(d) % per16 or t.stride(d) < 0)]
     if bad or t.data_ptr() % 16:
-        _fail(f"{name}: token and head strides must be non-negative multiples of {per16} elements (16 bytes) and "
-              f"the data 16-byte aligned, got strides {t.stride()}, data_ptr % 16 = {t.data_ptr() % 16}; "
+        fail(f"{name}: token and head strides must be non-negative multiples of {per16} elements (16 bytes) and "
+             f"the data 16-byte aligned, got strides {t.stride()}, data_ptr % 16 = {t.data_ptr() % 16}; "
               f"pass {name}.contiguous()")
 
 
@@ -211,56 +287,80 @@ def check_ragged_metadata_values(seq_q: torch.Tensor, seq_kv: torch.Tensor, tota
     qsl, ksl = seq_q.tolist(), seq_kv.tolist()
     for name, loc, total in (("query_start_loc", qsl, total_q), ("kv_start_loc", ksl, total_kv)):
         if loc[0] != 0 or loc[-1] != total:
-            _fail(f"{name}: must start at 0 and end at {total} (rows of {'q' if name[0] == 'q' else 'k and v'}), "
-                  f"got {loc[0]} ... {loc[-1]}")
+            fail(f"{name}: must start at 0 and end at {total} (rows of {'q' if name[0] == 'q' else 'k and v'}), "
+                 f"got {loc[0]} ... {loc[-1]}")
         for b in range(len(loc) - 1):
             if loc[b + 1] < loc[b]:
-                _fail(f"{name}: decreases at sequence {b} ({loc[b]} -> {loc[b + 1]})")
+                fail(f"{name}: decreases at sequence {b} ({loc[b]} -> {loc[b + 1]})")
     for b in range(len(qsl) - 1):
         qo_len, kv_len = qsl[b + 1] - qsl[b], ksl[b + 1] - ksl[b]
         if qo_len > kv_len:
-            _fail(f"sequence {b}: {qo_len} queries but {kv_len} keys (kv_start_loc[{b + 1}] - kv_start_loc[{b}]); "
-                  f"the queries are the last tokens of the keys, so q_len <= kv_len")
+            fail(f"sequence {b}: {qo_len} queries but {kv_len} keys (kv_start_loc[{b + 1}] - kv_start_loc[{b}]); "
+                 f"the queries are the last tokens of the keys, so q_len <= kv_len")
 
 
-def _check_vector(name: str, t: torch.Tensor | None, wanted: bool, n: int, dev: torch.device | None, flag: str,
-                  optional: bool = False) -> None:
+def check_vector(name: str, t: torch.Tensor | None, wanted: bool, n: int, dev: torch.device | None, flag: str,
+                 optional: bool = False) -> None:
+    """A per-head float32 ``(n,)`` vector (``sinks``, ``alibi_slopes``): required when the spec's ``flag``
+    is set (unless ``optional``), refused when it is not.
+
+    Raises:
+        ValueError: naming the argument, the flag and what was given.
+    """
     if t is None:
         if wanted and not optional:
-            _fail(f"{name}: {flag}=True, so a float32 ({n},) tensor is required")
+            fail(f"{name}: {flag}=True, so a float32 ({n},) tensor is required")
         return
     if not wanted:
-        _fail(f"{name}: given, but {flag}=False; build the spec with {flag.split('.')[1]}=True or drop the argument")
-    _check_tensor(name, t, dtype=torch.float32, ndim=1, device=dev)
+        fail(f"{name}: given, but {flag}=False; build the spec with {flag.split('.')[1]}=True or drop the argument")
+    check_tensor(name, t, dtype=torch.float32, ndim=1, device=dev)
     _check_dim(name, t, 0, n, "num_qo_heads")
     if not t.is_contiguous():
-        _fail(f"{name}: must be contiguous")
+        fail(f"{name}: must be contiguous")
 
 
-def _check_kernel_layout(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> None:
-    if q.device.type != "cuda":
-        _fail(f"q: the jit backend runs on CUDA devices, got {q.device}; use the reference backend on CPU")
+def check_q_layout(spec: AttentionSpec, q: torch.Tensor) -> None:
+    """What the paged kernels need of q: heads and head_dim contiguous, each token's row 16-byte aligned.
+
+    Raises:
+        ValueError: naming the strides or the alignment.
+    """
     if q.stride(2) != 1 or q.stride(1) != spec.head_dim_qk:
-        _fail(f"q: heads and head_dim must be contiguous (strides (*, {spec.head_dim_qk}, 1)), got {q.stride()}")
+        fail(f"q: heads and head_dim must be contiguous (strides (*, {spec.head_dim_qk}, 1)), got {q.stride()}")
     if q.stride(0) % 8 or q.data_ptr() % 16:
-        _fail(f"q: each token's row must start 16-byte aligned (stride(0)={q.stride(0)} elements, "
-              f"data_ptr % 16 = {q.data_ptr() % 16}); pass q.contiguous()")
+        fail(f"q: each token's row must start 16-byte aligned (stride(0)={q.stride(0)} elements, "
+             f"data_ptr % 16 = {q.data_ptr() % 16}); pass q.contiguous()")
+
+
+def check_kv_cache_layout(spec: AttentionSpec, kv_cache: torch.Tensor) -> None:
+    """What the kernels need of the cache: contiguous pages (strided between pages), 16-byte aligned.
+
+    Raises:
+        ValueError: naming the strides or the alignment.
+    """
     inner = kv_cache_shape(spec, 1)[1:]
     want = tuple(math.prod(inner[i + 1:]) for i in range(len(inner)))
     got = kv_cache.stride()[1:]
     # The stride of a size-1 dim never moves an address, so torch may report anything there.
     if any(g != w for g, w, n in zip(got, want, inner) if n > 1):
-        _fail(f"kv_cache: dims 1-4 must be contiguous (strides {want}), got {got}; "
-              f"pages may be strided, nothing inside a page may")
+        fail(f"kv_cache: dims 1-4 must be contiguous (strides {want}), got {got}; "
+             f"pages may be strided, nothing inside a page may")
     if kv_cache.stride(0) % (16 // kv_cache.element_size()) or kv_cache.data_ptr() % 16:
-        _fail(f"kv_cache: pages must start 16-byte aligned (stride(0)={kv_cache.stride(0)} elements, "
-              f"data_ptr % 16 = {kv_cache.data_ptr() % 16})")
+        fail(f"kv_cache: pages must start 16-byte aligned (stride(0)={kv_cache.stride(0)} elements, "
+             f"data_ptr % 16 = {kv_cache.data_ptr() % 16})")
+
+
+def check_metadata_layout(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> None:
+    """What the kernels need of the metadata: contiguous block_table rows, contiguous vectors.
+
+    Raises:
+        ValueError: naming the tensor.
+    """
     if block_table.stride(1) != 1:
-        _fail(f"block_table: rows must be contiguous (stride(1) == 1), got strides {block_table.stride()}")
+        fail(f"block_table: rows must be contiguous (stride(1) == 1), got strides {block_table.stride()}")
     for name, t in (("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
         if not t.is_contiguous():
-            _fail(f"{name}: must be contiguous")
+            fail(f"{name}: must be contiguous")
 
 
 def check_positions(spec: AttentionSpec, query_positions: Any, functor_batch: Any, position_offset: Any, *,
@@ -277,17 +377,17 @@ def check_positions(spec: AttentionSpec, query_positions: Any, functor_batch: An
     if not spec.explicit_positions:
         for name, t in given.items():
             if t is not None:
-                _fail(f"{name}: given, but the spec has query_positions='implicit' (each sequence's queries are its "
-                      f"last qo_len positions); build the spec with query_positions='explicit' or drop the argument")
+                fail(f"{name}: given, but the spec has query_positions='implicit' (each sequence's queries are its "
+                     f"last qo_len positions); build the spec with query_positions='explicit' or drop the argument")
         return
     for name, t in given.items():
         n, what = (batch, "batch") if name == "position_offset" else (total_q, "total_q")
         if t is None:
-            _fail(f"{name}: the spec has query_positions='explicit', so an int32 ({what},) tensor is required")
-        _check_tensor(name, t, dtype=torch.int32, ndim=1, device=device)
+            fail(f"{name}: the spec has query_positions='explicit', so an int32 ({what},) tensor is required")
+        check_tensor(name, t, dtype=torch.int32, ndim=1, device=device)
         _check_dim(name, t, 0, n, what)
         if not t.is_contiguous():
-            _fail(f"{name}: must be contiguous")
+            fail(f"{name}: must be contiguous")
 
 
 def check_position_values(functor_batch: torch.Tensor, spec: AttentionSpec, params: Mapping[str, Any] | None) -> None:
@@ -303,7 +403,7 @@ def check_position_values(functor_batch: torch.Tensor, spec: AttentionSpec, para
         return
     if int(functor_batch.min()) < 0:
         i = int((functor_batch < 0).nonzero()[0, 0])
-        _fail(f"functor_batch[{i}]={int(functor_batch[i])}: expected a value >= 0")
+        fail(f"functor_batch[{i}]={int(functor_batch[i])}: expected a value >= 0")
     for p in spec.params:
         value = (params or {}).get(p.name)
         if p.is_scalar or not isinstance(value, torch.Tensor) or "batch" not in p.shape:
@@ -311,8 +411,8 @@ def check_position_values(functor_batch: torch.Tensor, spec: AttentionSpec, para
         d = p.shape.index("batch")
         if int(functor_batch.max()) >= value.shape[d]:
             i = int((functor_batch >= value.shape[d]).nonzero()[0, 0])
-            _fail(f"functor_batch[{i}]={int(functor_batch[i])}: the hooks read params[{p.name!r}] (dim {d}: batch, "
-                  f"size {value.shape[d]}) at it; expected a value < {value.shape[d]}")
+            fail(f"functor_batch[{i}]={int(functor_batch[i])}: the hooks read params[{p.name!r}] (dim {d}: batch, "
+                 f"size {value.shape[d]}) at it; expected a value < {value.shape[d]}")
 
 
 def check_flag(name: str, value: Any) -> bool:
@@ -324,7 +424,7 @@ def check_flag(name: str, value: Any) -> bool:
         ValueError: naming the argument and the value.
     """
     if type(value).__name__ not in ("bool", "bool_"):
-        _fail(f"{name}={value!r}: expected True or False")
+        fail(f"{name}={value!r}: expected True or False")
     return bool(value)
 
 
@@ -341,7 +441,7 @@ def check_max_query_len(value: Any) -> int | None:
         return None
     # isinstance only (no hasattr): torch.compile traces this with a SymInt when the value varies
     if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt, numbers.Integral)) or value < 0:
-        _fail(f"max_query_len={value!r}: expected None or an int >= 0 (the longest query count of the batch)")
+        fail(f"max_query_len={value!r}: expected None or an int >= 0 (the longest query count of the batch)")
     return value
 
 
@@ -352,7 +452,7 @@ def check_scale(name: str, value: Any) -> float:
         ValueError: naming the argument and the value (NaN, inf, <= 0, a bool or a tensor).
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        _fail(f"{name}={value!r}: expected a positive finite Python float (a tensor would need a sync)")
+        fail(f"{name}={value!r}: expected a positive finite Python float (a tensor would need a sync)")
     return float(value)
 
 
@@ -369,8 +469,8 @@ def check_scales(spec: AttentionSpec, k_scale: Any, v_scale: Any) -> tuple[float
     if spec.kv_dtype != "float8_e4m3fn":
         for name, value in zip(("k_scale", "v_scale"), scales):
             if value != 1.0:
-                _fail(f"{name}={value!r}: only an FP8 cache (kv_dtype='float8_e4m3fn') is dequantised by a scale; "
-                      f"spec.kv_dtype={spec.kv_dtype!r} holds K and V as they are, so {name} must be 1.0 "
+                fail(f"{name}={value!r}: only an FP8 cache (kv_dtype='float8_e4m3fn') is dequantised by a scale; "
+                     f"spec.kv_dtype={spec.kv_dtype!r} holds K and V as they are, so {name} must be 1.0 "
                       f"(drop the argument)")
     return scales
 
@@ -392,28 +492,28 @@ def check_params(spec: AttentionSpec, params: Mapping[str, Any], *, batch: int, 
     declared: dict[str, Param] = {p.name: p for p in spec.params}
     unknown = sorted(set(params) - set(declared))
     if unknown:
-        _fail(f"params: unknown names {unknown}; the variant declares {sorted(declared) or 'none'}")
+        fail(f"params: unknown names {unknown}; the variant declares {sorted(declared) or 'none'}")
     for name, p in declared.items():
         if name not in params:
-            _fail(f"params[{name!r}]: missing; the variant declares it as {p.dtype} shape {p.shape}")
+            fail(f"params[{name!r}]: missing; the variant declares it as {p.dtype} shape {p.shape}")
         value = params[name]
         if p.is_scalar:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             if p.dtype == "int32":
                 ok = ok and isinstance(value, int) and -(2 ** 31) <= value < 2 ** 31
             if not ok:
-                _fail(f"params[{name!r}]: expected a Python {'int in [-2**31, 2**31)' if p.dtype == 'int32' else 'float'}"
-                      f" scalar ({p.dtype}), got {value!r}")
+                fail(f"params[{name!r}]: expected a Python {'int in [-2**31, 2**31)' if p.dtype == 'int32' else 'float'}"
+                     f" scalar ({p.dtype}), got {value!r}")
             continue
-        _check_tensor(f"params[{name!r}]", value, dtype=_TORCH_DTYPES[p.dtype], ndim=len(p.shape), device=device)
+        check_tensor(f"params[{name!r}]", value, dtype=_TORCH_DTYPES[p.dtype], ndim=len(p.shape), device=device)
         for d, dim in enumerate(p.shape):
             want = _resolve_dim(dim, batch=batch, total_q=total_q, spec=spec)
             if spec.explicit_positions and dim in ("batch", "total_q"):
                 want = None  # hooks index them by functor_batch (a cascade's requests), not by this call's rows
             if want is not None and value.shape[d] != want:
-                _fail(f"params[{name!r}]: dim {d} ({dim}) must be {want}, got shape {tuple(value.shape)}")
+                fail(f"params[{name!r}]: dim {d} ({dim}) must be {want}, got shape {tuple(value.shape)}")
         if not value.is_contiguous():
-            _fail(f"params[{name!r}]: must be contiguous")
+            fail(f"params[{name!r}]: must be contiguous")
 
 
 def check_metadata_values(spec: AttentionSpec, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
@@ -429,20 +529,20 @@ def check_metadata_values(spec: AttentionSpec, seq_lens: torch.Tensor, query_sta
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
     if qsl[0] != 0 or qsl[-1] != total_q:
-        _fail(f"query_start_loc: must start at 0 and end at total_q={total_q}, got {qsl[0]} ... {qsl[-1]}")
+        fail(f"query_start_loc: must start at 0 and end at total_q={total_q}, got {qsl[0]} ... {qsl[-1]}")
     capacity = block_table.shape[1] * spec.page_size
     table = block_table.cpu()
     for b, kv_len in enumerate(lens):
         qo_len = qsl[b + 1] - qsl[b]
         if kv_len < 0:
-            _fail(f"seq_lens[{b}]={kv_len}: expected a KV length >= 0")
+            fail(f"seq_lens[{b}]={kv_len}: expected a KV length >= 0")
         if qo_len < 0:
-            _fail(f"query_start_loc: decreases at sequence {b} ({qsl[b]} -> {qsl[b + 1]})")
+            fail(f"query_start_loc: decreases at sequence {b} ({qsl[b]} -> {qsl[b + 1]})")
         if qo_len > kv_len and not spec.explicit_positions:
-            _fail(f"seq_lens[{b}]={kv_len} but the sequence brings {qo_len} queries; seq_lens counts new tokens too")
+            fail(f"seq_lens[{b}]={kv_len} but the sequence brings {qo_len} queries; seq_lens counts new tokens too")
         if kv_len > capacity:
-            _fail(f"seq_lens[{b}]={kv_len} exceeds block_table capacity {block_table.shape[1]} pages x "
-                  f"{spec.page_size} = {capacity}")
+            fail(f"seq_lens[{b}]={kv_len} exceeds block_table capacity {block_table.shape[1]} pages x "
+                 f"{spec.page_size} = {capacity}")
         used = table[b, : -(-kv_len // spec.page_size)]
         if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_pages):
-            _fail(f"block_table[{b}]: page ids must be in [0, {num_pages}), got {used.tolist()}")
+            fail(f"block_table[{b}]: page ids must be in [0, {num_pages}), got {used.tolist()}")

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from jitattn import merge_module as _mm
-from jitattn.runtime import LoadedOnce, _cuda_device
+from jitattn.runtime import LoadedOnce, cuda_device
 
 __all__ = ["merge_state", "merge_state_in_place", "merge_states"]
 
@@ -268,7 +268,7 @@ def load_merge_kernel(dtype: torch.dtype | str, device: torch.device | str | int
     name = _DTYPES.get(dtype) if isinstance(dtype, torch.dtype) else _mm.normalize_merge_dtype(dtype)
     if name is None:
         _fail(f"dtype={dtype}: expected torch.float16, torch.bfloat16 or torch.float32")
-    dev = _cuda_device(device)
+    dev = cuda_device(device)
     return _KERNELS.get((name, dev.index), lambda: MergeKernel(name, dev))
 
 

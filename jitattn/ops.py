@@ -13,7 +13,7 @@ Use :func:`paged_attention` (the Python wrapper); the raw op's schema is::
         float k_scale, float v_scale) -> (Tensor out, Tensor lse)
 
 - ``spec_json``: the spec's canonical JSON (:attr:`AttentionSpec.canonical_text`). The op finds
-  the spec object by it (:func:`register_spec`, else :func:`jitattn.spec.live_spec`), so a
+  the spec object by it (:func:`jitattn.spec.live_spec`; :func:`register_spec` keeps one alive), so a
   variant's torch functors, which JSON does not carry, reach the torch backends; an unknown text
   is parsed with :meth:`AttentionSpec.from_json`.
 - ``backend``: a registered backend name; the wrapper asks the selector once per (spec, device,
@@ -36,31 +36,31 @@ import torch
 
 from jitattn.backends import DeviceInfo, get_backend
 from jitattn.checks import check_flag, check_max_query_len, check_scales, check_spec
-from jitattn.reference import torch_dtype
+from jitattn.dtypes import torch_dtype
 from jitattn.selector import build_cached, select_cached
 from jitattn.spec import AttentionSpec, live_spec
 
-_specs: dict[str, AttentionSpec] = {}
+# The one registry of live specs is jitattn.spec's (by canonical text, held weakly); the op keeps the
+# specs it was handed alive here, so a compiled graph's text still finds its spec (and torch functors).
+_kept: dict[int, AttentionSpec] = {}
 _lock = threading.Lock()
 
 
-def register_spec(spec: AttentionSpec) -> str:
-    """Remember ``spec`` (with its variant's torch functors) under its canonical JSON; return that text."""
-    text = spec.canonical_json()
+def _keep(spec: AttentionSpec) -> AttentionSpec:
     with _lock:
-        _specs.setdefault(text, spec)
-    return text
+        return _kept.setdefault(id(spec), spec)
+
+
+def register_spec(spec: AttentionSpec) -> str:
+    """Keep ``spec`` (with its variant's torch functors) alive, findable by its canonical JSON; return that text."""
+    _keep(spec)
+    return spec.canonical_text
 
 
 def spec_from_json(text: str) -> AttentionSpec:
-    """The spec for ``text``: registered, else live (:func:`jitattn.spec.live_spec`), else parsed."""
-    with _lock:
-        spec = _specs.get(text)
-    if spec is None:
-        spec = live_spec(text) or AttentionSpec.from_json(text)
-        with _lock:
-            spec = _specs.setdefault(text, spec)
-    return spec
+    """The spec for ``text``: the live one (:func:`jitattn.spec.live_spec`), else parsed (and kept)."""
+    spec = live_spec(text)
+    return spec if spec is not None else _keep(AttentionSpec.from_json(text))
 
 
 @torch.library.custom_op("jitattn::paged_attention", mutates_args=())

@@ -21,23 +21,10 @@ import torch
 
 from jitattn.checks import (check_flag, check_metadata_values, check_paged_call, check_position_values,
                             check_positions, check_ragged_call, check_ragged_metadata_values, check_scales, check_spec)
+from jitattn.dtypes import default_alibi_slopes, torch_dtype  # noqa: F401 (torch_dtype: also re-exported)
 from jitattn.spec import AttentionSpec
 from jitattn.trace import ParamView
-from jitattn.variant import alibi_slopes as _alibi_slopes
 from jitattn.variant import builtin_transforms, structural_mask
-
-_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-                 "float8_e4m3fn": torch.float8_e4m3fn}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype for a spec dtype name (``"bfloat16"`` -> ``torch.bfloat16``)."""
-    return _TORCH_DTYPES[name]
-
-
-def default_alibi_slopes(spec: AttentionSpec, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Standard ALiBi slopes for ``spec.num_qo_heads`` heads: float32 ``(num_qo_heads,)``."""
-    return torch.tensor(_alibi_slopes(spec.num_qo_heads), dtype=torch.float32, device=device)
 
 
 def gather_kv(spec: AttentionSpec, kv_cache: torch.Tensor, block_table: torch.Tensor, b: int,

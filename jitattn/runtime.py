@@ -2,64 +2,56 @@
 
 No C++ extension and no torch ABI coupling: the cubin is loaded through the CUDA driver API
 (``cuModuleLoadData``, bound with ctypes in :mod:`jitattn.cuda_driver`) into the primary context
-torch uses, the kernel arguments travel as one packed struct (layout from :mod:`jitattn.render`), and launches go to ``torch.cuda.current_stream()``'s raw handle, so they
-order with torch's own work and can be captured in CUDA graphs. Launch geometry (block sizes, shared memory,
-tile shapes) is read from the cubin itself, never re-derived in Python.
+torch uses, the kernel arguments travel as one packed struct (layout from :mod:`jitattn.render`), and
+launches go to the raw handle of torch's current stream, so they order with torch's own work and can
+be captured in CUDA graphs. Launch geometry (block sizes, shared memory, tile shapes) is read from
+the cubin itself, never re-derived in Python.
 
-One call of :meth:`JitKernel.paged_attention` serves a mixed batch: sequences that bring one query
-go to the decode kernel (split-KV when the batch cannot fill the GPU), the rest to the prefill
-kernel, from the same ``query_start_loc`` / ``seq_lens`` metadata. The two kernels write disjoint
-rows, so the decode kernel runs on a side stream forked from the caller's and joined back before the
-call returns: the prefill blocks take each SM the memory-bound decode leaves instead of waiting for
-its last wave. A ragged spec
-(``kv_storage="ragged"``) has only the prefill kernel: :meth:`JitKernel.ragged_attention` launches
-it once for every row of the batch, one-query rows included.
+An engine calls it in two steps (:mod:`jitattn.planning` holds the machinery):
+
+- :func:`plan` once per step: the batch's metadata checked, the kernels and the split-KV factor
+  chosen, the scratch allocated, the ``Params`` struct packed except the per-layer fields;
+- :func:`run` once per layer: q, the cache and ``out`` checked against the plan, their pointers
+  written into the packed bytes, the launches.
+
+:func:`paged_attention` and :func:`ragged_attention` are the one-call form (a plan made and run for
+the one call, reading nothing on the host). A mixed batch's sequences that bring one query go to the
+decode kernel (split-KV when the batch cannot fill the GPU), the rest to the prefill kernel, from
+the same ``query_start_loc`` / ``seq_lens`` metadata; the two kernels write disjoint rows, so the
+decode kernel runs on a side stream forked from the caller's and joined back before the call
+returns. A ragged spec (``kv_storage="ragged"``) has only the prefill kernel, launched once for
+every row of the batch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
-import struct
 import threading
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from jitattn import cuda_driver
 from jitattn.build import archs_for_capability
 from jitattn.cache import CacheEntry, KernelCache
-from jitattn.checks import (check_flag, check_max_query_len, check_metadata_values, check_paged_call,
-                            check_position_values, check_positions, check_ragged_call, check_ragged_metadata_values,
-                            check_scales)
-from jitattn.reference import default_alibi_slopes, torch_dtype
-from jitattn.render import KERNEL_NAMES, params_fields, params_layout
+from jitattn.checks import check_kv_cache, check_paged_q, check_spec, fail
+from jitattn.constants import template_constant
+from jitattn.dtypes import default_alibi_slopes
+from jitattn.planning import (ParamsLayout, Plan, SpecPlan, capturing, make_paged_plan,  # noqa: F401
+                              make_ragged_plan, params_packer)
+from jitattn.render import KERNEL_NAMES
 from jitattn.spec import AttentionSpec
 
 _GEOMETRY = ("decode_threads", "decode_smem", "decode_tile_keys", "prefill_threads", "prefill_smem",
              "prefill_block_m", "prefill_block_n", "params_size")
-MAX_SPLITS = 64  # kMaxSplits in templates/decode.cuh
+#: Most partial states the fused split-KV merge takes (the templates' kMaxSplits).
+MAX_SPLITS = template_constant("kMaxSplits")
 _DEFAULT_SMEM_LIMIT = 48 * 1024
 # A call that may hold prefill rows runs its decode kernel on a side stream beside the prefill kernel
 # (JitKernel.mixed_on_two_streams; False: both on the caller's stream, one after the other).
 MIXED_ON_TWO_STREAMS = True
-
-
-_STRUCT_CODE = {"ptr": "Q", "i64": "q", "i32": "i", "f32": "f"}
-
-
-def params_packer(spec: AttentionSpec) -> tuple[struct.Struct, tuple[str, ...]]:
-    """A ``struct.Struct`` that packs the ``Params`` fields (in their order) into the kernel's bytes."""
-    placed, size = params_layout(params_fields(spec))
-    fmt, pos = "<", 0
-    for f, off in placed:
-        fmt += "x" * (off - pos) + _STRUCT_CODE[f.kind]
-        pos = off + f.size
-    fmt += "x" * (size - pos)
-    return struct.Struct(fmt), tuple(f.name for f, _ in placed)
-
 
 def select_entry(spec: AttentionSpec, capability: tuple[int, int], cache: KernelCache | None = None) -> CacheEntry:
     """The cache entry to run on a device of this compute capability, compiling it if allowed.
@@ -197,24 +189,6 @@ def choose_num_splits(blocks: int, slots: int, max_useful: int, *, min_wave_fill
     return s
 
 
-def _capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _validating(validate: Any) -> bool:
-    """``validate`` checked (a bool), and refused under CUDA graph capture, which forbids its host reads.
-
-    Raises:
-        ValueError: not a bool; True while the current stream captures a graph.
-    """
-    if check_flag("validate", validate) and _capturing():
-        raise ValueError("validate=True: the metadata checks read the values on the host (a device sync), which "
-                         "CUDA graph capture does not allow; check the batch outside the capture and pass "
-                         "validate=False inside it")
-    return bool(validate)
-
-
 class JitKernel:
     """The compiled kernels of one spec, loaded on one CUDA device.
 
@@ -229,34 +203,59 @@ class JitKernel:
     """
 
     def __init__(self, spec: AttentionSpec, device: torch.device | str | int | None = None):
-        self.spec = spec
-        self.device = _cuda_device(device)
-        self.entry = select_entry(spec, torch.cuda.get_device_capability(self.device))
+        device = cuda_device(device)
+        self.entry = select_entry(spec, torch.cuda.get_device_capability(device))
         # A ragged spec's module holds only the prefill kernel (attention.cu.j2 builds no decode for it).
         wanted = ("decode", "merge", "prefill") if spec.has_decode else ("prefill",)
         kernels = {k: v for k, v in KERNEL_NAMES.items() if k in wanted}
-        self._module = CubinModule(str(self.entry.cubin), self.device.index, kernels,
-                                   sha256=self.entry.manifest["artifacts"].get(self.entry.cubin.name))
-        raw = self._module.read_global_int32(KERNEL_NAMES["geometry"], len(_GEOMETRY))
-        self.geometry = dict(zip(_GEOMETRY, raw))
-        self._packer, self._field_order = params_packer(spec)
-        if self.geometry["params_size"] != self._packer.size:
-            raise RuntimeError(f"{self.entry.cubin}: Params is {self.geometry['params_size']} bytes in the cubin but "
-                               f"{self._packer.size} on the host; the cache entry is stale: `jitattn cache clear --yes` "
+        module = CubinModule(str(self.entry.cubin), device.index, kernels,
+                             sha256=self.entry.manifest["artifacts"].get(self.entry.cubin.name))
+        geometry = dict(zip(_GEOMETRY, module.read_global_int32(KERNEL_NAMES["geometry"], len(_GEOMETRY))))
+        layout = ParamsLayout(spec)
+        if geometry["params_size"] != layout.size:
+            raise RuntimeError(f"{self.entry.cubin}: Params is {geometry['params_size']} bytes in the cubin but "
+                               f"{layout.size} on the host; the cache entry is stale: `jitattn cache clear --yes` "
                                f"(or `jitattn cache prune`) and warm up again")
         for name in ("decode", "prefill"):
-            smem = self.geometry[f"{name}_smem"]
+            smem = geometry[f"{name}_smem"]
             if name in kernels and smem > _DEFAULT_SMEM_LIMIT:
-                self._module.set_max_dynamic_smem(name, smem)
-        self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self._decode_blocks_per_sm = 0 if not spec.has_decode else self._module.blocks_per_sm(
-            "decode", self.geometry["decode_threads"], self.geometry["decode_smem"])
-        self._default_slopes = default_alibi_slopes(spec, self.device) if spec.alibi else None
+                module.set_max_dynamic_smem(name, smem)
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        per_sm = module.blocks_per_sm("decode", geometry["decode_threads"], geometry["decode_smem"]) \
+            if spec.has_decode else 0
+        self._setup(spec, device, module, geometry, num_sms, per_sm, _stream_handle(device))
+
+    @classmethod
+    def from_module(cls, spec: AttentionSpec, module: Any, geometry: Mapping[str, int], *, device: torch.device,
+                    num_sms: int, decode_blocks_per_sm: int, stream_handle: Callable[[], int]) -> "JitKernel":
+        """A kernel over any module with ``launch(kernel, grid, block, smem, params, stream)``: the launch
+        boundary, injectable (the CPU tests record launches from a module with a fixed ``geometry``).
+
+        ``geometry``: the cubin's launch geometry (keys of ``_GEOMETRY`` but ``params_size``);
+        ``stream_handle()``: the raw handle of the stream to launch on.
+        """
+        kernel = object.__new__(cls)
+        kernel.entry = None
+        kernel._setup(spec, torch.device(device), module, {**geometry, "params_size": ParamsLayout(spec).size},
+                      num_sms, decode_blocks_per_sm, stream_handle)
+        return kernel
+
+    def _setup(self, spec: AttentionSpec, device: torch.device, module: Any, geometry: Mapping[str, int],
+               num_sms: int, decode_blocks_per_sm: int, stream_handle: Callable[[], int]) -> None:
+        self.spec, self.device, self._module, self.geometry = spec, device, module, dict(geometry)
+        self.layout = ParamsLayout(spec)
+        self._num_sms, self._decode_blocks_per_sm = num_sms, decode_blocks_per_sm
+        self.stream_handle = stream_handle
+        self.launch = module.launch  # (kernel, grid, block, smem, params, stream): the boundary
+        # the spec's default ALiBi slopes, made once: no copy per call, safe under graph capture
+        self.default_slopes = default_alibi_slopes(spec, device) if spec.alibi else None
         self._split_counters: dict[int, torch.Tensor] = {}  # stream handle -> fused-merge counters
         self._retired_counters: list[torch.Tensor] = []  # outgrown buffers that captured graphs may still use
         self._unzeroed_counters: set[int] = set()  # streams whose buffer was made under capture, not yet zeroed
         self._side_streams: dict[int, torch.cuda.Stream] = {}  # caller's stream handle -> its decode stream
         self.mixed_on_two_streams = MIXED_ON_TWO_STREAMS
+        self._num_splits: dict[tuple[int, int], int] = {}  # (batch, max keys) -> split factor, made once
+        self._last_plans: dict[int, tuple[tuple, Any]] = {}  # stream handle -> (metadata key, its one-call plan)
 
     def max_decode_keys(self, max_pages_per_seq: int) -> int:
         """Most keys one decode row can read: the page table's capacity, or the window if smaller."""
@@ -267,11 +266,15 @@ class JitKernel:
         """Split-KV factor of a decode launch (:func:`choose_num_splits` for this kernel's geometry).
 
         Depends only on shapes, so a captured CUDA graph stays valid for any sequence lengths.
+        (``kMaxSplits`` caps it: :data:`MAX_SPLITS`, read from the templates.)
         """
-        blocks = batch * self.spec.num_kv_heads
-        slots = self._num_sms * self._decode_blocks_per_sm
-        max_useful = max(1, max_kv_len // (4 * self.geometry["decode_tile_keys"]))
-        return choose_num_splits(blocks, slots, max_useful)
+        found = self._num_splits.get((batch, max_kv_len))
+        if found is None:
+            blocks = batch * self.spec.num_kv_heads
+            slots = self._num_sms * self._decode_blocks_per_sm
+            max_useful = max(1, max_kv_len // (4 * self.geometry["decode_tile_keys"]))
+            found = self._num_splits[(batch, max_kv_len)] = choose_num_splits(blocks, slots, max_useful)
+        return found
 
     def split_counters(self, pairs: int) -> torch.Tensor:
         """Zeroed int32 counters of the fused split-KV merge, at least one per (sequence, kv head).
@@ -288,50 +291,69 @@ class JitKernel:
         use: eagerly (then it is known zero) or, in another capture, recorded into that graph too (a
         graph captured later may replay first).
         """
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        capturing = _capturing()
+        stream = self.stream_handle()
+        now_capturing = capturing()
         buf = self._split_counters.get(stream)
         if buf is None or buf.numel() < pairs:
             if buf is not None:
                 self._retired_counters.append(buf)
             buf = torch.zeros(max(pairs, 1024), dtype=torch.int32, device=self.device)
             self._split_counters[stream] = buf
-            if capturing:
+            if now_capturing:
                 self._unzeroed_counters.add(stream)
             else:
                 self._unzeroed_counters.discard(stream)
         elif stream in self._unzeroed_counters:
             buf.zero_()
-            if not capturing:
+            if not now_capturing:
                 self._unzeroed_counters.discard(stream)
         return buf
 
-    def side_stream(self) -> torch.cuda.Stream:
+    def side_stream(self, main: int | None = None) -> torch.cuda.Stream:
         """The stream a mixed batch's decode kernel runs on beside the caller's (one per caller stream).
 
         High priority, so the decode blocks are dispatched before the prefill blocks waiting beside
         them; the prefill kernel then fills each SM the decode leaves (see ``paged_attention``).
         """
-        main = torch.cuda.current_stream(self.device).cuda_stream
+        if main is None:  # the caller's stream handle, unless the caller has it already
+            main = torch.cuda.current_stream(self.device).cuda_stream
         side = self._side_streams.get(main)
         if side is None:
             side = torch.cuda.Stream(self.device, priority=-1)  # lower is higher
             self._side_streams[main] = side
         return side
 
-    def _launch(self, name: str, grid: tuple[int, int, int], block: int, smem: int, args: bytes) -> None:
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        self._module.launch(name, grid, block, smem, args, stream)
+    # ---- plan / run ---------------------------------------------------------------------------------
+    def plan(self, block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
+             also: Sequence[AttentionSpec] = (), total_q: int | None = None, max_query_len: int | None = None,
+             num_pages: int | None = None, query_positions: torch.Tensor | None = None,
+             functor_batch: torch.Tensor | None = None, position_offset: torch.Tensor | None = None,
+             mode: str | None = None, validate: bool = False, shared_scratch: bool = False) -> Plan:
+        """:func:`jitattn.plan` for this kernel's spec (and the specs in ``also``, loaded on its device)."""
+        if self.spec.ragged:
+            fail("spec.kv_storage='ragged': this kernel reads ragged K/V; plan it with "
+                 "plan_ragged(spec, query_start_loc, kv_start_loc, ...)")
+        return make_paged_plan(self._loader(), (self.spec, *also), self.device, block_table, seq_lens,
+                               query_start_loc, total_q=total_q, max_query_len=max_query_len, num_pages=num_pages,
+                               query_positions=query_positions, functor_batch=functor_batch,
+                               position_offset=position_offset, mode=mode, validate=validate,
+                               shared_scratch=shared_scratch)
 
-    def _launch_prefill(self, total_q: int, batch: int, args: bytes) -> None:
-        """The prefill kernel over ``total_q`` query rows of ``batch`` sequences: one block per (m-tile, kv
-        head), the grid an upper bound on the tiles (each sequence may start a partial tile; blocks past
-        the work exit at once, prefill_find_tile)."""
-        g = self.geometry
-        tiles = math.ceil(total_q * self.spec.group_size / g["prefill_block_m"]) + batch
-        self._launch("prefill", (tiles, self.spec.num_kv_heads, 1), g["prefill_threads"], g["prefill_smem"], args)
+    def plan_ragged(self, query_start_loc: torch.Tensor, kv_start_loc: torch.Tensor, *,
+                    also: Sequence[AttentionSpec] = (), total_q: int | None = None, total_kv: int | None = None,
+                    mode: str | None = None, validate: bool = False) -> Plan:
+        """:func:`jitattn.plan_ragged` for this kernel's spec (and the specs in ``also``)."""
+        if not self.spec.ragged:
+            fail(f"spec.kv_storage={self.spec.kv_storage!r}: this kernel reads the paged cache; plan it with "
+                 f"plan(spec, block_table, seq_lens, query_start_loc, ...)")
+        return make_ragged_plan(self._loader(), (self.spec, *also), self.device, query_start_loc, kv_start_loc,
+                                total_q=total_q, total_kv=total_kv, mode=mode, validate=validate)
 
-    # ---- the call ---------------------------------------------------------------------------------
+    def _loader(self) -> Callable[[AttentionSpec], Any]:
+        """How a plan finds the kernel of each spec it runs: this one, or the loaded one on this device."""
+        return lambda spec: self if spec is self.spec or spec == self.spec else load_kernel(spec, self.device)
+
+    # ---- the one call ---------------------------------------------------------------------------------
     def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, sinks: torch.Tensor | None = None,
                         alibi_slopes: torch.Tensor | None = None, params: Mapping[str, Any] | None = None,
@@ -342,9 +364,14 @@ class JitKernel:
                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention over the paged KV cache; same contract as :func:`jitattn.reference.paged_attention`.
 
+        A graph-mode plan (nothing read on the host) and its run: the stream's last plan when the
+        metadata tensors are the ones of the last call (addresses, shapes, strides), so the layers of
+        a step plan once; an engine can also make the plan itself (:meth:`plan`, :func:`run`).
+
         Args:
             max_query_len: optional host-side hint; ``1`` promises a pure decode batch (only the decode
-                kernel is launched; a sequence with another query count is then left unwritten).
+                kernel is launched; a sequence with another query count is then left unwritten);
+                without it both kernels are launched.
             validate: also check the metadata values and the ``max_query_len`` promise (a device sync;
                 not under graph capture).
             k_scale, v_scale: per-tensor dequantisation scales of an FP8 cache (Python floats, so no
@@ -364,114 +391,43 @@ class JitKernel:
         """
         spec = self.spec
         if spec.ragged:
-            raise ValueError("spec.kv_storage='ragged': this kernel reads ragged K/V; call "
-                             "ragged_attention(q, k, v, query_start_loc, kv_start_loc, ...)")
-        params = dict(params or {})
-        call = check_paged_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc, sinks=sinks,
-                                alibi_slopes=alibi_slopes, params=params, out=out, for_kernel=True)
-        self._check_device(q)
-        check_positions(spec, query_positions, functor_batch, position_offset, total_q=call.total_q,
-                        batch=call.batch, device=q.device)
-        max_query_len = check_max_query_len(max_query_len)
-        if _validating(validate):
-            check_metadata_values(spec, seq_lens, query_start_loc, block_table, call.num_pages, call.total_q)
-            if spec.explicit_positions:
-                check_position_values(functor_batch, spec, params)
-            if max_query_len is not None:
-                longest = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if call.batch else 0
-                if longest > max_query_len:
-                    raise ValueError(f"max_query_len={max_query_len}: a sequence brings {longest} queries; "
-                                     f"pass the longest query count (or None)")
-        scales = check_scales(spec, k_scale, v_scale)  # 1.0 unless the cache is FP8
-        total_q, batch = call.total_q, call.batch
-        alibi_slopes, out, lse = self._outputs(q, total_q, alibi_slopes, return_lse, out)
-        if total_q == 0:
-            return (out, lse) if return_lse else out
-        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-        fields = {
-            "q": ptr(q), "kv_cache": ptr(kv_cache), "o": ptr(out), "lse": ptr(lse),
-            "block_table": ptr(block_table), "seq_lens": ptr(seq_lens), "query_start_loc": ptr(query_start_loc),
-            "sinks": ptr(sinks), "alibi_slopes": ptr(alibi_slopes),
-            "q_stride_token": q.stride(0), "q_stride_head": q.stride(1),
-            "kv_stride_page": kv_cache.stride(0), "kv_stride_kv": kv_cache.stride(1),
-            "block_table_stride": block_table.stride(0), "batch_size": batch, "total_q": total_q,
-            "num_pages": call.num_pages, "k_scale": scales[0], "v_scale": scales[1],
-        }
-        if spec.explicit_positions:  # the prefill kernel serves every row (no decode kernel is built)
-            args = self._pack(params, {**fields, "query_positions": ptr(query_positions),
-                                       "functor_batch": ptr(functor_batch), "position_offset": ptr(position_offset),
-                                       "num_splits": 1, "prefill_skip_decode_rows": 0})
-            self._launch_prefill(total_q, batch, args)
-            return (out, lse) if return_lse else out
-        splits = self.num_splits(batch, self.max_decode_keys(call.max_pages_per_seq))
-        decode_only = max_query_len == 1
-        main = torch.cuda.current_stream(self.device)
-        # A batch that may hold prefill rows launches both kernels; they write disjoint rows of out / lse
-        # and share no scratch, so the decode runs on a side stream, forked from and joined back into
-        # the caller's (a fork / join that CUDA graph capture records as two branches).
-        side = None if decode_only or not self.mixed_on_two_streams else self.side_stream()
-        if side is not None:
-            side.wait_stream(main)
-        try:
-            g = self.geometry
-            # the split scratch belongs to the stream that uses it (no stream switch on one stream: the hot
-            # decode-only path pays nothing for the fork)
-            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                partial_o = partial_lse = counters = None
-                if splits > 1:
-                    counters = self.split_counters(batch * spec.num_kv_heads)
-                    partial_o = torch.empty(splits, batch, spec.num_qo_heads, spec.head_dim_vo, dtype=torch.float32,
-                                            device=q.device)
-                    partial_lse = torch.empty(splits, batch, spec.num_qo_heads, dtype=torch.float32, device=q.device)
-                args = self._pack(params, {**fields, "partial_o": ptr(partial_o), "partial_lse": ptr(partial_lse),
-                                           "split_counters": ptr(counters), "num_splits": splits,
-                                           "prefill_skip_decode_rows": 1})
-                # With split_counters set, the last split of each (sequence, kv head) merges the partials
-                # (merge_splits_last_block): no merge launch.
-                self._launch("decode", (splits, spec.num_kv_heads, batch), g["decode_threads"], g["decode_smem"], args)
-            if not decode_only:
-                self._launch_prefill(total_q, batch, args)
-        finally:  # joined even when a launch raises: the caller's stream must not run ahead of the
-            # decode kernel already queued, and a CUDA graph capture must not end with a fork unjoined
-            if side is not None:
-                main.wait_stream(side)
-        return (out, lse) if return_lse else out
+            fail("spec.kv_storage='ragged': this kernel reads ragged K/V; call "
+                 "ragged_attention(q, k, v, query_start_loc, kv_start_loc, ...)")
+        part = self._one_call_plan(q, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, validate,
+                                   (query_positions, functor_batch, position_offset))
+        return part.run(q, kv_cache, out=out, return_lse=return_lse, sinks=sinks, alibi_slopes=alibi_slopes,
+                        params=params, k_scale=k_scale, v_scale=v_scale)
 
-    def _check_device(self, q: torch.Tensor) -> None:
-        if q.device != self.device:
-            raise ValueError(f"q: on {q.device}, but this kernel was loaded on {self.device}")
+    def _one_call_plan(self, q: Any, kv_cache: Any, block_table: Any, seq_lens: Any, query_start_loc: Any,
+                       max_query_len: Any, validate: Any, positions: tuple) -> SpecPlan:
+        """The graph-mode plan of a one-call: the stream's last one when the call's metadata is the same
+        (same tensors: addresses, shapes, strides, dtypes; same sizes and hint), else a new one.
 
-    def _outputs(self, q: torch.Tensor, total_q: int, alibi_slopes: torch.Tensor | None, return_lse: bool,
-                 out: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-        """What the paged and the ragged call share once their inputs are checked: the ALiBi slopes
-        (the spec's defaults, built once: no copy per call, safe under graph capture), ``out`` (given or
-        new, ``(total_q, num_qo_heads, head_dim_vo)``) and the float32 lse ``(total_q, num_qo_heads)``
-        when asked for.
-
-        Raises:
-            ValueError: ``return_lse`` for a variant without softmax (there is no lse).
+        A graph-mode plan depends on nothing else (it reads no value), so the layers of a step that call
+        paged_attention with one batch's metadata plan once. Never reused with ``validate`` (it reads the
+        values) nor under graph capture (a plan made there holds the graph's memory).
         """
-        spec = self.spec
-        if check_flag("return_lse", return_lse) and spec.variant is not None and not spec.variant.softmax:
-            raise ValueError(f"return_lse=True: variant {spec.variant.name!r} has no softmax, so there is no lse")
-        if spec.alibi and alibi_slopes is None:
-            alibi_slopes = self._default_slopes
-        if out is None:
-            out = torch.empty(total_q, spec.num_qo_heads, spec.head_dim_vo, dtype=torch_dtype(spec.o_dtype),
-                              device=q.device)
-        lse = torch.empty(total_q, spec.num_qo_heads, dtype=torch.float32, device=q.device) if return_lse else None
-        return alibi_slopes, out, lse
-
-    def _pack(self, params: Mapping[str, Any], fields: dict[str, Any]) -> bytes:
-        """The packed Params bytes: ``fields`` plus the variant's parameters; fields not given are 0."""
-        fields = dict(fields)
-        for p in self.spec.params:
-            if p.is_scalar:
-                fields[p.name] = params[p.name]
-            else:
-                fields[p.name] = params[p.name].data_ptr()
-                fields[f"{p.name}__numel"] = params[p.name].numel()
-        return self._packer.pack(*(fields.get(name, 0) for name in self._field_order))
+        key = stream = None
+        if validate is False and (max_query_len is None or type(max_query_len) is int) and not capturing():
+            try:
+                key = (q.shape[0], kv_cache.shape[0], max_query_len, *map(_layout_key, (block_table, seq_lens,
+                                                                                         query_start_loc)),
+                       *map(_layout_key, positions))
+            except AttributeError:  # not tensors: the checks below say what is wrong
+                key = None
+            if key is not None:
+                stream = self.stream_handle()
+                last = self._last_plans.get(stream)
+                if last is not None and last[0] == key:
+                    return last[1]
+        check_paged_q(self.spec, q)  # q and the cache first: their sizes go into the plan
+        check_kv_cache(self.spec, kv_cache, q.device)
+        p = self.plan(block_table, seq_lens, query_start_loc, total_q=q.shape[0], max_query_len=max_query_len,
+                      num_pages=kv_cache.shape[0], query_positions=positions[0], functor_batch=positions[1],
+                      position_offset=positions[2], mode="graph", validate=validate, shared_scratch=True)
+        if key is not None:
+            self._last_plans[stream] = (key, p._first)  # type: ignore[index]
+        return p._first  # type: ignore[return-value]
 
     def ragged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: torch.Tensor,
                          kv_start_loc: torch.Tensor, *, sinks: torch.Tensor | None = None,
@@ -503,29 +459,28 @@ class JitKernel:
         """
         spec = self.spec
         if not spec.ragged:
-            raise ValueError(f"spec.kv_storage={spec.kv_storage!r}: this kernel reads the paged cache; call "
-                             f"paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, ...)")
-        params = dict(params or {})
-        call = check_ragged_call(spec, q, k, v, query_start_loc, kv_start_loc, sinks=sinks, alibi_slopes=alibi_slopes,
-                                 params=params, out=out, for_kernel=True)
-        self._check_device(q)
-        if _validating(validate):
-            check_ragged_metadata_values(query_start_loc, kv_start_loc, call.total_q, call.total_kv)
-        total_q, batch = call.total_q, call.batch
-        alibi_slopes, out, lse = self._outputs(q, total_q, alibi_slopes, return_lse, out)
-        if total_q == 0:
-            return (out, lse) if return_lse else out
-        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-        args = self._pack(params, {
-            "q": ptr(q), "k": ptr(k), "v": ptr(v), "o": ptr(out), "lse": ptr(lse), "kv_start_loc": ptr(kv_start_loc),
-            "query_start_loc": ptr(query_start_loc), "sinks": ptr(sinks), "alibi_slopes": ptr(alibi_slopes),
-            "q_stride_token": q.stride(0), "q_stride_head": q.stride(1), "k_stride_token": k.stride(0),
-            "k_stride_head": k.stride(1), "v_stride_token": v.stride(0), "v_stride_head": v.stride(1),
-            "batch_size": batch, "total_q": total_q, "total_kv": call.total_kv, "num_splits": 1,
-            "prefill_skip_decode_rows": 0, "k_scale": 1.0, "v_scale": 1.0,
-        })
-        self._launch_prefill(total_q, batch, args)
-        return (out, lse) if return_lse else out
+            fail(f"spec.kv_storage={spec.kv_storage!r}: this kernel reads the paged cache; call "
+                 f"paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, ...)")
+        key = stream = None
+        if validate is False and not capturing():  # as paged_attention: the stream's last plan if it fits
+            try:
+                key = ("ragged", q.shape[0], _layout_key(query_start_loc), _layout_key(kv_start_loc))
+            except AttributeError:
+                key = None
+            if key is not None:
+                stream = self.stream_handle()
+                last = self._last_plans.get(stream)
+                if last is not None and last[0] == key:
+                    return last[1].run(q, (k, v), out=out, return_lse=return_lse, sinks=sinks,
+                                       alibi_slopes=alibi_slopes, params=params)
+        check_paged_q(spec, q)
+        part = self.plan_ragged(query_start_loc, kv_start_loc, total_q=q.shape[0],
+                                total_kv=k.shape[0] if isinstance(k, torch.Tensor) else None, mode="graph",
+                                validate=validate)._first
+        if key is not None:
+            self._last_plans[stream] = (key, part)  # type: ignore[index]
+        return part.run(q, (k, v), out=out, return_lse=return_lse, sinks=sinks, alibi_slopes=alibi_slopes,
+                        params=params)
 
 
 class LoadedOnce:
@@ -557,8 +512,14 @@ class LoadedOnce:
 _KERNELS = LoadedOnce()
 
 
-def _cuda_device(device: torch.device | str | int | None) -> torch.device:
-    """A CUDA device with an explicit index (the current device when none is given)."""
+
+def cuda_device(device: torch.device | str | int | None) -> torch.device:
+    """A CUDA device with an explicit index (the current device when none is given).
+
+    Raises:
+        ValueError: a device of another type (pointing to :mod:`jitattn.reference`).
+        RuntimeError: torch sees no CUDA device, saying why.
+    """
     if isinstance(device, int):
         device = torch.device("cuda", device)
     dev = torch.device("cuda") if device is None else torch.device(device)
@@ -571,13 +532,137 @@ def _cuda_device(device: torch.device | str | int | None) -> torch.device:
     return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
 
 
+def _layout_key(t: torch.Tensor | None) -> tuple | None:
+    """What a graph-mode plan reads of a metadata tensor: its address, shape, strides, dtype, device."""
+    return None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+
+
+def _stream_handle(device: torch.device) -> Callable[[], int]:
+    """The raw handle of the device's current stream, as a call: torch's C getter where it has one (the
+    one Triton's launcher calls; no Stream object per launch), else ``current_stream().cuda_stream``."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    index = device.index
+    if raw is not None and raw(index) == torch.cuda.current_stream(device).cuda_stream:
+        return lambda: raw(index)
+    return lambda: torch.cuda.current_stream(device).cuda_stream
+
+
 def load_kernel(spec: AttentionSpec, device: torch.device | str | int | None = None) -> JitKernel:
     """The :class:`JitKernel` of ``spec`` on ``device`` (built or loaded once per process, then reused).
 
     Threads loading different kernels do not wait for each other (:class:`LoadedOnce`).
     """
-    dev = _cuda_device(device)
+    dev = device if isinstance(device, torch.device) and device.type == "cuda" and device.index is not None \
+        else cuda_device(device)
     return _KERNELS.get((spec, dev.index), lambda: JitKernel(spec, dev))
+
+
+def _specs(spec: AttentionSpec | Sequence[AttentionSpec], call: str) -> tuple[AttentionSpec, ...]:
+    specs = tuple(spec) if isinstance(spec, (list, tuple)) else (spec,)
+    if not specs:
+        fail(f"spec: expected an AttentionSpec or a non-empty sequence of them: {call}")
+    return tuple(check_spec(s, call) for s in specs)
+
+
+def plan(spec: AttentionSpec | Sequence[AttentionSpec], block_table: torch.Tensor, seq_lens: torch.Tensor,
+         query_start_loc: torch.Tensor, *, total_q: int | None = None, max_query_len: int | None = None,
+         num_pages: int | None = None, query_positions: torch.Tensor | None = None,
+         functor_batch: torch.Tensor | None = None, position_offset: torch.Tensor | None = None,
+         mode: str | None = None, validate: bool = False) -> Plan:
+    """Plan a paged batch once per step; every attention layer of the step then calls :func:`run`.
+
+    Checks the metadata (dtypes, shapes, devices, strides), picks the kernels and the split-KV factor,
+    allocates the split scratch and packs the kernel's ``Params`` but for the per-layer fields. A
+    run costs its checks of q / kv_cache / out, a few ``struct.pack_into`` and the launches.
+
+    Args:
+        spec: the layers' spec, or several specs sharing this batch layout (Gemma-2's sliding and
+            full layers): the same storage, page size, query positions; the first is the default
+            of :func:`run`. Their kernels are loaded (compiled if needed) on the metadata's device.
+        block_table: int32 ``(batch, max_pages)``, rows contiguous; seq_lens: int32 ``(batch,)`` keys
+            per sequence (new tokens included); query_start_loc: int32 ``(batch + 1,)`` cumulative
+            query counts. All on one CUDA device; a run reads them on the device (a captured graph
+            sees new values written into them in place).
+        total_q: rows of q (default: read from ``query_start_loc[-1]``, eager mode only).
+        max_query_len: the longest query count; ``1`` launches only the decode kernel. Default:
+            eager mode reads it, graph mode launches both kernels.
+        num_pages: pages of the cache (optional): a run then refuses a cache of another page count,
+            and ``validate`` checks the page ids against it (required there).
+        query_positions, functor_batch, position_offset: the explicit positions of a spec with
+            ``query_positions="explicit"`` (:func:`jitattn.reference.paged_attention`).
+        mode: "eager" (default outside graph capture): reads ``query_start_loc`` on the host once (one
+            device sync) and launches exactly the kernels this step's values need (a pure decode
+            batch only the decode kernel, a pure prefill batch only the prefill kernel): the plan
+            holds for these values. "graph" (the default while the stream captures): reads nothing,
+            decides from shapes and arguments: valid for any values of the same shapes, so a graph
+            captured from its runs replays with new metadata values.
+        validate: also check the metadata values (a device sync; not under capture).
+
+    Returns:
+        a :class:`jitattn.planning.Plan`.
+
+    Raises:
+        ValueError: a bad spec or metadata tensor, naming the argument (before any launch).
+    """
+    specs = _specs(spec, "plan(spec, block_table, seq_lens, query_start_loc, ...)")
+    device = query_start_loc.device if isinstance(query_start_loc, torch.Tensor) else None
+    first = load_kernel(specs[0], device)
+    return first.plan(block_table, seq_lens, query_start_loc, also=specs[1:], total_q=total_q,
+                      max_query_len=max_query_len, num_pages=num_pages, query_positions=query_positions,
+                      functor_batch=functor_batch, position_offset=position_offset, mode=mode, validate=validate)
+
+
+def plan_ragged(spec: AttentionSpec | Sequence[AttentionSpec], query_start_loc: torch.Tensor,
+                kv_start_loc: torch.Tensor, *, total_q: int | None = None, total_kv: int | None = None,
+                mode: str | None = None, validate: bool = False) -> Plan:
+    """Plan a ragged batch (contiguous varlen K/V) once; :func:`run` it with ``kv=(k, v)`` per layer.
+
+    Args:
+        spec: a ragged spec, or several sharing the layout.
+        query_start_loc, kv_start_loc: int32 ``(batch + 1,)`` cumulative query / key counts.
+        total_q: rows of q (default: read from ``query_start_loc[-1]``, eager mode only).
+        total_kv: rows of k and v; required by ``validate``.
+        mode, validate: as :func:`plan`.
+
+    Raises:
+        ValueError: a bad spec or metadata tensor, naming the argument.
+    """
+    specs = _specs(spec, "plan_ragged(spec, query_start_loc, kv_start_loc, ...)")
+    device = query_start_loc.device if isinstance(query_start_loc, torch.Tensor) else None
+    return load_kernel(specs[0], device).plan_ragged(query_start_loc, kv_start_loc, also=specs[1:], total_q=total_q,
+                                                     total_kv=total_kv, mode=mode, validate=validate)
+
+
+def run(q: torch.Tensor, kv_cache: Any, plan: Plan, *, spec: AttentionSpec | None = None,
+        out: torch.Tensor | None = None, return_lse: bool = False, sinks: torch.Tensor | None = None,
+        alibi_slopes: torch.Tensor | None = None, params: Mapping[str, Any] | None = None,
+        k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """One attention layer on a planned batch (:func:`plan` / :func:`plan_ragged`).
+
+    Args:
+        q: ``(total_q, num_qo_heads, head_dim_qk)`` of the spec's q dtype, on the plan's device; heads
+            and head_dim contiguous, rows 16-byte aligned (a row stride of a fused QKV is fine).
+        kv_cache: the paged cache (the spec's layout and KV dtype; ``num_pages`` pages if the plan
+            was given it), or ``(k, v)`` for a ragged plan.
+        plan: the step's plan.
+        spec: which of the plan's specs this layer runs (default: the first); a spec not planned yet
+            is planned now (allocating its scratch: plan every spec up front for CUDA graphs).
+        out: optional contiguous ``(total_q, num_qo_heads, head_dim_vo)`` of ``spec.o_dtype``, written
+            in place and returned.
+        return_lse: also return the float32 lse ``(total_q, num_qo_heads)`` (natural log).
+        sinks, alibi_slopes, params, k_scale, v_scale: this layer's, as :func:`paged_attention`.
+
+    Returns:
+        ``out``, and the lse with ``return_lse``.
+
+    Raises:
+        ValueError: a tensor that does not fit the plan or the spec (shape, dtype, device, strides,
+            page count), a spec of another layout, naming the argument; before any launch.
+    """
+    if not isinstance(plan, Plan):
+        fail(f"plan: expected a Plan from jitattn.plan / plan_ragged, got {type(plan).__name__}")
+    return plan.for_spec(spec).run(q, kv_cache, out=out, return_lse=return_lse, sinks=sinks,
+                                   alibi_slopes=alibi_slopes, params=params, k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -585,7 +670,8 @@ def paged_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor
                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Run ``spec``'s compiled kernels on these inputs (compiling and caching them on first use).
 
-    Same argument order, shapes, dtypes and semantics as :func:`jitattn.reference.paged_attention`;
+    The one-call form of :func:`plan` + :func:`run` (a plan for this call, nothing read on the host);
+    same argument order, shapes, dtypes and semantics as :func:`jitattn.reference.paged_attention`;
     keyword arguments: :meth:`JitKernel.paged_attention`.
     """
     return load_kernel(spec, q.device).paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, **kwargs)

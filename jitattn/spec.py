@@ -27,6 +27,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from jitattn.constants import template_constant
 from jitattn.variant import Variant
 
 #: Query / output dtypes the kernels take.
@@ -95,7 +96,7 @@ def decode_block_problem(head_dim: int, kv_dtype: str, group_size: int) -> str |
     if threads > 1024 or threads % 32:
         return f"needs a decode block of {threads} threads (at most 1024, whole warps)"
     slots = bdy * heads_per_thread
-    max_splits = 64  # kMaxSplits
+    max_splits = template_constant("kMaxSplits")
     if bdz * slots * (head_dim + 2) + slots < group_size * (max_splits + 2) + 1:
         return "needs more split-KV merge scratch than its decode block has"
     return None

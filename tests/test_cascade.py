@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from jitattn import reference, variant
-from jitattn.cascade import (CascadeLevel, cascade_attention, cascade_pays, check_level_values, plain_metadata,
-                             plan_cascade, rule_shape)
+from jitattn.cascade import (CascadeLevel, cascade_attention, cascade_pays, check_level_values, explicit_twin,
+                             plain_metadata, plan_cascade, rule_shape)
 from jitattn.spec import AttentionSpec
 from jitattn.testing import random_cascade_batch
+from tests.test_plan_launches import kernels  # noqa: F401 (fixture: recording jit kernels)
 
 PREFIX_LM = variant.prefix_lm_mask()
 
@@ -291,3 +292,45 @@ def test_a_cuda_hook_with_a_parameter_named_like_kv_len_is_served():
     with pytest.raises(ValueError, match=r"a CUDA hook reads qo_len / kv_len"):
         cascade_attention(AttentionSpec(8, 2, 32, page_size=4, variant=reads), b.q, b.kv_cache, b.levels,
                           attention=reference.paged_attention)
+
+
+def test_out_is_written_in_place_on_both_paths():
+    """cascade_attention(out=...) writes the result into out and returns it, on the cascade and the plain path."""
+    spec = AttentionSpec(8, 2, 32, page_size=4)
+    b = random_cascade_batch(spec, [12], [3], [5, 0, 9], [1, 1, 2], seed=2)
+    for use in (True, False):
+        want, want_lse = cascade_attention(spec, b.q, b.kv_cache, b.levels, use_cascade=use, return_lse=True,
+                                           attention=reference.paged_attention)
+        out = torch.full_like(want, float("nan"))
+        got, lse = cascade_attention(spec, b.q, b.kv_cache, b.levels, use_cascade=use, return_lse=True, out=out,
+                                     attention=reference.paged_attention)
+        assert got is out and torch.equal(out, want) and torch.equal(lse, want_lse)
+    with pytest.raises(ValueError, match=r"out: expected a contiguous \(4, 8, 32\)"):
+        cascade_attention(spec, b.q, b.kv_cache, b.levels, out=torch.empty(4, 8, 16, dtype=want.dtype),
+                          attention=reference.paged_attention)
+
+
+def test_the_rule_assumes_graph_replay_and_takes_no_cascade_eagerly():
+    assert cascade_pays(50, 1000, 100) and cascade_pays(50, 1000, 100, mode="graph")
+    assert not cascade_pays(50, 1000, 100, mode="eager")
+    with pytest.raises(ValueError, match=r"mode='fast': expected 'eager'"):
+        cascade_pays(50, 1000, 100, mode="fast")
+
+
+def test_a_cascade_plan_runs_every_layer_through_one_jit_plan(kernels):
+    """On the jit kernels (recording ones here), the cascade plan makes its jit plan at the first layer and
+    reuses it: one prefill launch per layer over the pseudo-batch, each with that layer's q copy and cache."""
+    spec = AttentionSpec(8, 2, 32, page_size=4)
+    b = random_cascade_batch(spec, [12], [3], [5, 0, 9], [1, 1, 2], seed=2)
+    plan = plan_cascade(spec, b.levels, b.q.shape[0], num_sms=132, chunks=[2, 1], mode="eager")
+    assert plan.mode == "eager" and plan.attention_plan is None
+    out = torch.empty(b.q.shape[0], 8, 32, dtype=b.q.dtype)
+    for layer in range(2):
+        assert cascade_attention(spec, b.q, b.kv_cache, b.levels, plan=plan, out=out) is out
+        if layer == 0:
+            first = plan.attention_plan
+    assert plan.attention_plan is first and first.specs == (explicit_twin(spec),)
+    [(kernel, module)] = kernels.values()
+    assert [x["kernel"] for x in module.launches] == ["prefill", "prefill"]
+    assert all(x["fields"]["total_q"] == plan.num_states * b.q.shape[0] for x in module.launches)
+    assert all(x["fields"]["query_positions"] == plan.query_positions.data_ptr() for x in module.launches)

@@ -1,7 +1,5 @@
 """CPU tests of the runtime's host-side decisions (no GPU needed)."""
 
-import contextlib
-
 import numpy as np
 import pytest
 import torch
@@ -62,7 +60,7 @@ def test_outgrown_split_counters_stay_alive(monkeypatch):
     kernel = object.__new__(JitKernel)  # the buffer policy only: no cubin, no GPU
     kernel.device, kernel._split_counters, kernel._retired_counters = torch.device("cpu"), {}, []
     kernel._unzeroed_counters = set()
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=7))
+    kernel.stream_handle = lambda: 7
     small = kernel.split_counters(64)
     assert small.numel() >= 64 and not small.any()
     assert kernel.split_counters(512) is small  # fits: reused, no new allocation
@@ -85,9 +83,9 @@ def test_split_counters_made_under_capture_are_zeroed_at_their_next_use(monkeypa
     kernel = object.__new__(JitKernel)
     kernel.device, kernel._split_counters, kernel._retired_counters = torch.device("cpu"), {}, []
     kernel._unzeroed_counters = set()
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=7))
+    kernel.stream_handle = lambda: 7
     capturing = [True]
-    monkeypatch.setattr(runtime, "_capturing", lambda: capturing[0], raising=False)
+    monkeypatch.setattr(runtime, "capturing", lambda: capturing[0])
     buf = kernel.split_counters(64)  # graph 1 captures the allocation
     buf.fill_(12345)  # on a GPU: whatever the memory held, the captured fill has not run
     again = kernel.split_counters(64)  # graph 2 captures a use: its own fill recorded
@@ -100,36 +98,29 @@ def test_split_counters_made_under_capture_are_zeroed_at_their_next_use(monkeypa
 
 
 def _dry_kernel(spec, monkeypatch):
-    """A JitKernel on the CPU whose module records its launches instead of running them: the host side
-    of a call (checks, outputs, Params packing, grids) runs for real, no GPU needed."""
+    """A JitKernel on the CPU whose module records its launches instead of running them
+    (:meth:`JitKernel.from_module`): the host side of a call (checks, outputs, Params packing, grids)
+    runs for real, no GPU needed."""
     from types import SimpleNamespace
 
     from jitattn import runtime
-    from jitattn.reference import default_alibi_slopes
 
-    real_paged, real_ragged = runtime.check_paged_call, runtime.check_ragged_call
-    monkeypatch.setattr(runtime, "check_paged_call", lambda *a, **kw: real_paged(*a, **{**kw, "for_kernel": False}))
-    monkeypatch.setattr(runtime, "check_ragged_call", lambda *a, **kw: real_ragged(*a, **{**kw, "for_kernel": False}))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _STREAMS[-1])
-    monkeypatch.setattr(torch.cuda, "stream", _fake_stream_context)
-    kernel = object.__new__(runtime.JitKernel)
-    kernel.spec, kernel.device = spec, torch.device("cpu")
-    kernel._packer, kernel._field_order = runtime.params_packer(spec)
-    kernel.geometry = {"decode_threads": 128, "decode_smem": 0, "decode_tile_keys": 64, "prefill_threads": 384,
-                       "prefill_smem": 0, "prefill_block_m": 128, "prefill_block_n": 128,
-                       "params_size": kernel._packer.size}
-    kernel._num_sms, kernel._decode_blocks_per_sm = 132, 2
-    kernel._default_slopes = default_alibi_slopes(spec, "cpu") if spec.alibi else None
-    kernel._split_counters, kernel._retired_counters, kernel._unzeroed_counters = {}, [], set()
-    kernel.mixed_on_two_streams, kernel._side_streams = False, {}
     launches = []
-    kernel.launch_streams = []  # the stream handle of each launch
+    streams = []  # the stream handle of each launch
 
     def launch(name, grid, block, smem, args, stream):
-        launches.append((name, grid, block, dict(zip(kernel._field_order, kernel._packer.unpack(args)))))
-        kernel.launch_streams.append(stream)
+        layout = kernel.layout
+        launches.append((name, grid, block, dict(zip(layout.field_order, layout.packer.unpack(args)))))
+        streams.append(stream)
 
-    kernel._module = SimpleNamespace(launch=launch)
+    geometry = {"decode_threads": 128, "decode_smem": 0, "decode_tile_keys": 64, "prefill_threads": 384,
+                "prefill_smem": 0, "prefill_block_m": 128, "prefill_block_n": 128}
+    kernel = runtime.JitKernel.from_module(spec, SimpleNamespace(launch=launch), geometry, device=torch.device("cpu"),
+                                           num_sms=132, decode_blocks_per_sm=2,
+                                           stream_handle=lambda: _STREAMS[-1].cuda_stream)
+    kernel.mixed_on_two_streams = False
+    kernel.launch_streams = streams
     return kernel, launches
 
 
@@ -146,15 +137,6 @@ class _FakeStream:
 _STREAMS = [_FakeStream(7)]  # the current stream is the last
 
 
-@contextlib.contextmanager
-def _fake_stream_context(stream):
-    _STREAMS.append(stream)
-    try:
-        yield
-    finally:
-        _STREAMS.pop()
-
-
 def test_paged_call_host_side(monkeypatch):
     from jitattn import AttentionSpec
     from jitattn.testing import random_paged_batch
@@ -169,7 +151,7 @@ def test_paged_call_host_side(monkeypatch):
     decode, prefill = launches[0][3], launches[1][3]
     assert decode == prefill  # one Params for both kernels
     assert decode["o"] == out.data_ptr() and decode["lse"] == lse.data_ptr() and decode["total_q"] == 7
-    assert decode["alibi_slopes"] == kernel._default_slopes.data_ptr()  # the spec's slopes, no copy per call
+    assert decode["alibi_slopes"] == kernel.default_slopes.data_ptr()  # the spec's slopes, no copy per call
     assert launches[1][1] == (1 + 3, 2, 1)  # ceil(7 rows x group 4 / 128) + batch tiles, kv heads
     launches.clear()
     given = torch.empty(7, 8, 64, dtype=torch.bfloat16)
@@ -188,7 +170,7 @@ def test_mixed_call_forks_the_decode_onto_a_side_stream(monkeypatch):
     kernel, launches = _dry_kernel(spec, monkeypatch)
     main, side = _STREAMS[-1], _FakeStream(8)
     main.waited_for.clear()
-    kernel.mixed_on_two_streams, kernel.side_stream = True, lambda: side
+    kernel.mixed_on_two_streams, kernel.side_stream = True, lambda main=None: side
     b = random_paged_batch(spec, [1, 5, 1], [30, 4000, 17])
     kernel.paged_attention(*b.args())
     assert [name for name, *_ in launches] == ["decode", "prefill"] and kernel.launch_streams == [8, 7]
@@ -212,15 +194,15 @@ def test_mixed_call_joins_the_side_stream_when_a_launch_raises(monkeypatch, fail
     kernel, launches = _dry_kernel(spec, monkeypatch)
     main, side = _STREAMS[-1], _FakeStream(8)
     main.waited_for.clear()
-    kernel.mixed_on_two_streams, kernel.side_stream = True, lambda: side
-    real_launch = kernel._module.launch
+    kernel.mixed_on_two_streams, kernel.side_stream = True, lambda main=None: side
+    real_launch = kernel.launch
 
     def launch(name, *args):
         if name == fails:
             raise RuntimeError(f"CUDA error: {name} launch failed")
         real_launch(name, *args)
 
-    kernel._module.launch = launch
+    kernel.launch = launch
     b = random_paged_batch(spec, [1, 5, 1], [30, 4000, 17])
     with pytest.raises(RuntimeError, match=f"{fails} launch failed"):
         kernel.paged_attention(*b.args())
@@ -275,7 +257,9 @@ def test_validate_under_graph_capture_is_refused_before_any_work(monkeypatch):
     from jitattn import AttentionSpec, runtime
     from jitattn.testing import random_paged_batch, random_ragged_batch
 
-    monkeypatch.setattr(runtime, "_capturing", lambda: True, raising=False)
+    from jitattn import planning
+
+    monkeypatch.setattr(planning, "capturing", lambda: True)
     spec = AttentionSpec(8, 2, 64)
     kernel, launches = _dry_kernel(spec, monkeypatch)
     b = random_paged_batch(spec, [1, 5], [30, 40])

@@ -8,7 +8,7 @@ import torch
 
 from jitattn.checks import (check_flag, check_metadata_values, check_paged_call, check_ragged_call,
                             check_ragged_metadata_values, check_scales)
-from jitattn.reference import torch_dtype
+from jitattn.dtypes import torch_dtype
 from jitattn.spec import AttentionSpec
 
 

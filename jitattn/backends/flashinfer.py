@@ -81,7 +81,7 @@ class FlashInferBackend(Backend):
         import torch
 
         from jitattn.backends.common import check_call, check_flags, finish
-        from jitattn.reference import torch_dtype
+        from jitattn.dtypes import torch_dtype
 
         dev = device.torch_device()
         workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)

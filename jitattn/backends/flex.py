@@ -69,7 +69,7 @@ class FlexBackend(Backend):
         from torch.nn.attention.flex_attention import create_block_mask
 
         from jitattn.backends.common import check_call, check_flags, finish, query_positions
-        from jitattn.reference import default_alibi_slopes, torch_dtype
+        from jitattn.dtypes import default_alibi_slopes, torch_dtype
 
         core = _flex_core(spec)
         if device.type == "cuda":

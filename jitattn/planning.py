@@ -1,0 +1,616 @@
+"""Plan once per step, run per layer: the launch machinery under :func:`jitattn.plan` / :func:`jitattn.run`.
+
+A serving engine runs the same batch layout through every attention layer of a step. Everything that
+depends only on that layout is done once, by a :class:`Plan`: the structural checks of the metadata,
+the choice of kernels (decode, prefill, or both) and of the split-KV factor, the tile grid, the
+scratch buffers, and the kernel's ``Params`` struct packed except the fields that change per layer.
+A run (:meth:`SpecPlan.run`) then checks only the per-layer tensors (q, the cache, ``out``, sinks,
+slopes, the variant's parameters: shape, dtype, device, strides), writes their pointers and strides
+into the packed bytes at offsets computed once per spec (:class:`ParamsLayout`), and launches.
+
+Three steps, each a small method: check (:meth:`SpecPlan.check`), pack (:meth:`SpecPlan.pack`),
+launch (:meth:`SpecPlan.launch`).
+
+The kernel a plan launches is any object with the attributes of :class:`jitattn.runtime.JitKernel`
+that this module reads (``spec``, ``device``, ``geometry``, ``layout``, ``num_splits``,
+``max_decode_keys``, ``split_counters``, ``side_stream``, ``mixed_on_two_streams``,
+``stream_handle``, ``launch``, ``default_slopes``): the runtime passes its loaded kernels, and the CPU
+tests a kernel whose module records launches instead of running them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import struct
+from operator import itemgetter
+from types import SimpleNamespace
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from jitattn.checks import (check_flag, check_kv_cache, check_kv_cache_layout, check_max_query_len,
+                            check_metadata_layout, check_metadata_values, check_out, check_paged_metadata,
+                            check_params, check_position_values, check_positions, check_q_layout,
+                            check_ragged_metadata_values, check_ragged_tensors, check_scales, check_spec,
+                            check_tensor, check_vector, fail, kv_cache_shape)
+from jitattn.dtypes import TORCH_DTYPES
+from jitattn.render import params_fields, params_layout
+from jitattn.spec import AttentionSpec
+
+#: What a plan may assume: "eager" reads the metadata on the host once (exact kernels for this
+#: step's values; the plan holds for these values only); "graph" decides from shapes and arguments
+#: alone (no host read: any values of the same shapes, what a captured CUDA graph replays).
+MODES = ("eager", "graph")
+
+_STRUCT_CODE = {"ptr": "Q", "i64": "q", "i32": "i", "f32": "f"}
+
+#: The ``Params`` fields a run writes (the per-layer tensors, their strides and sizes, the scales), in
+#: the order :meth:`SpecPlan.pack` gives their values; the variant's parameters follow.
+PAGED_LAYER_FIELDS = ("q", "kv_cache", "o", "lse", "sinks", "alibi_slopes", "q_stride_token", "kv_stride_page",
+                      "num_pages", "k_scale", "v_scale")
+RAGGED_LAYER_FIELDS = ("q", "k", "v", "o", "lse", "sinks", "alibi_slopes", "q_stride_token", "q_stride_head",
+                       "k_stride_token", "k_stride_head", "v_stride_token", "v_stride_head", "total_kv")
+
+
+@functools.lru_cache(maxsize=1)
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()  # asked once: a process does not gain or lose CUDA
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    return _cuda_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+class ParamsLayout:
+    """A spec's ``Params`` bytes: the whole-struct packer, and writers of the per-layer fields.
+
+    Made once per loaded kernel. ``writers(names)`` turns a tuple of field names (in the order a run
+    gives their values) into ``(pack_into, offset, pick)`` triples, one per run of fields adjacent in
+    the struct, so a run patches its fields with a few ``struct.pack_into`` calls.
+    """
+
+    def __init__(self, spec: AttentionSpec):
+        self.spec = spec
+        placed, size = params_layout(params_fields(spec))
+        fmt, pos = "<", 0
+        for f, off in placed:
+            fmt += "x" * (off - pos) + _STRUCT_CODE[f.kind]
+            pos = off + f.size
+        self.packer = struct.Struct(fmt + "x" * (size - pos))
+        self.field_order = tuple(f.name for f, _ in placed)
+        self.placed = {f.name: (f, off) for f, off in placed}
+        self.param_fields = tuple(n for p in spec.params for n in ((p.name,) if p.is_scalar else
+                                                                     (p.name, f"{p.name}__numel")))
+        kinds = {f.name: f.kind for f, _ in placed}
+        self.pointer_fields = frozenset(n for n, k in kinds.items() if k == "ptr")
+        self._writers: dict[tuple[str, ...], tuple] = {}
+        self._index = {name: i for i, name in enumerate(self.field_order)}
+        self._constants: dict[str, SimpleNamespace] = {}
+
+    def constants(self, kind: str) -> SimpleNamespace:
+        """What every run of the spec on a ``kind`` ("paged" / "ragged") plan checks against and writes,
+        made once: the writers of the per-layer fields, the cache's inner shape and strides, the dtypes."""
+        found = self._constants.get(kind)
+        if found is None:
+            spec = self.spec
+            inner = kv_cache_shape(spec, 1)[1:] if kind == "paged" else ()
+            names = PAGED_LAYER_FIELDS if kind == "paged" else RAGGED_LAYER_FIELDS
+            found = self._constants[kind] = SimpleNamespace(
+                writers=self.writers(names + self.param_fields), kv_inner=inner or None,
+                kv_strides=tuple(math.prod(inner[i + 1:]) for i in range(len(inner))),  # a page is contiguous
+                kv_stride_kv=math.prod(inner[1:]) if inner else 0,
+                kv_align=16 // TORCH_DTYPES[spec.kv_dtype].itemsize,
+                dtypes=(TORCH_DTYPES[spec.q_dtype], TORCH_DTYPES[spec.kv_dtype], TORCH_DTYPES[spec.o_dtype]),
+                softmax=spec.variant is None or spec.variant.softmax)
+        return found
+
+    @property
+    def size(self) -> int:
+        return self.packer.size
+
+    def pack(self, fields: Mapping[str, Any]) -> bytearray:
+        """The struct's bytes with ``fields`` set; every other field 0."""
+        values = [0] * len(self.field_order)
+        index = self._index
+        for name, value in fields.items():
+            values[index[name]] = value
+        return bytearray(self.packer.pack(*values))
+
+    def writers(self, names: tuple[str, ...]) -> tuple[tuple[Callable[..., None], int, Callable[[tuple], tuple]], ...]:
+        """Writers of ``names`` (values given in this order), adjacent fields merged into one struct
+        (made once per names tuple)."""
+        found = self._writers.get(names)
+        if found is None:
+            found = self._writers[names] = self._make_writers(names)
+        return found
+
+    def _make_writers(self, names: tuple[str, ...]) -> tuple:
+        spans = sorted((self.placed[n][1], self.placed[n][0], i) for i, n in enumerate(names))
+        out, group = [], []
+        for off, f, i in spans:
+            if group and off != group[-1][0] + group[-1][1].size:
+                out.append(group)
+                group = []
+            group.append((off, f, i))
+        if group:
+            out.append(group)
+        writers = []
+        for g in out:
+            fmt = "<" + "".join(_STRUCT_CODE[f.kind] for _, f, _ in g)
+            idx = [i for _, _, i in g]
+            pick = itemgetter(*idx) if len(idx) > 1 else (lambda v, i=idx[0]: (v[i],))
+            writers.append((struct.Struct(fmt).pack_into, g[0][0], pick))
+        return tuple(writers)
+
+
+def params_packer(spec: AttentionSpec) -> tuple[struct.Struct, tuple[str, ...]]:
+    """A ``struct.Struct`` that packs the ``Params`` fields (in their order) into the kernel's bytes."""
+    layout = ParamsLayout(spec)
+    return layout.packer, layout.field_order
+
+
+def choose_mode(mode: Any) -> str:
+    """``mode`` checked: "eager", "graph", or None (graph while the current stream captures, else eager).
+
+    Raises:
+        ValueError: anything else.
+    """
+    if mode is None:
+        return "graph" if capturing() else "eager"
+    if mode not in MODES:
+        fail(f"mode={mode!r}: expected 'eager' (read the metadata once on the host), 'graph' (shapes only, "
+             f"for CUDA graph capture) or None (graph while capturing, else eager)")
+    return mode
+
+
+def _validating(validate: Any) -> bool:
+    """``validate`` checked (a bool), and refused under CUDA graph capture, which forbids its host reads.
+
+    Raises:
+        ValueError: not a bool; True while the current stream captures a graph.
+    """
+    if check_flag("validate", validate) and capturing():
+        fail("validate=True: the metadata checks read the values on the host (a device sync), which "
+             "CUDA graph capture does not allow; check the batch outside the capture and pass "
+             "validate=False inside it")
+    return bool(validate)
+
+
+def _count(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        fail(f"{name}={value!r}: expected None or an int >= 0")
+    return value
+
+
+class Plan:
+    """One step's batch layout, planned once and run by every attention layer of the step.
+
+    Made by :func:`jitattn.plan` (paged) or :func:`jitattn.plan_ragged`; run by :func:`jitattn.run`.
+    Holds the metadata tensors (it reads them at run time on the device: keep them alive and, under
+    a CUDA graph, update them in place), the sizes read from them, the kernels it launches and, per
+    spec, a :class:`SpecPlan` (Params packed but for the per-layer fields, split scratch).
+
+    Several specs that read the same batch layout (Gemma-2's sliding and full layers, gpt-oss) share
+    one plan: pass them all to ``plan`` (each gets its SpecPlan at once), or run the plan with
+    another ``spec=`` (planned on first use, an allocation then). They must agree on the storage
+    (paged / ragged), the page size, the query positions (implicit / explicit) and the device.
+
+    A plan's scratch (the split-KV partial states) is its own: runs of one plan must not overlap
+    (run it on one stream at a time); keep it alive as long as a CUDA graph that replays its runs.
+    """
+
+    def __init__(self, kind: str, device: torch.device, mode: str, batch: int, total_q: int,
+                 metadata: dict[str, torch.Tensor | None], *, max_pages_per_seq: int = 0,
+                 num_pages: int | None = None, max_query_len: int | None = None,
+                 decode_rows: bool | None = None, prefill_rows: bool | None = None, validate: bool = False,
+                 load: Callable[[AttentionSpec], Any], shared_scratch: bool = False):
+        self.kind, self.device, self.mode = kind, device, mode
+        self.batch, self.total_q, self.max_pages_per_seq, self.num_pages = batch, total_q, max_pages_per_seq, num_pages
+        self.total_kv: int | None = None  # a ragged plan's rows of k and v, when given
+        self.max_query_len = max_query_len
+        self.decode_rows, self.prefill_rows = decode_rows, prefill_rows  # None: unknown (graph mode)
+        self.metadata, self.validate = metadata, validate
+        self._load, self._shared_scratch = load, shared_scratch
+        self._parts: dict[str, SpecPlan] = {}
+        self._first: SpecPlan | None = None
+
+    @property
+    def specs(self) -> tuple[AttentionSpec, ...]:
+        """The specs planned so far (the first is the one a run without ``spec=`` takes)."""
+        return tuple(p.spec for p in self._parts.values())
+
+    def add(self, spec: AttentionSpec) -> "SpecPlan":
+        """Plan ``spec`` on this batch layout (once; later calls return the same :class:`SpecPlan`).
+
+        Raises:
+            ValueError: a spec that does not read this layout (storage, page size, query positions).
+        """
+        part = self._parts.get(spec.canonical_text)
+        if part is None:
+            self._check_spec(spec)
+            part = SpecPlan(self, self._load(spec), shared_scratch=self._shared_scratch)
+            self._parts[spec.canonical_text] = part
+            if self._first is None:
+                self._first = part
+        return part
+
+    def for_spec(self, spec: AttentionSpec | None) -> "SpecPlan":
+        """The :class:`SpecPlan` of ``spec`` (None: the first planned), planned now if new."""
+        first = self._first
+        if spec is None or (first is not None and spec is first.spec):
+            return first  # type: ignore[return-value]
+        return self.add(check_spec(spec, "run(q, kv_cache, plan, spec=spec, ...)"))
+
+    def _check_spec(self, spec: AttentionSpec) -> None:
+        first = self._first.spec if self._first is not None else None
+        if (self.kind == "ragged") != spec.ragged:
+            fail(f"spec: kv_storage={spec.kv_storage!r}, but the plan is for a {self.kind} batch "
+                 f"({'plan_ragged' if self.kind == 'ragged' else 'plan'} made it); plan this spec separately")
+        explicit = self.metadata.get("query_positions") is not None
+        if spec.explicit_positions != explicit:
+            fail(f"spec: query_positions={spec.query_positions!r}, but the plan was made "
+                 f"{'with' if explicit else 'without'} explicit query positions; plan this spec separately")
+        if first is not None and not spec.ragged and spec.page_size != first.page_size:
+            fail(f"spec: page_size={spec.page_size}, but the plan's block_table indexes pages of {first.page_size} "
+                 f"tokens ({first.describe()}); plan this spec separately")
+
+    def run(self, q: torch.Tensor, kv: Any, **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """:func:`run` with this plan (``kwargs``: those of :meth:`SpecPlan.run` and ``spec``)."""
+        return self.for_spec(kwargs.pop("spec", None)).run(q, kv, **kwargs)
+
+    def __repr__(self) -> str:
+        launched = (("decode", self.decode_rows), ("prefill", self.prefill_rows))
+        kernels = "+".join(k for k, on in launched if on is not False)
+        return (f"Plan({self.kind}, batch={self.batch}, total_q={self.total_q}, mode={self.mode!r}, "
+                f"kernels={kernels}, specs={len(self._parts)})")
+
+
+def make_paged_plan(load: Callable[[AttentionSpec], Any], specs: Sequence[AttentionSpec], device: torch.device,
+                    block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
+                    total_q: int | None, max_query_len: int | None, num_pages: int | None,
+                    query_positions: torch.Tensor | None, functor_batch: torch.Tensor | None,
+                    position_offset: torch.Tensor | None, mode: str | None, validate: bool,
+                    shared_scratch: bool = False) -> Plan:
+    """The :class:`Plan` of a paged batch (the checks and decisions of :func:`jitattn.plan`, its docs):
+    check the metadata, read it on the host if the mode allows and something needs it, check its values
+    if asked, choose the kernels, plan each spec."""
+    first, mode = specs[0], choose_mode(mode)
+    batch, max_pages = check_paged_metadata(first, block_table, seq_lens, query_start_loc, device,
+                                            device_of="the kernel")
+    check_metadata_layout(block_table, seq_lens, query_start_loc)
+    total_q, num_pages = _count("total_q", total_q), _count("num_pages", num_pages)
+    max_query_len, validate = check_max_query_len(max_query_len), _validating(validate)
+    qsl = _read_starts(query_start_loc, mode, total_q, max_query_len, validate)
+    lens = None if qsl is None else [b - a for a, b in zip(qsl, qsl[1:])]
+    total_q = total_q if total_q is not None else qsl[-1]  # type: ignore[index]
+    if total_q >= 2 ** 31:
+        fail(f"total_q={total_q}: at most 2**31 - 1 query tokens (int32 start locations)")
+    positions = {"query_positions": query_positions, "functor_batch": functor_batch,
+                 "position_offset": position_offset}
+    check_positions(first, *positions.values(), total_q=total_q, batch=batch, device=device)
+    if validate:
+        _check_values(first, block_table, seq_lens, query_start_loc, functor_batch, num_pages, total_q,
+                      max_query_len, lens)
+    decode_rows, prefill_rows = _kernels(mode, max_query_len, lens)
+    if mode == "eager" and lens is not None and max_query_len is None:
+        max_query_len = max(lens, default=0)
+    metadata = {"block_table": block_table, "seq_lens": seq_lens, "query_start_loc": query_start_loc, **positions}
+    plan = Plan("paged", device, mode, batch, total_q, metadata, max_pages_per_seq=max_pages, num_pages=num_pages,
+                max_query_len=max_query_len, decode_rows=decode_rows, prefill_rows=prefill_rows, validate=validate,
+                load=load, shared_scratch=shared_scratch)
+    for spec in specs:
+        plan.add(spec)
+    return plan
+
+
+def _read_starts(query_start_loc: torch.Tensor, mode: str, total_q: int | None, max_query_len: int | None,
+                 validate: bool) -> list[int] | None:
+    """``query_start_loc`` read on the host (the plan's one device sync) when the checks ask for values
+    or an eager plan lacks ``total_q`` / ``max_query_len``; None when nothing is read.
+
+    Raises:
+        ValueError: graph mode without ``total_q``.
+    """
+    eager = mode == "eager"
+    if total_q is None and not eager:
+        fail("total_q: required in graph mode (the plan reads nothing on the host); pass q.shape[0]")
+    if not (validate or (eager and (total_q is None or max_query_len is None))):
+        return None
+    return query_start_loc.tolist()
+
+
+def _check_values(spec: AttentionSpec, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                  query_start_loc: torch.Tensor, functor_batch: torch.Tensor | None, num_pages: int | None,
+                  total_q: int, max_query_len: int | None, lens: list[int] | None) -> None:
+    """``validate=True``: the metadata's values (every spec of a plan shares what these read).
+
+    Raises:
+        ValueError: naming the entry (:func:`jitattn.checks.check_metadata_values`), or ``num_pages``
+            missing, or a broken ``max_query_len`` promise.
+    """
+    if num_pages is None:
+        fail("num_pages: validate=True checks the page ids against the cache; pass num_pages=kv_cache.shape[0]")
+    check_metadata_values(spec, seq_lens, query_start_loc, block_table, num_pages, total_q)
+    if spec.explicit_positions:
+        check_position_values(functor_batch, spec, None)  # against the params: at each run
+    if max_query_len is not None and lens and max(lens) > max_query_len:
+        fail(f"max_query_len={max_query_len}: a sequence brings {max(lens)} queries; "
+             f"pass the longest query count (or None)")
+
+
+def _kernels(mode: str, max_query_len: int | None, lens: list[int] | None) -> tuple[bool | None, bool | None]:
+    """Whether the batch has decode rows (one query) and prefill rows (more): None where not known, and
+    an unknown kind of row is launched for. Eager with the lengths read: exactly; else ``max_query_len=1``
+    promises no prefill row."""
+    if mode == "eager" and lens is not None:
+        return any(n == 1 for n in lens), any(n > 1 for n in lens)
+    return None, (False if max_query_len == 1 else None)
+
+
+def make_ragged_plan(load: Callable[[AttentionSpec], Any], specs: Sequence[AttentionSpec], device: torch.device,
+                     query_start_loc: torch.Tensor, kv_start_loc: torch.Tensor, *, total_q: int | None,
+                     total_kv: int | None, mode: str | None, validate: bool) -> Plan:
+    """The :class:`Plan` of a ragged batch (the checks and decisions of :func:`jitattn.plan_ragged`)."""
+    mode = choose_mode(mode)
+    check_tensor("query_start_loc", query_start_loc, dtype=torch.int32, ndim=1, device=device, device_of="the kernel")
+    batch = query_start_loc.shape[0] - 1
+    if batch < 1:
+        fail(f"query_start_loc: expected shape (batch + 1,) with batch >= 1, got {tuple(query_start_loc.shape)}")
+    check_tensor("kv_start_loc", kv_start_loc, dtype=torch.int32, ndim=1, device=device, device_of="the kernel")
+    if kv_start_loc.shape[0] != batch + 1:
+        fail(f"kv_start_loc: dim 0 (batch + 1, from query_start_loc) must be {batch + 1}, "
+             f"got {kv_start_loc.shape[0]} (shape {tuple(kv_start_loc.shape)})")
+    for name, t in (("query_start_loc", query_start_loc), ("kv_start_loc", kv_start_loc)):
+        if not t.is_contiguous():
+            fail(f"{name}: must be contiguous")
+    total_q, total_kv = _count("total_q", total_q), _count("total_kv", total_kv)
+    validate = _validating(validate)
+    if total_q is None:
+        if mode == "graph":
+            fail("total_q: required in graph mode (the plan reads nothing on the host); pass q.shape[0]")
+        total_q = int(query_start_loc[-1])
+    if total_q >= 2 ** 31:
+        fail(f"total_q={total_q}: at most 2**31 - 1 query tokens (int32 start locations)")
+    if validate:
+        if total_kv is None:
+            fail("total_kv: validate=True checks kv_start_loc against the rows of k and v; pass total_kv=k.shape[0]")
+        check_ragged_metadata_values(query_start_loc, kv_start_loc, total_q, total_kv)
+    plan = Plan("ragged", device, mode, batch, total_q, {"query_start_loc": query_start_loc,
+                                                         "kv_start_loc": kv_start_loc},
+                decode_rows=False, prefill_rows=True, validate=validate, load=load)
+    plan.total_kv = total_kv
+    for spec in specs:
+        plan.add(spec)
+    return plan
+
+
+class SpecPlan:
+    """One spec's launches on a :class:`Plan`'s batch: the packed Params but for the per-layer fields,
+    the grids, the split-KV scratch. Made by :meth:`Plan.add`; :meth:`run` is the per-layer call."""
+
+    def __init__(self, plan: Plan, kernel: Any, *, shared_scratch: bool = False):
+        spec = kernel.spec
+        self.plan, self.kernel, self.spec = plan, kernel, spec
+        self.layout: ParamsLayout = kernel.layout
+        self._launch = kernel.launch
+        self._stream = kernel.stream_handle
+        self.partial: torch.Tensor | None = None  # split-KV partial states (float32), None without splits
+        self.counters: torch.Tensor | None = None
+        self._unzeroed = False  # counters made under graph capture: zero them at the next run
+        c = self.layout.constants(plan.kind)
+        self._writers, self._kv_inner, self._kv_strides, self._kv_align, self._dtypes, self._softmax = (
+            c.writers, c.kv_inner, c.kv_strides, c.kv_align, c.dtypes, c.softmax)
+        self._q_shape = (plan.total_q, spec.num_qo_heads, spec.head_dim_qk)
+        self._out_shape = (plan.total_q, spec.num_qo_heads, spec.head_dim_vo)
+        fields = self._plan_fields(plan, kernel, shared_scratch, c.kv_stride_kv)
+        self._bytes = bytes(self.layout.pack(fields))  # the plan's Params; each run patches a copy
+
+    # ---- plan ---------------------------------------------------------------------------------------
+    def _plan_fields(self, plan: Plan, kernel: Any, shared_scratch: bool, kv_stride_kv: int) -> dict[str, Any]:
+        """The plan-time fields, the kernels to launch and their grids, the split scratch."""
+        spec, g, md = self.spec, kernel.geometry, plan.metadata
+        fields = {k: _ptr(t) for k, t in md.items()}
+        fields.update(batch_size=plan.batch, total_q=plan.total_q, num_splits=1, prefill_skip_decode_rows=0,
+                      k_scale=1.0, v_scale=1.0)
+        tiles = math.ceil(plan.total_q * spec.group_size / g["prefill_block_m"]) + plan.batch
+        self.decode = None
+        self.prefill = (tiles, spec.num_kv_heads, 1), g["prefill_threads"], g["prefill_smem"]
+        if plan.kind == "ragged":
+            return fields
+        # a paged run checks q's head stride and the cache's inner strides: they are the spec's
+        fields.update(block_table_stride=md["block_table"].stride(0), q_stride_head=spec.head_dim_qk,
+                      kv_stride_kv=kv_stride_kv)
+        if spec.explicit_positions:  # the prefill kernel serves every row (no decode kernel is built)
+            return fields
+        fields["prefill_skip_decode_rows"] = 1
+        if plan.prefill_rows is False:
+            self.prefill = None
+        if plan.decode_rows is False:
+            return fields
+        splits = kernel.num_splits(plan.batch, kernel.max_decode_keys(plan.max_pages_per_seq))
+        fields["num_splits"] = splits
+        if splits > 1:
+            fields.update(self._split_scratch(splits, shared_scratch))
+        self.decode = (splits, spec.num_kv_heads, plan.batch), g["decode_threads"], g["decode_smem"]
+        return fields
+
+    def _split_scratch(self, splits: int, shared: bool) -> dict[str, int]:
+        """Partial outputs and lse of the split-KV decode (one float32 buffer) and the fused merge's counters.
+
+        The counters start zeroed; the decode kernel's last split of each (sequence, kv head) merges
+        and resets its counter, so they are zero again after every launch. ``shared``: the kernel's
+        per-stream counters (the one-call path, which plans per call).
+        """
+        spec, plan = self.spec, self.plan
+        n_o = splits * plan.batch * spec.num_qo_heads * spec.head_dim_vo
+        self.partial = torch.empty(n_o + splits * plan.batch * spec.num_qo_heads, dtype=torch.float32,
+                                   device=plan.device)
+        pairs = plan.batch * spec.num_kv_heads
+        if shared:
+            self.counters = self.kernel.split_counters(pairs)
+        else:
+            self.counters = torch.zeros(pairs, dtype=torch.int32, device=plan.device)
+            self._unzeroed = capturing()  # the zero fill only runs when the captured graph replays
+        base = self.partial.data_ptr()
+        return {"partial_o": base, "partial_lse": base + 4 * n_o, "split_counters": self.counters.data_ptr()}
+
+    def describe(self) -> str:
+        return self.spec.describe()
+
+    # ---- run: check -> pack -> launch ---------------------------------------------------------------
+    def run(self, q: torch.Tensor, kv: Any, *, out: torch.Tensor | None = None, return_lse: bool = False,
+            sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
+            params: Mapping[str, Any] | None = None, k_scale: float = 1.0, v_scale: float = 1.0
+            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """One layer on the planned batch (arguments: :func:`jitattn.run`)."""
+        params = params if params is not None else {}
+        scales = self.check(q, kv, out, return_lse, sinks, alibi_slopes, params, k_scale, v_scale)
+        out, lse = self._outputs(q, out, return_lse)
+        if self.plan.total_q:
+            self.launch(self.pack(q, kv, out, lse, sinks, alibi_slopes, params, scales))
+        return (out, lse) if return_lse else out
+
+    def check(self, q: Any, kv: Any, out: Any, return_lse: Any, sinks: Any, alibi_slopes: Any,
+              params: Mapping[str, Any], k_scale: Any, v_scale: Any) -> tuple[float, float]:
+        """The per-layer checks (no host read): q, the cache (or k and v), out, sinks, slopes, params,
+        flags and scales against the spec and the plan. Returns the scales.
+
+        Raises:
+            ValueError: naming the argument, what the plan expects and what was given.
+        """
+        self._check_tensors(q, kv, out)
+        spec, plan = self.spec, self.plan
+        if sinks is not None or spec.sinks:
+            check_vector("sinks", sinks, spec.sinks, spec.num_qo_heads, plan.device, "spec.sinks")
+        if alibi_slopes is not None:
+            check_vector("alibi_slopes", alibi_slopes, spec.alibi, spec.num_qo_heads, plan.device, "spec.alibi",
+                         optional=True)
+        if params or spec.params:
+            check_params(spec, params, batch=plan.batch, total_q=plan.total_q, device=plan.device)
+            if plan.validate and spec.explicit_positions:
+                check_position_values(plan.metadata["functor_batch"], spec, params)
+        if return_lse is not False and check_flag("return_lse", return_lse) and not self._softmax:
+            fail(f"return_lse=True: variant {spec.variant.name!r} has no softmax, so there is no lse")
+        if type(k_scale) is float and type(v_scale) is float and k_scale == 1.0 and v_scale == 1.0:
+            return 1.0, 1.0
+        return check_scales(spec, k_scale, v_scale)
+
+    def _check_tensors(self, q: Any, kv: Any, out: Any) -> None:
+        """q, the cache (or k and v) and out: compared with what the plan made once, the slow checks
+        only to name what differs."""
+        plan = self.plan
+        if type(q) is not torch.Tensor or q.dtype != self._dtypes[0] or tuple(q.shape) != self._q_shape:
+            self._explain_q(q)
+        if q.device != plan.device:
+            fail(f"q: on {q.device}, but the plan (its metadata and kernel) is on {plan.device}")
+        if plan.kind == "paged":
+            self._check_kv_cache(kv)
+            check_q_layout(self.spec, q)
+        else:
+            self._check_ragged_kv(q, kv)
+        if out is not None and not (type(out) is torch.Tensor and out.dtype == self._dtypes[2] and
+                                    out.shape == self._out_shape and out.device == plan.device and
+                                    out.is_contiguous()):
+            check_out(self.spec, out, plan.total_q, plan.device, device_of="the plan")
+
+    def _explain_q(self, q: Any) -> None:
+        """The slow path of q's check: passes a tensor subclass that fits, else names what differs."""
+        check_tensor("q", q, dtype=self._dtypes[0], ndim=3, device=None)
+        if tuple(q.shape) != self._q_shape:
+                fail(f"q: expected shape {self._q_shape} (total_q, num_qo_heads, head_dim_qk) for this plan and "
+                 f"spec, got {tuple(q.shape)}")
+
+    def _check_kv_cache(self, kv: Any) -> None:
+        if type(kv) is not torch.Tensor or kv.dtype != self._dtypes[1] or tuple(kv.shape[1:]) != self._kv_inner:
+            check_kv_cache(self.spec, kv, self.plan.device, device_of="the plan")
+        if kv.device != self.plan.device:
+            fail(f"kv_cache: on {kv.device}, but the plan (its metadata and kernel) is on {self.plan.device}")
+        if self.plan.num_pages is not None and kv.shape[0] != self.plan.num_pages:
+            fail(f"kv_cache: {kv.shape[0]} pages, but the plan was made for num_pages={self.plan.num_pages}")
+        if kv.stride()[1:] != self._kv_strides or kv.stride(0) % self._kv_align or kv.data_ptr() % 16:
+            check_kv_cache_layout(self.spec, kv)  # the slow path names what differs (or passes size-1 dims)
+
+    def _check_ragged_kv(self, q: torch.Tensor, kv: Any) -> None:
+        if not isinstance(kv, (tuple, list)) or len(kv) != 2:
+            fail(f"kv: a ragged plan runs with a (k, v) pair, got {type(kv).__name__}")
+        check_ragged_tensors(self.spec, q, kv[0], kv[1], self.plan.device)
+
+    def _outputs(self, q: torch.Tensor, out: torch.Tensor | None, return_lse: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``out`` (given, else new) and, when asked, the float32 lse ``(total_q, num_qo_heads)``."""
+        spec, n = self.spec, self.plan.total_q
+        if out is None:
+            out = torch.empty(n, spec.num_qo_heads, spec.head_dim_vo, dtype=self._dtypes[2], device=q.device)
+        lse = torch.empty(n, spec.num_qo_heads, dtype=torch.float32, device=q.device) if return_lse else None
+        return out, lse
+
+    def pack(self, q: torch.Tensor, kv: Any, out: torch.Tensor, lse: torch.Tensor | None, sinks: Any,
+             alibi_slopes: Any, params: Mapping[str, Any], scales: tuple[float, float]) -> bytes:
+        """The launch's Params bytes: the plan's, with this layer's fields written in."""
+        if alibi_slopes is None and self.spec.alibi:
+            alibi_slopes = self.kernel.default_slopes  # the spec's slopes, made once per kernel
+        if self.plan.kind == "paged":
+            values = (q.data_ptr(), kv.data_ptr(), out.data_ptr(), _ptr(lse), _ptr(sinks), _ptr(alibi_slopes),
+                      q.stride(0), kv.stride(0), kv.shape[0], scales[0], scales[1])
+        else:
+            k, v = kv
+            values = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), _ptr(lse), _ptr(sinks),
+                      _ptr(alibi_slopes), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+                      v.stride(1), k.shape[0])
+        if self.layout.param_fields:
+            values += self._param_values(params)
+        buf = bytearray(self._bytes)  # a copy per run: runs from two threads never mix their fields
+        for write, offset, pick in self._writers:
+            write(buf, offset, *pick(values))
+        return bytes(buf)
+
+    def _param_values(self, params: Mapping[str, Any]) -> tuple:
+        out: list[Any] = []
+        for p in self.spec.params:
+            value = params[p.name]
+            out += (value,) if p.is_scalar else (value.data_ptr(), value.numel())
+        return tuple(out)
+
+    def launch(self, args: bytes) -> None:
+        """The planned launches on the caller's stream (a mixed batch's decode on a side stream)."""
+        if self._unzeroed:
+            self._zero_counters()
+        decode, prefill = self.decode, self.prefill
+        if decode is not None and prefill is not None and self.kernel.mixed_on_two_streams:
+            self._launch_two_streams(args)
+            return
+        stream = self._stream()
+        if decode is not None:
+            self._launch("decode", decode[0], decode[1], decode[2], args, stream)
+        if prefill is not None:
+            self._launch("prefill", prefill[0], prefill[1], prefill[2], args, stream)
+
+    def _launch_two_streams(self, args: bytes) -> None:
+        """The decode kernel on a side stream beside the prefill kernel on the caller's: they write
+        disjoint rows and share no scratch, so the prefill blocks take each SM the memory-bound decode
+        leaves (a fork and join that CUDA graph capture records as two branches)."""
+        main = torch.cuda.current_stream(self.plan.device)
+        side = self.kernel.side_stream(main.cuda_stream)
+        side.wait_stream(main)
+        try:
+            (grid, block, smem), prefill = self.decode, self.prefill
+            self._launch("decode", grid, block, smem, args, side.cuda_stream)
+            self._launch("prefill", prefill[0], prefill[1], prefill[2], args, main.cuda_stream)
+        finally:  # joined even when a launch raises: the caller's stream must not run ahead of the
+            # decode kernel already queued, and a capture must not end with a fork unjoined
+            main.wait_stream(side)
+
+    def _zero_counters(self) -> None:
+        """Counters made under capture hold garbage until that graph replays: zero them eagerly (then
+        they are known zero) or record the fill into this capture too (a later graph may replay first)."""
+        self.counters.zero_()  # type: ignore[union-attr]
+        if not capturing():
+            self._unzeroed = False
