@@ -39,7 +39,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Iterator, NoReturn, Optional
+from typing import Annotated, Callable, Iterator, NoReturn, Optional
 
 import typer
 import typer.core
@@ -553,6 +553,17 @@ def _print_removals(removals: list, verb: str, dry_run: bool, as_json: bool, roo
     _say(out, f"{label} {len(removals)} items, {total}, in {root}" if removals else f"nothing to {verb} in {root}")
 
 
+def _remove_and_print(verb: str, remove: Callable[..., list], dry_run: bool, as_json: bool) -> None:
+    """``remove(cache, dry_run=...)`` on the writable root, an OSError as a usage error naming the root."""
+    with _usage_errors():
+        cache = _open_cache()
+        try:
+            removals = remove(cache, dry_run=dry_run)
+        except OSError as exc:
+            raise UsageError(f"cannot {verb} {cache.root}: {exc}") from None
+    _print_removals(removals, "remove", dry_run, as_json, cache.root)
+
+
 @cache_app.command("prune")
 def cache_prune(
     dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Say what would go; remove nothing.")] = False,
@@ -567,13 +578,7 @@ def cache_prune(
     """
     from jitattn import cache_admin
 
-    with _usage_errors():
-        cache = _open_cache()
-        try:
-            removals = cache_admin.prune(cache, dry_run=dry_run)
-        except OSError as exc:
-            raise UsageError(f"cannot prune {cache.root}: {exc}") from None
-    _print_removals(removals, "remove", dry_run, as_json, cache.root)
+    _remove_and_print("prune", cache_admin.prune, dry_run, as_json)
 
 
 @cache_app.command("clear")
@@ -588,18 +593,15 @@ def cache_clear(
     """
     from jitattn import cache_admin
 
-    with _usage_errors():
-        cache = _open_cache()
+    def clear(cache, dry_run: bool) -> list:
         if not yes and not dry_run:
             planned = cache_admin.clear(cache, dry_run=True)
             count = sum(r.reason == "cleared" for r in planned)
             raise UsageError(f"cache clear removes {count} entries ({_human(sum(r.size for r in planned))}) "
                              f"from {cache.root}; pass --yes to do it, or --dry-run to list them")
-        try:
-            removals = cache_admin.clear(cache, dry_run=dry_run)
-        except OSError as exc:
-            raise UsageError(f"cannot clear {cache.root}: {exc}") from None
-    _print_removals(removals, "remove", dry_run, as_json, cache.root)
+        return cache_admin.clear(cache, dry_run=dry_run)
+
+    _remove_and_print("clear", clear, dry_run, as_json)
 
 
 @cache_app.command("export")
