@@ -233,7 +233,7 @@ class JitKernel:
         self.device = _cuda_device(device)
         self.entry = select_entry(spec, torch.cuda.get_device_capability(self.device))
         # A ragged spec's module holds only the prefill kernel (attention.cu.j2 builds no decode for it).
-        wanted = ("decode", "merge", "prefill") if spec.has_decode else ("prefill",)
+        wanted = ("decode", "prefill") if spec.has_decode else ("prefill",)
         kernels = {k: v for k, v in KERNEL_NAMES.items() if k in wanted}
         self._module = CubinModule(str(self.entry.cubin), self.device.index, kernels,
                                    sha256=self.entry.manifest["artifacts"].get(self.entry.cubin.name))

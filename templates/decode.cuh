@@ -6,29 +6,11 @@
 // dim, kBdy query heads of the group, kBdz key slots. Each (ty, tz) keeps its own online-softmax
 // state; states merge across tz at the end, and across splits (split-KV, partial states combined by
 // log-sum-exp as in FlashDecoding, Dao et al. 2023) in the last split block of each (sequence, kv
-// head) to finish (merge_splits_last_block), or in merge_splits_kernel when no counters are given.
+// head) to finish (merge_splits_last_block).
 #pragma once
 
 #include "common.cuh"
 #include "variant.cuh"
-
-// CUDA-core decode: shared memory its stages may take (kStages = bytes / stage bytes, 2..4), the most
-// keys per thread per tile (tile keys = key slots x this), and resident blocks per SM asked for. H200,
-// 2026-11-29, one call (tests/tune_decode_variants.py; raw: tests/gpu_results/2026-11-29-s4-dec-*),
-// decode-gemma2-9b-b64x8192 (hd256, group 2: 32-key tiles of 32 KB before): 4 keys / 4 blocks (16-key
-// tiles, 3 stages of 16 KB) 4.31 TB/s, 4 / 5 (2 stages) 4.24, 2 / 6 4.14, the old 8 / 3 4.06; with 8
-// keys, 3 stages (2 blocks/SM) 3.55 and 4 (1 block/SM) 2.31 (s4-dec call 2). Only head dims above 128
-// (16-bit KV) had more than 4 keys per thread; every CUDA-core spec now asks for 4 blocks/SM, not 3
-// (a 128-register cap; decode-hd128-b64x4096-fp8 2.16 -> 2.12 TB/s in the same call).
-#ifndef JITATTN_DECODE_STAGE_BYTES
-#define JITATTN_DECODE_STAGE_BYTES (48 * 1024)
-#endif
-#ifndef JITATTN_DECODE_MAX_KEYS_PER_THREAD
-#define JITATTN_DECODE_MAX_KEYS_PER_THREAD 4
-#endif
-#ifndef JITATTN_DECODE_MIN_BLOCKS
-#define JITATTN_DECODE_MIN_BLOCKS 4
-#endif
 
 namespace jitattn {
 
@@ -48,19 +30,21 @@ struct DecodeTraits {
   // Enough key slots for ~128 threads, rounded so the block is whole warps.
   static constexpr int kBdz = round_up(ceil_div(128, kBdx * kBdy), 32 / gcd(kBdx * kBdy, 32));
   static constexpr int kThreads = kBdx * kBdy * kBdz;
-  // Register cap (memory-bound: occupancy first). JITATTN_DECODE_MIN_BLOCKS (4) was measured on a
-  // 16-bit cache (Gemma-2); an FP8 cache (2.16 -> 2.12 TB/s at 4) and key transforms (rope: 0 -> 64-166
-  // bytes spilled at 4's 128 registers, ptxas) keep 8a22a21's 3.
-  static constexpr int kMinBlocksPerSM =
-      sizeof(DTypeKV) == 2 && !S::kHasKTransform ? JITATTN_DECODE_MIN_BLOCKS : 3;
+  // Register cap (memory-bound: occupancy first): 4 blocks per SM on a 16-bit cache (Gemma-2 hd256
+  // 4.31 TB/s against 4.06 at 3); an FP8 cache (2.12 TB/s at 4 against 2.16) and key transforms (rope
+  // spills 64-166 bytes at 4's 128 registers) keep 3.
+  static constexpr int kMinBlocksPerSM = sizeof(DTypeKV) == 2 && !S::kHasKTransform ? 4 : 3;
+  // Keys per thread per tile: 4 (16-key tiles for Gemma-2 hd256: 4.31 TB/s; 8 keys: 4.06).
+  static constexpr int kMaxKeysPerThread = 4;
   // Scores of kKeysPerThread keys x kHeadsPerThread heads stay in registers: at most 32 of them.
   static constexpr int kKeysPerThread =
-      cmax(1, cmin(cmin(ceil_div(32, kBdz), 32 / kHeadsPerThread), JITATTN_DECODE_MAX_KEYS_PER_THREAD));
+      cmax(1, cmin(cmin(ceil_div(32, kBdz), 32 / kHeadsPerThread), kMaxKeysPerThread));
   static constexpr int kTileKeys = kBdz * kKeysPerThread;  // keys per pipeline stage
   static constexpr int kRowBytes = kHeadDim * sizeof(DTypeKV);
   static constexpr int kStageBytes = 2 * kTileKeys * kRowBytes;  // K and V of one tile
   // ~48 KB of stages: 4 blocks (16 warps) per SM, each with 2 tiles in flight while it computes a third.
-  static constexpr int kStages = cmax(2, cmin(4, (JITATTN_DECODE_STAGE_BYTES) / kStageBytes));
+  static constexpr int kStageBudgetBytes = 48 * 1024;
+  static constexpr int kStages = cmax(2, cmin(4, kStageBudgetBytes / kStageBytes));
   static constexpr int kSlots = kBdy * kHeadsPerThread;  // group-local head slots (>= group size)
   static constexpr int kMergeBytes = (kBdz * kSlots * (kHeadDim + 2) + kSlots) * 4;
   static constexpr int kSmemBytes = cmax(kStages * kStageBytes, kMergeBytes);
@@ -266,21 +250,14 @@ __device__ __forceinline__ void store2(T* dst, float a, float b) {
 
 // Upper bound of the split-KV factor (jitattn/runtime.py caps num_splits below it).
 constexpr int kMaxSplits = 64;
-constexpr int kMergeThreads = 128;
 
-// The split-KV merge fused into the decode kernel (used when p.split_counters is set; else the host
-// launches merge_splits_kernel). Every block calls it after writing its partial state; the last of a
-// (sequence, kv head)'s num_splits blocks to count itself in (one int per pair in p.split_counters,
-// zero between launches: that block resets it) merges the partials of the group's heads as
-// merge_splits_kernel does and writes the output and lse. This saves the merge kernel's launch and
-// its wait for the whole decode grid (the "last block" pattern: __threadfence, then an atomic count).
-// `scratch`: the block's merge scratch (free again), kGroupSize * (kMaxSplits + 2) + 1 words. (No static
-// __shared__ here: a kernel whose dynamic shared memory is exactly the 48 KB default limit would not launch.)
-// Tried (fifth session, branch h-dc, not merged): at head_dim 128 a warp per head, each lane's first 16
-// partial-output loads issued together with the lse loads and the weights computed by shuffles (one L2
-// round trip and no barrier instead of two and one): decode-hd128-b1x32768 3.35 / 3.34 TB/s with it and
-// without (H200, 2026-11-29, same call, tests/gpu_results/2026-11-29-s5-dc-call3-*): the merge's cost
-// (~3 us of 41) is elsewhere.
+// The split-KV merge, fused into the decode kernel. Every block calls it after writing its partial
+// state; the last of a (sequence, kv head)'s num_splits blocks to count itself in (one int per pair in
+// p.split_counters, zero between launches: that block resets it) merges the partials of the group's
+// heads and writes the output and lse. No merge launch, and no wait for the whole decode grid (the
+// "last block" pattern: __threadfence, then an atomic count). `scratch`: the block's merge scratch
+// (free again), kGroupSize * (kMaxSplits + 2) + 1 words (no static __shared__: a kernel whose dynamic
+// shared memory is exactly the 48 KB default limit would not launch).
 template <class S, int kThreads>
 __device__ __forceinline__ void merge_splits_last_block(const Params& p, float* scratch, int batch, int kv_head,
                                                         int q_row, int qo_idx) {
@@ -318,7 +295,7 @@ __device__ __forceinline__ void merge_splits_last_block(const Params& p, float* 
     if (lane == 0) {
       float lse;
       scale[g] = finalize_state<S>(p, qo_head, SoftmaxState{m, d}, lse);
-      poison[g] = bad ? __int_as_float(0x7fc00000) : 0.f;
+      poison[g] = bad ? quiet_nan() : 0.f;
       if (p.lse != nullptr) p.lse[static_cast<long long>(q_row) * S::kNumQoHeads + qo_head] = lse + poison[g];
     }
   }
@@ -346,7 +323,7 @@ __device__ __forceinline__ void merge_splits_last_block(const Params& p, float* 
       bool oob = false;
       if constexpr (S::kHasOutTransform) value = S::output_transform(p, value, batch, qo_head, qo_idx, i + j, oob);
       p.o[row_head * S::kHeadDimVO + i + j] =
-          from_float<typename S::DTypeO>(value + poison[g] + (oob ? __int_as_float(0x7fc00000) : 0.f));
+          from_float<typename S::DTypeO>(value + poison[g] + (oob ? quiet_nan() : 0.f));
     }
   }
 }
@@ -408,7 +385,7 @@ __device__ __forceinline__ void decode_finish(const Params& p, float* sm_m, int 
         value[j] = acc[j] * sm_scale[g];
         bool oob = false;  // a parameter read out of range here poisons this element
         if constexpr (S::kHasOutTransform) value[j] = S::output_transform(p, value[j], batch, qo_head, qo_idx, i + j, oob);
-        value[j] += poison + (oob ? __int_as_float(0x7fc00000) : 0.f);
+        value[j] += poison + (oob ? quiet_nan() : 0.f);
       }
       store2<typename S::DTypeO>(p.o + (static_cast<long long>(q_row) * S::kNumQoHeads + qo_head) * S::kHeadDimVO + i,
                                  value[0], value[1]);
@@ -570,7 +547,7 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
   }
   cp_async_wait<0>();
   // All stages idle (shared memory is reused for the merge below); any thread's bad metadata poisons the row.
-  const float poison = __syncthreads_or(bad) ? __int_as_float(0x7fc00000) : 0.f;
+  const float poison = __syncthreads_or(bad) ? quiet_nan() : 0.f;
 
   // Merge the kBdz key-slot states of each head, all threads at once. Scratch (floats):
   // m[kBdz][kSlots] (then the merge weights), d[kBdz][kSlots], o[kBdz][kSlots][kHeadDim], scale[kSlots].
@@ -591,59 +568,6 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
   }
   __syncthreads();
   decode_finish<S, T::kBdz, kSlots, T::kThreads>(p, sm_m, split, batch, kv_head, q_row, qo_idx, poison);
-}
-
-// Combines the num_splits partial states of each decode row (grid: batch x num_qo_heads,
-// kMergeThreads threads). The split weights are computed once into shared memory; every thread
-// then sums its head-dim elements over the splits.
-template <class S>
-__device__ __forceinline__ void merge_splits_kernel(const Params& p) {
-  __shared__ float weight[kMaxSplits];
-  __shared__ float red[kMergeThreads / 32];
-  const int batch = blockIdx.x, qo_head = blockIdx.y;
-  const int q_row = p.query_start_loc[batch];
-  if (p.query_start_loc[batch + 1] - q_row != 1 || q_row < 0 || q_row >= p.total_q) return;
-  const long long stride = static_cast<long long>(p.batch_size) * S::kNumQoHeads;
-  const long long base = static_cast<long long>(batch) * S::kNumQoHeads + qo_head;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int n = min(p.num_splits, kMaxSplits);
-
-  // Max over the splits' lse (base 2). fmaxf drops NaN, so a poisoned split is looked for explicitly.
-  const float l = threadIdx.x < n ? p.partial_lse[threadIdx.x * stride + base] : kNegInf;
-  const bool bad = __syncthreads_or(isnan(l));
-  float m = group_max<32>(l);
-  if (lane == 0) red[warp] = m;
-  __syncthreads();
-  m = red[0];
-#pragma unroll
-  for (int w = 1; w < kMergeThreads / 32; ++w) m = fmaxf(m, red[w]);
-  const float w_split = S::kSoftmax ? rescale_factor(l, m) : (threadIdx.x < n ? 1.0f : 0.f);
-  if (threadIdx.x < n) weight[threadIdx.x] = w_split;
-  __syncthreads();  // everyone has read red[] (max) before it is reused for the sum
-  float d = group_sum<32>(threadIdx.x < n ? w_split : 0.f);
-  if (lane == 0) red[warp] = d;
-  __syncthreads();
-  d = 0.f;
-#pragma unroll
-  for (int w = 0; w < kMergeThreads / 32; ++w) d += red[w];
-
-  // The merged state is (m, d) over normalised partials; fold in the sink and finish.
-  float lse;
-  const float scale = finalize_state<S>(p, qo_head, SoftmaxState{m, d}, lse);
-  const float poison = bad ? __int_as_float(0x7fc00000) : 0.f;
-  const long long row_head = static_cast<long long>(q_row) * S::kNumQoHeads + qo_head;
-  const int qo_idx = p.seq_lens[batch] - 1;
-  for (int i = threadIdx.x; i < S::kHeadDimVO; i += kMergeThreads) {
-    float acc = 0.f;
-#pragma unroll 8
-    for (int s = 0; s < n; ++s) acc += weight[s] * p.partial_o[(s * stride + base) * S::kHeadDimVO + i];
-    float value = acc * scale;
-    bool oob = false;
-    if constexpr (S::kHasOutTransform) value = S::output_transform(p, value, batch, qo_head, qo_idx, i, oob);
-    p.o[row_head * S::kHeadDimVO + i] =
-        from_float<typename S::DTypeO>(value + poison + (oob ? __int_as_float(0x7fc00000) : 0.f));
-  }
-  if (threadIdx.x == 0 && p.lse != nullptr) p.lse[row_head] = lse + poison;
 }
 
 }  // namespace jitattn

@@ -538,7 +538,7 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
     prefill_pv<S>(o, s, stage_v(stage), lane);
   }
   cp_async_wait<0>();
-  const float poison = __syncthreads_or(bad) ? __int_as_float(0x7fc00000) : 0.f;
+  const float poison = __syncthreads_or(bad) ? quiet_nan() : 0.f;
 
   // Epilogue: finish each row (sum the quad's partial sums, fold sinks) and store.
 #pragma unroll
@@ -563,7 +563,7 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
           const int dim = d * 8 + 2 * tig;
           v0 = S::output_transform(p, v0, f.batch, row.head, f.hpos, dim, oob);
           v1 = S::output_transform(p, v1, f.batch, row.head, f.hpos, dim + 1, oob);
-          if (oob) v0 = v1 = __int_as_float(0x7fc00000);
+          if (oob) v0 = v1 = quiet_nan();
         }
         *reinterpret_cast<uint32_t*>(out + d * 8 + 2 * tig) = pack2<typename S::DTypeO>(v0 + poison, v1 + poison);
       }

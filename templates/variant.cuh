@@ -69,7 +69,7 @@ template <class S>
 __device__ __forceinline__ float finalize_state(const Params& p, int qo_head, SoftmaxState st, float& lse) {
   float m = st.m, d = st.d;
   if constexpr (!S::kSoftmax) {  // a weighted sum: nothing to normalise, no lse
-    lse = __int_as_float(0x7fc00000);
+    lse = quiet_nan();
     return 1.0f;
   } else if constexpr (S::kHasSinks) {
     const float sink = p.sinks[qo_head] * kLog2e;
