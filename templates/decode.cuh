@@ -23,7 +23,7 @@ struct DecodeTraits {
   static constexpr int kBdx = next_pow2(kChunks);     // lanes along head_dim (idle lanes when not a power of two)
   // Each thread serves up to 4 query heads of the group, so each K/V element it loads is converted
   // once and used for several heads (a thread per head converted each element group-size times and
-  // left decode issue-bound at ~2.6 TB/s on the H200, 2026-11-29). 8 heads spill at 3 blocks/SM.
+  // left decode issue-bound at ~2.6 TB/s on the H200). 8 heads spill at 3 blocks/SM.
   static constexpr int kMaxHeadsPerThread = cmax(1, 32 / kVec);  // q and o: <= 32 floats each per thread
   static constexpr int kHeadsPerThread = ceil_div(S::kGroupSize, ceil_div(S::kGroupSize, kMaxHeadsPerThread));
   static constexpr int kBdy = ceil_div(S::kGroupSize, kHeadsPerThread);
@@ -452,9 +452,7 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
     st[h] = SoftmaxState{S::kSoftmax ? kNegInf : 0.f, 0.f};
   }
 
-  // Prologue: kStages - 1 tiles in flight. (Issued before the q loads instead: Gemma-2's decode
-  // 0.5341 vs 0.5342 ms, H200 2026-11-29 (s4-dec call 2), no difference; the 4.03 -> 3.36 TB/s once
-  // noted here matches the soft-cap division's cost of ff8c327, measured the same day.)
+  // Prologue: kStages - 1 tiles in flight (issuing them before the q loads made no difference).
 #pragma unroll
   for (int s = 0; s < T::kStages - 1; ++s) {
     const int start = lo + s * T::kTileKeys;

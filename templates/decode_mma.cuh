@@ -12,8 +12,8 @@
 // instead of the keys (kSplitDims, decode_mma_split_dims) and no merge is needed.
 // An FP8 (e4m3) cache is read here too (DecodeMmaTraits::kFp8): raw rows are staged, and each lane
 // widens the bytes of its ldmatrix fragments to f16 in registers (decode_mma_qk_fp8 / _pv_fp8); at
-// hd <= 128 a warp takes 32 keys per tile. H200, decode-hd128-b64x4096-fp8, 2026-11-29: 0.151 ms vs
-// 0.266 ms for the bf16 cache (1.76x; the CUDA-core FP8 decode: 0.247 ms).
+// hd <= 128 a warp takes 32 keys per tile (decode-hd128-b64x4096-fp8: 0.151 ms against 0.266 ms for
+// the bf16 cache; the CUDA-core FP8 decode: 0.247 ms).
 #pragma once
 
 #include "common.cuh"
@@ -141,9 +141,8 @@ struct DecodeMmaTraits {
 // kTileKeys), as load_kv_rows_paged (page ids from KvPages, a page id out of range sets `bad` and reads
 // page 0, rows at or past `end` zero-filled), with the per-thread constants hoisted: thread t copies
 // chunk t % kKvChunks of rows t / kKvChunks + i * (kThreads / kKvChunks), so its chunk, its swizzle and
-// the head's offset in a page are fixed, and a row's address is page * kv_stride_page + slot * stride.
-// (load_kv_rows_paged spent 44 instructions per K/V chunk pair here with an FP8 cache, ptxas sm_90a,
-// 2026-11-29.)
+// the head's offset in a page are fixed, and a row's address is page * kv_stride_page + slot * stride
+// (load_kv_rows_paged spent 44 instructions per K/V chunk pair here with an FP8 cache, sm_90a).
 // kRows: a pipeline stage's keys, or the whole window's (DecodeMmaTraits::kWindowLoader).
 template <class S, int kRows = DecodeMmaTraits<S>::kTileKeys>
 __device__ __forceinline__ void decode_mma_load_tile(
@@ -530,11 +529,9 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
   if (bad) kv_end = kv_begin;
   int lo, hi;
   if constexpr (T::kWholeWindow) {
-    // A window of a few tiles keeps 8a22a21's chunks of ceil(keys / splits) rounded up to whole tiles,
-    // and its Q fragments below keep their rows 8..15 as loaded: with split_range and zeroed rows the
-    // gpt-oss sliding decode ran 2.43-2.46 TB/s against 2.49-2.55 (H200, 2026-11-29, s4-dec call 3 and
-    // s4-final); with both kept, every 16-bit whole-window spec of the GPU tests and bench compiles to
-    // the SASS of 8a22a21 (cuobjdump, 7 specs).
+    // A window of a few tiles keeps chunks of ceil(keys / splits) rounded up to whole tiles, and its Q
+    // fragments below keep their rows 8..15 as loaded: with split_range and zeroed rows the gpt-oss
+    // sliding decode ran 2.43-2.46 TB/s against 2.49-2.55.
     const int chunk_len = round_up(ceil_div(max(kv_end - kv_begin, 0), p.num_splits), T::kTileKeys);
     lo = kv_begin + split * chunk_len;
     hi = min(kv_end, lo + chunk_len);

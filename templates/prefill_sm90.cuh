@@ -72,8 +72,8 @@ struct PrefillSm90Traits {
   // Warp specialisation (FlashAttention-3's layout): warpgroups 0 .. kConsumerWGs - 1 compute, 64 rows
   // each; the last warpgroup only loads K/V (cp.async into the stages) and runs on few registers.
   // Three consumer warpgroups (192 rows, 96-key tiles, as FlashAttention-3 at head dim 96) for the
-  // paged specs of head dims up to 112 that are not multiples of 64, two otherwise. H200, 2026-11-29,
-  // Phi-3 hd96 causal 4 x 8192: 349 TFLOP/s with two (128 x 128 tiles), 387 with three. At three, 160
+  // paged specs of head dims up to 112 that are not multiples of 64, two otherwise (Phi-3 hd96 causal
+  // 4 x 8192: 349 TFLOP/s with two, 128 x 128 tiles; 387 with three). At three, 160
   // registers per consumer thread: hd96 spills 12-28 bytes (plain) to 108 (ALiBi + windows); ragged
   // specs keep two, where tests/test_ragged.py asks for no spills.
   // Explicit query positions keep two as well: at three, hd96 spilled 24 / 52 bytes against 16 / 32 with

@@ -173,7 +173,17 @@ _ADDRESS = re.compile(r"/\*[0-9a-f]{4,}\*/")
 
 
 def kernels_sass(cubin: str) -> dict[str, list[str]]:
-    """Kernel name -> normalised SASS lines (code addresses removed), plus ``<name> resources``."""
+    """Kernel name -> normalised SASS lines (code addresses removed), plus ``<name> resources`` and the
+    constant bank 3 data; kept beside the cubin (``.sass.json``), which is named by its source's hash."""
+    saved = Path(cubin + ".sass.json")
+    if saved.exists():
+        return json.loads(saved.read_text())
+    out = _disassemble(cubin)
+    saved.write_text(json.dumps(out))
+    return out
+
+
+def _disassemble(cubin: str) -> dict[str, list[str]]:
     tool = cuobjdump()
     sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
     out: dict[str, list[str]] = {}
