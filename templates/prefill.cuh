@@ -12,7 +12,7 @@
 #pragma once
 
 #include "common.cuh"
-#include "decode.cuh"
+#include "kv_load.cuh"
 #include "variant.cuh"
 
 namespace jitattn {

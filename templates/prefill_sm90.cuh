@@ -25,7 +25,7 @@
 #pragma once
 
 #include "common.cuh"
-#include "decode.cuh"
+#include "kv_load.cuh"
 #include "prefill.cuh"
 #include "variant.cuh"
 #include "wgmma_sm90.cuh"
