@@ -208,18 +208,6 @@ __device__ __forceinline__ float group_max(float x) {
   return x;
 }
 
-// ---- online softmax state (Milakov & Gimelshein 2018; Dao et al. 2022, FlashAttention, sec. 3.1) ----
-// In base 2: m is the running max of log2-scaled logits, d the running sum of exp2(s - m).
-// Merging two states is exact; a state that has seen no key has m = -inf, d = 0.
-struct SoftmaxState {
-  float m;
-  float d;
-};
-// exp2(m_old - m_new) guarded so that (-inf) - (-inf) never makes a NaN.
-__device__ __forceinline__ float rescale_factor(float m_old, float m_new) {
-  return m_old == kNegInf ? 0.f : fast_exp2(m_old - m_new);
-}
-
 }  // namespace jitattn
 
 // ---- helpers the traced functors call (jitattn/trace.py) -----------------------------------------

@@ -11,6 +11,7 @@
 
 #include "common.cuh"
 #include "kv_load.cuh"
+#include "softmax.cuh"
 #include "variant.cuh"
 
 namespace jitattn {
@@ -302,7 +303,7 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
       q[h][i] *= q_prescale<S>() * p.k_scale;  // an FP8 cache's K scale folds into q
       o[h][i] = 0.f;
     }
-    st[h] = SoftmaxState{S::kSoftmax ? kNegInf : 0.f, 0.f};
+    st[h] = softmax_initial<S>();
   }
 
   // Prologue: kStages - 1 tiles in flight (issuing them before the q loads made no difference).
@@ -365,23 +366,19 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
         const int kv_idx = start + tz + j * T::kBdz;
         const float v = transform_logit<S>(p, s[h][j], batch, qo_head, kv_head, qo_idx, kv_idx, 1, kv_len, bad);
         const bool ok = kv_idx < hi && custom_visible<S>(p, batch, qo_head, kv_head, qo_idx, kv_idx, 1, kv_len, bad);
-        s[h][j] = ok ? v : (S::kSoftmax ? kNegInf : 0.f);
+        s[h][j] = ok ? v : masked_score<S>();
         tile_max = fmaxf(tile_max, s[h][j]);
       }
-      if constexpr (S::kSoftmax) {
-        const float m_new = fmaxf(st[h].m, tile_max);
-        const float m_use = m_new == kNegInf ? 0.f : m_new;
-        const float alpha = rescale_factor(st[h].m, m_use);
-        st[h].d *= alpha;
+      if constexpr (S::kSoftmax) {  // (without softmax the weights are used as they are)
+        const SoftmaxStep step = softmax_step(st[h], tile_max);
 #pragma unroll
-        for (int i = 0; i < V; ++i) o[h][i] *= alpha;
+        for (int i = 0; i < V; ++i) o[h][i] *= step.alpha;
 #pragma unroll
         for (int j = 0; j < KPT; ++j) {
-          s[h][j] = fast_exp2(s[h][j] - m_use);
+          s[h][j] = fast_exp2(s[h][j] - step.m_use);
           st[h].d += s[h][j];
         }
-        st[h].m = m_new;
-      }  // without softmax the weights are used as they are (state stays m = 0, d unused)
+      }
     }
 #pragma unroll
     for (int j = 0; j < KPT; ++j) {

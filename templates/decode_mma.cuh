@@ -18,6 +18,7 @@
 
 #include "common.cuh"
 #include "decode.cuh"
+#include "softmax.cuh"
 #include "variant.cuh"
 
 namespace jitattn {
@@ -70,7 +71,7 @@ struct DecodeMmaTraits {
   // (one block_table round trip, one wait, one barrier) instead of through the tile pipeline, the
   // shared memory holds exactly the window, and more blocks fit on an SM. Such a block reads little
   // (32 KB for gpt-oss), so its life is mostly fixed latency, and blocks resident per SM set the rate.
-  static constexpr int kWindowTiles = S::kWindowLeft >= 0 ? ceil_div(S::kWindowLeft + 1, kWarps * 16) : 0;
+  static constexpr int kWindowTiles = ceil_div(left_window_keys<S>(), kWarps * 16);
   static constexpr bool kWholeWindow = kWindowTiles > 0 && kWindowTiles <= kWholeWindowMaxTiles;
   // Keys per warp per tile: one k-step of P V (16), or for the FP8 tile pipeline at hd <= 128
   // 32 (two k-steps, so the per-tile work that does not scale with bytes, the
@@ -341,27 +342,22 @@ __device__ __forceinline__ void decode_mma_softmax_step(const Params& p, float (
         float v = transform_logit<S>(p, s[n][2 * r + e] * qk_scale[r], batch, head, kv_head, qo_idx, kv_idx, 1, kv_len,
                                      bad);
         const bool ok = kv_idx < hi && custom_visible<S>(p, batch, head, kv_head, qo_idx, kv_idx, 1, kv_len, bad);
-        v = ok ? v : (S::kSoftmax ? kNegInf : 0.f);
+        v = ok ? v : masked_score<S>();
         s[n][2 * r + e] = v;
         tile_max = fmaxf(tile_max, v);
       }
     if constexpr (S::kSoftmax) {
-      tile_max = group_max<4>(tile_max);
-      const float m_new = fmaxf(st[r].m, tile_max);
-      const float m_use = m_new == kNegInf ? 0.f : m_new;
-      const float alpha = rescale_factor(st[r].m, m_use);
-      st[r].m = m_new;
-      st[r].d *= alpha;
+      const SoftmaxStep step = softmax_step(st[r], group_max<4>(tile_max));
 #pragma unroll
       for (int d = 0; d < kDTiles; ++d) {
-        o[d][2 * r] *= alpha;
-        o[d][2 * r + 1] *= alpha;
+        o[d][2 * r] *= step.alpha;
+        o[d][2 * r + 1] *= step.alpha;
       }
 #pragma unroll
       for (int n = 0; n < kN; ++n)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float pe = fast_exp2(s[n][2 * r + e] - m_use);
+          const float pe = fast_exp2(s[n][2 * r + e] - step.m_use);
           s[n][2 * r + e] = pe;
           st[r].d += pe;
         }
@@ -386,7 +382,7 @@ __device__ __forceinline__ void decode_mma_split_dims(const Params& p, const uin
   for (int d = 0; d < T::kWarpDTiles; ++d)
 #pragma unroll
     for (int i = 0; i < 4; ++i) o[d][i] = 0.f;
-  SoftmaxState st[2] = {{S::kSoftmax ? kNegInf : 0.f, 0.f}, {S::kSoftmax ? kNegInf : 0.f, 0.f}};
+  SoftmaxState st[2] = {softmax_initial<S>(), softmax_initial<S>()};
 
 #pragma unroll
   for (int c0 = 0; c0 < T::kStages * T::kTileKeys; c0 += T::kChunkKeys) {
@@ -628,7 +624,7 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
   for (int d = 0; d < T::kDTiles; ++d)
 #pragma unroll
     for (int i = 0; i < 4; ++i) o[d][i] = 0.f;
-  SoftmaxState st[2] = {{S::kSoftmax ? kNegInf : 0.f, 0.f}, {S::kSoftmax ? kNegInf : 0.f, 0.f}};
+  SoftmaxState st[2] = {softmax_initial<S>(), softmax_initial<S>()};
 
   int it = 0;
   for (int start = lo; start < hi; start += T::kTileKeys, ++it) {

@@ -27,6 +27,7 @@
 #include "common.cuh"
 #include "kv_load.cuh"
 #include "prefill.cuh"
+#include "softmax.cuh"
 #include "variant.cuh"
 #include "wgmma_sm90.cuh"
 
@@ -113,7 +114,6 @@ struct PrefillSm90Traits {
   static_assert(!kSupported || kSmemBytes <= kSmemLimit, "stages exceed the shared memory of one SM");
   static constexpr int kNTiles = kBlockN / 8;   // n8 column groups of S
   static constexpr int kDTiles = kHeadDimVO / 8;  // n8 column groups of O
-  static constexpr float kRescaleThreshold = 8.0f;
   // Inside each consumer warpgroup, the S = Q K^T MMAs of tile j are issued before O += P V of tile
   // j - 1 and the softmax of tile j runs while those P V MMAs run (FlashAttention-3, Shah et al. 2024,
   // sec. 3.2): hd128 causal 4x8192 348 -> 404 TFLOP/s. Specs with a key transform keep the loop
@@ -572,7 +572,7 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
 #pragma unroll
   for (int i = 0; i < T::kDTiles * 4; ++i) o[i] = 0.f;
   SoftmaxState st[2];
-  st[0] = st[1] = SoftmaxState{S::kSoftmax ? kNegInf : 0.f, 0.f};
+  st[0] = st[1] = softmax_initial<S>();
   constexpr float kScale = q_prescale<S>();
 
   // Which tiles this warpgroup computes: [j_lo, j_hi), the tiles some of its rows can see (a
@@ -609,7 +609,7 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
               const bool ok = kv_idx < kv_end && kv_idx >= kv_begin && structurally_visible<S>(f.pos, kv_idx) &&
                               custom_visible<S>(p, f.batch, row.head, kv_head, f.hpos, kv_idx + f.koff, qo_len,
                                                 kv_len, bad);
-              v = ok ? v : (S::kSoftmax ? kNegInf : 0.f);
+              v = ok ? v : masked_score<S>();
             }
             s[n * 4 + 2 * r + e] = v;
             part[(n % 2) * 2 + e] = fmaxf(part[(n % 2) * 2 + e], v);
@@ -617,23 +617,9 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
         if constexpr (!S::kSoftmax) continue;
         float tile_max = group_max<4>(fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3])));
         if constexpr (kFoldScale) tile_max *= kScale;  // -inf stays -inf
-        if (tile_max > st[r].m + T::kRescaleThreshold) {
-          alpha[r] = rescale_factor(st[r].m, tile_max);
-          st[r].m = tile_max;
-          st[r].d *= alpha[r];
-        }
-        const float m_use = st[r].m == kNegInf ? 0.f : st[r].m;
-        part[0] = part[1] = part[2] = part[3] = 0.f;
-#pragma unroll
-        for (int n = 0; n < T::kNTiles; ++n)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float x = s[n * 4 + 2 * r + e];
-            const float pe = fast_exp2(kFoldScale ? fmaf(x, kScale, -m_use) : x - m_use);
-            s[n * 4 + 2 * r + e] = pe;
-            part[(n % 2) * 2 + e] += pe;
-          }
-        st[r].d += (part[0] + part[1]) + (part[2] + part[3]);
+        softmax_update_deferred<T::kNTiles, 2, 4, kFoldScale>(
+            st[r], tile_max, [&](int n, int e) -> float& { return s[n * 4 + 2 * r + e]; },
+            [&](float a) { alpha[r] = a; }, kScale);
       }
     };
     // Elements are masked on boundary tiles only: one branch per tile, not one per element.
@@ -780,32 +766,21 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
             const bool ok = kv_idx < kv_end && kv_idx >= kv_begin && structurally_visible<S>(f.pos, kv_idx) &&
                             custom_visible<S>(p, f.batch, row.head, kv_head, f.hpos, kv_idx + f.koff, qo_len,
                                               kv_len, bad);
-            v = ok ? v : (S::kSoftmax ? kNegInf : 0.f);
+            v = ok ? v : masked_score<S>();
           }
           s[n * 4 + 2 * r + e] = v;
           tile_max = fmaxf(tile_max, v);
         }
       if constexpr (!S::kSoftmax) continue;
-      tile_max = group_max<4>(tile_max);
-      if (tile_max > st[r].m + T::kRescaleThreshold) {
-        const float alpha = rescale_factor(st[r].m, tile_max);
-        st[r].m = tile_max;
-        st[r].d *= alpha;
+      softmax_update_deferred<T::kNTiles, 2>(
+          st[r], group_max<4>(tile_max), [&](int n, int e) -> float& { return s[n * 4 + 2 * r + e]; },
+          [&](float alpha) {
 #pragma unroll
-        for (int d = 0; d < T::kDTiles; ++d) {
-          o[d * 4 + 2 * r] *= alpha;
-          o[d * 4 + 2 * r + 1] *= alpha;
-        }
-      }
-      const float m_use = st[r].m == kNegInf ? 0.f : st[r].m;
-#pragma unroll
-      for (int n = 0; n < T::kNTiles; ++n)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float pe = fast_exp2(s[n * 4 + 2 * r + e] - m_use);
-          s[n * 4 + 2 * r + e] = pe;
-          st[r].d += pe;
-        }
+            for (int d = 0; d < T::kDTiles; ++d) {
+              o[d * 4 + 2 * r] *= alpha;
+              o[d * 4 + 2 * r + 1] *= alpha;
+            }
+          });
     }
 
     // O += P V: P from the S accumulators as register A fragments (n8 groups 2kk, 2kk + 1 = k-step kk).

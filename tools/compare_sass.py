@@ -209,7 +209,7 @@ def _disassemble(cubin: str) -> dict[str, list[str]]:
     return out
 
 
-def compare(base: dict, new: dict, archs: list[str], verbose: bool, removed: tuple[str, ...] = ()) -> int:
+def compare(base: dict, new: dict, archs: list[str], diff_lines: int = 0, removed: tuple[str, ...] = ()) -> int:
     """Print one line per (spec, arch, kernel); return how many are not identical (``removed``: kernels
     the new tree drops on purpose, reported but not counted)."""
     failures = 0
@@ -228,9 +228,9 @@ def compare(base: dict, new: dict, archs: list[str], verbose: bool, removed: tup
                 elif state != "identical":
                     failures += 1
                 print(f"{state:12s} {label:50s} {arch:7s} {kernel}")
-                if state == "differs" and verbose:
+                if state == "differs" and diff_lines:
                     diff = difflib.unified_diff(a[kernel], b[kernel], "base", "tree", n=1, lineterm="")
-                    for line in list(diff)[:60]:
+                    for line in list(diff)[:diff_lines]:
                         print("    " + line)
     return failures
 
@@ -243,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", help="only specs whose label contains this (repeatable)")
     parser.add_argument("--work", type=Path, default=DEFAULT_WORK, help="cubin store, kept between runs")
     parser.add_argument("--list", action="store_true", help="print the spec list and exit")
-    parser.add_argument("--diff", action="store_true", help="print the first lines of each SASS difference")
+    parser.add_argument("--diff", type=int, nargs="?", const=60, default=0, metavar="LINES",
+                        help="print the first LINES (60) lines of each SASS difference")
     parser.add_argument("--removed", action="append", default=[],
                         help="a kernel the new tree drops on purpose: reported, not counted (repeatable)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
