@@ -17,6 +17,9 @@ Usage::
     python tools/compare_sass.py --base /path/to/old/checkout [--tree .] [--arch sm_80 --arch sm_90a]
         [--only SUBSTRING ...] [--work /tmp/compare-sass] [--list]
 
+Needs nvcc, cuobjdump (CUOBJDUMP or PATH) and the nvdisasm it runs (NVDISASM_PATH, PATH, or
+``pip install nvidia-cuda-nvdisasm``); no GPU.
+
 Exit status: 0 when every (spec, arch, kernel) is identical, 1 when any differs or is missing, 2
 when a tree fails to render or compile a spec.
 """
@@ -37,8 +40,6 @@ from pathlib import Path
 DEFAULT_ARCHS = ("sm_80", "sm_90a")
 DEFAULT_WORK = Path("/tmp/compare-sass")
 CUOBJDUMP_CANDIDATES = ("/opt/cuobjdump/x/nvidia/cu13/bin/cuobjdump",)
-#: cuobjdump -sass runs nvdisasm; the nvidia-cuda-nvdisasm wheel ships one (NVDISASM_PATH overrides).
-NVDISASM_CANDIDATES = ("/tmp/nvdisasm-pkg/nvidia/cu13/bin",)
 
 #: Specs beyond the bench catalogue, one per feature of the GPU matrix (tests/gpu_cases.py) the bench
 #: does not build: ``label -> Python expression`` over AttentionSpec and jitattn.variant's constructors.
@@ -144,15 +145,16 @@ def run_worker(tree: Path, specs: dict[str, str], archs: list[str], work: Path) 
 
 
 def cuobjdump() -> str:
-    """cuobjdump's path (CUOBJDUMP, a known install, PATH); puts nvdisasm's folder in NVDISASM_PATH."""
+    """cuobjdump's path (CUOBJDUMP, a known install, PATH). cuobjdump -sass runs nvdisasm: NVDISASM_PATH (its
+    folder), PATH, or the nvidia-cuda-nvdisasm wheel of this environment, whose folder is put in NVDISASM_PATH."""
     if not os.environ.get("NVDISASM_PATH") and not shutil.which("nvdisasm"):
         try:
             import nvidia.cu13  # the nvidia-cuda-nvdisasm wheel, when installed in this environment
 
-            wheel_bins = [str(Path(nvidia.cu13.__path__[0]) / "bin")]
+            wheel_bins = [str(Path(folder) / "bin") for folder in nvidia.cu13.__path__]
         except ImportError:
             wheel_bins = []
-        for folder in (*wheel_bins, *NVDISASM_CANDIDATES):
+        for folder in wheel_bins:
             if (Path(folder) / "nvdisasm").is_file():
                 os.environ["NVDISASM_PATH"] = folder
                 break
