@@ -509,9 +509,10 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
             tile_max = fmaxf(tile_max, v);
           }
         if constexpr (!S::kSoftmax) continue;  // the weights are the probabilities already
+        tile_max = group_max<4>(tile_max);
         softmax_update_deferred<T::kNTiles, 2>(
-            st[mt][r], group_max<4>(tile_max), [&](int n, int e) -> float& { return s[mt][n][2 * r + e]; },
-            [&](float alpha) {
+            st[mt][r], tile_max, tile_max > st[mt][r].m + kRescaleThreshold,
+            [&](int n, int e) -> float& { return s[mt][n][2 * r + e]; }, [&](float alpha) {
 #pragma unroll
               for (int d = 0; d < T::kDTiles; ++d) {
                 o[mt][d][2 * r] *= alpha;

@@ -617,9 +617,25 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
         if constexpr (!S::kSoftmax) continue;
         float tile_max = group_max<4>(fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3])));
         if constexpr (kFoldScale) tile_max *= kScale;  // -inf stays -inf
-        softmax_update_deferred<T::kNTiles, 2, 4, kFoldScale>(
-            st[r], tile_max, [&](int n, int e) -> float& { return s[n * 4 + 2 * r + e]; },
-            [&](float a) { alpha[r] = a; }, kScale);
+        // softmax_update_deferred's step in its own form: the rescale is left to the caller (alpha),
+        // the sum runs in four chains like the max, and the scale folds into exp2.
+        if (tile_max > st[r].m + kRescaleThreshold) {
+          alpha[r] = rescale_factor(st[r].m, tile_max);
+          st[r].m = tile_max;
+          st[r].d *= alpha[r];
+        }
+        const float m_use = st[r].m == kNegInf ? 0.f : st[r].m;
+        part[0] = part[1] = part[2] = part[3] = 0.f;
+#pragma unroll
+        for (int n = 0; n < T::kNTiles; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float x = s[n * 4 + 2 * r + e];
+            const float pe = fast_exp2(kFoldScale ? fmaf(x, kScale, -m_use) : x - m_use);
+            s[n * 4 + 2 * r + e] = pe;
+            part[(n % 2) * 2 + e] += pe;
+          }
+        st[r].d += (part[0] + part[1]) + (part[2] + part[3]);
       }
     };
     // Elements are masked on boundary tiles only: one branch per tile, not one per element.
@@ -772,9 +788,10 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
           tile_max = fmaxf(tile_max, v);
         }
       if constexpr (!S::kSoftmax) continue;
+      tile_max = group_max<4>(tile_max);
       softmax_update_deferred<T::kNTiles, 2>(
-          st[r], group_max<4>(tile_max), [&](int n, int e) -> float& { return s[n * 4 + 2 * r + e]; },
-          [&](float alpha) {
+          st[r], tile_max, tile_max > st[r].m + kRescaleThreshold,
+          [&](int n, int e) -> float& { return s[n * 4 + 2 * r + e]; }, [&](float alpha) {
 #pragma unroll
             for (int d = 0; d < T::kDTiles; ++d) {
               o[d * 4 + 2 * r] *= alpha;

@@ -54,35 +54,29 @@ __device__ __forceinline__ SoftmaxStep softmax_step(SoftmaxState& st, float tile
 // are this thread's scores of the row, rescale_o(alpha) rescales its output accumulator. The reference
 // max, and with it the output's scale, moves only when the tile's max exceeds it by more than
 // kRescaleThreshold, so most tiles skip the rescale and weights stay below 2^kRescaleThreshold
-// (FlashAttention-4 does the same). kFoldScale: the scores are raw dot products and `scale` (q_prescale) is applied inside exp2,
-// one FFMA per element (tile_max is then already scaled). kChains (1 or 4): partial sums in independent
-// chains, score (n, e) into chain (n % 2) * 2 + e, not one dependent chain of kN * kE adds.
-template <int kN, int kE, int kChains = 1, bool kFoldScale = false, class Score, class RescaleO>
-__device__ __forceinline__ void softmax_update_deferred(SoftmaxState& st, float tile_max, Score score,
-                                                        RescaleO rescale_o, float scale = 1.f) {
-  static_assert(kChains == 1 || (kChains == 4 && kE == 2), "one chain, or four over (n % 2, e)");
-  if (tile_max > st.m + kRescaleThreshold) {
+// (FlashAttention-4 does the same). `raise` is that test, `tile_max > st.m + kRescaleThreshold`, written
+// at the call: computed inside a function, it changes how nvcc lays out the branch in every prefill
+// kernel. (prefill_sm90's overlapped loop writes the step in its own form: four sum chains, the
+// scale folded into exp2, the rescale deferred past the running P V MMAs.)
+template <int kN, int kE, class Score, class RescaleO>
+__device__ __forceinline__ void softmax_update_deferred(SoftmaxState& st, float tile_max, bool raise, Score score,
+                                                        RescaleO rescale_o) {
+  if (raise) {
     const float alpha = rescale_factor(st.m, tile_max);
     st.m = tile_max;
     st.d *= alpha;
     rescale_o(alpha);
   }
   const float m_use = st.m == kNegInf ? 0.f : st.m;
-  float part[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int n = 0; n < kN; ++n)
 #pragma unroll
     for (int e = 0; e < kE; ++e) {
       float& x = score(n, e);
-      const float pe = fast_exp2(kFoldScale ? fmaf(x, scale, -m_use) : x - m_use);
+      const float pe = fast_exp2(x - m_use);
       x = pe;
-      if constexpr (kChains == 1) {
-        st.d += pe;  // this thread's share of the row sum; the lanes of the row are summed at the end
-      } else {
-        part[(n % 2) * 2 + e] += pe;
-      }
+      st.d += pe;  // this thread's share of the row sum; the lanes of the row are summed at the end
     }
-  if constexpr (kChains == 4) st.d += (part[0] + part[1]) + (part[2] + part[3]);
 }
 
 // Folds the sink logit (natural units) into a finished state and returns the factor that turns the
