@@ -233,6 +233,26 @@ struct RowFrame {
   int koff;   // added to key positions for the hooks
 };
 
+// The output stores of one accumulator row, in both prefill kernels: each column pair scaled, through
+// the output transform, poisoned if needed and stored as one 32-bit pair. o(d, e): this thread's
+// accumulator of column 8 d + 2 tig + e; `out`: the row's output.
+template <class S, int kDTiles, class Acc>
+__device__ __forceinline__ void prefill_store_pairs(const Params& p, typename S::DTypeO* out, float scale,
+                                                    const RowFrame& f, int head, int tig, float poison, Acc o) {
+#pragma unroll
+  for (int d = 0; d < kDTiles; ++d) {
+    float v0 = o(d, 0) * scale, v1 = o(d, 1) * scale;
+    if constexpr (S::kHasOutTransform) {
+      bool oob = false;
+      const int dim = d * 8 + 2 * tig;
+      v0 = S::output_transform(p, v0, f.batch, head, f.hpos, dim, oob);
+      v1 = S::output_transform(p, v1, f.batch, head, f.hpos, dim + 1, oob);
+      if (oob) v0 = v1 = quiet_nan();
+    }
+    *reinterpret_cast<uint32_t*>(out + d * 8 + 2 * tig) = pack2<typename S::DTypeO>(v0 + poison, v1 + poison);
+  }
+}
+
 // S = Q K^T for the warp's kMTiles x 16 rows and kBlockN keys (fp32 accumulators).
 template <class S>
 __device__ __forceinline__ void prefill_qk(float (&s)[PrefillTraits<S>::kMTiles][PrefillTraits<S>::kNTiles][4],
@@ -540,19 +560,8 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
       const float scale = finalize_state<S>(p, row.head, st[mt][r], lse);
       if (!row.valid) continue;
       const long long row_head = static_cast<long long>(q_start + packed / S::kGroupSize) * S::kNumQoHeads + row.head;
-      typename S::DTypeO* out = p.o + row_head * S::kHeadDimVO;
-#pragma unroll
-      for (int d = 0; d < T::kDTiles; ++d) {
-        float v0 = o[mt][d][2 * r] * scale, v1 = o[mt][d][2 * r + 1] * scale;
-        if constexpr (S::kHasOutTransform) {
-          bool oob = false;
-          const int dim = d * 8 + 2 * tig;
-          v0 = S::output_transform(p, v0, f.batch, row.head, f.hpos, dim, oob);
-          v1 = S::output_transform(p, v1, f.batch, row.head, f.hpos, dim + 1, oob);
-          if (oob) v0 = v1 = quiet_nan();
-        }
-        *reinterpret_cast<uint32_t*>(out + d * 8 + 2 * tig) = pack2<typename S::DTypeO>(v0 + poison, v1 + poison);
-      }
+      prefill_store_pairs<S, T::kDTiles>(p, p.o + row_head * S::kHeadDimVO, scale, f, row.head, tig, poison,
+                                         [&](int d, int e) { return o[mt][d][2 * r + e]; });
       if (tig == 0 && p.lse != nullptr) p.lse[row_head] = lse + poison;
     }
 }

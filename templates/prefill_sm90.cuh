@@ -832,19 +832,8 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
     const float scale = finalize_state<S>(p, row.head, st[r], lse);
     if (!row.valid) continue;
     const long long row_head = static_cast<long long>(q_start + packed / S::kGroupSize) * S::kNumQoHeads + row.head;
-    typename S::DTypeO* out = p.o + row_head * S::kHeadDimVO;
-#pragma unroll
-    for (int d = 0; d < T::kDTiles; ++d) {
-      float v0 = o[d * 4 + 2 * r] * scale, v1 = o[d * 4 + 2 * r + 1] * scale;
-      if constexpr (S::kHasOutTransform) {
-        bool oob = false;
-        const int dim = d * 8 + 2 * tig;
-        v0 = S::output_transform(p, v0, f.batch, row.head, f.hpos, dim, oob);
-        v1 = S::output_transform(p, v1, f.batch, row.head, f.hpos, dim + 1, oob);
-        if (oob) v0 = v1 = quiet_nan();
-      }
-      *reinterpret_cast<uint32_t*>(out + d * 8 + 2 * tig) = pack2<typename S::DTypeO>(v0 + poison, v1 + poison);
-    }
+    prefill_store_pairs<S, T::kDTiles>(p, p.o + row_head * S::kHeadDimVO, scale, f, row.head, tig, poison,
+                                       [&](int d, int e) { return o[d * 4 + 2 * r + e]; });
     if (tig == 0 && p.lse != nullptr) p.lse[row_head] = lse + poison;
   }
 #else
