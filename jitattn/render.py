@@ -29,7 +29,6 @@ CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", 
 #: Kernel entry points in every rendered module (one module per spec, so plain names suffice).
 KERNEL_NAMES = {
     "decode": "jitattn_decode",
-    "merge": "jitattn_merge_splits",
     "prefill": "jitattn_prefill",
     "geometry": "jitattn_geometry",
 }
@@ -74,7 +73,7 @@ BASE_FIELDS: tuple[Field, ...] = (
     Field("partial_o", "ptr", "float*", "split-KV workspace (num_splits, batch, num_qo_heads, head_dim_vo)"),
     Field("partial_lse", "ptr", "float*", "split-KV workspace (num_splits, batch, num_qo_heads), base 2"),
     Field("split_counters", "ptr", "int*",
-          "split-KV: zeroed int per (sequence, kv head); the last split merges (null: the merge kernel does)"),
+          "split-KV: zeroed int per (sequence, kv head); the last split merges"),
     Field("q_stride_token", "i64", "long long", "elements between consecutive query tokens"),
     Field("q_stride_head", "i64", "long long", "elements between consecutive query heads (prefill)"),
     Field("k_stride_token", "i64", "long long", "ragged: elements between consecutive K tokens"),
@@ -242,7 +241,7 @@ FUNCTOR_NAMES = ("soft_cap", "alibi", "logits_transform", "logits_mask", "struct
 
 
 def render(spec: AttentionSpec) -> RenderedSource:
-    """Render the CUDA source of one spec (decode, split-merge and prefill kernels in one module).
+    """Render the CUDA source of one spec (decode and prefill kernels in one module).
 
     The attention kind's renderer; :func:`jitattn.modules.render` renders a module of any kind.
 

@@ -206,7 +206,7 @@ class JitKernel:
         device = cuda_device(device)
         self.entry = select_entry(spec, torch.cuda.get_device_capability(device))
         # A ragged spec's module holds only the prefill kernel (attention.cu.j2 builds no decode for it).
-        wanted = ("decode", "merge", "prefill") if spec.has_decode else ("prefill",)
+        wanted = ("decode", "prefill") if spec.has_decode else ("prefill",)
         kernels = {k: v for k, v in KERNEL_NAMES.items() if k in wanted}
         module = CubinModule(str(self.entry.cubin), device.index, kernels,
                              sha256=self.entry.manifest["artifacts"].get(self.entry.cubin.name))

@@ -15,6 +15,14 @@ constexpr float kLog2e = 1.4426950408889634f;  // log2(e): softmax runs in base 
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -__builtin_huge_valf();
 
+// Shared memory of one SM that blocks may take on sm_90 (228 KB less the 1 KB the hardware reserves
+// for each resident block; also the most one block may take), and that reserve.
+constexpr int kSmemPerSm = 227 * 1024;
+constexpr int kSmemReservedPerBlock = 1024;
+// The quiet-NaN bit pattern: written into the output of a row whose metadata or parameter reads were
+// out of range (loud, where a clamped read would be silently wrong).
+constexpr int kQuietNanBits = 0x7fc00000;
+
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 __host__ __device__ constexpr int next_pow2(int x) { return x <= 1 ? 1 : 2 * next_pow2((x + 1) / 2); }
 __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
@@ -86,6 +94,7 @@ __device__ __forceinline__ void load_floats(const T* src, float (&out)[N], bool 
 }
 
 // ---- fast math ----------------------------------------------------------------------------------
+__device__ __forceinline__ float quiet_nan() { return __int_as_float(kQuietNanBits); }
 __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: exp2(-inf) = +0
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -141,16 +150,11 @@ __device__ __forceinline__ void e4m3x4_to_f16x4_scaled(uint32_t q, uint32_t& lo,
   lo = ((q << 8) & 0x80008000u) | ((q << 7) & 0x3f803f80u);
 }
 
-// The converter instead (JITATTN_FP8_CVT, sm_89 and later: cvt.rn.f16x2.e4m3x2, PTX ISA 7.8): the
+// The converter instead where there is one (sm_89 and later: cvt.rn.f16x2.e4m3x2, PTX ISA 7.8): the
 // same two registers, holding the values themselves (exact: every e4m3 value is an f16), the NaN codes
-// read as NaN; one byte permute and two conversions per 4 values. FP8 decode hd128 3208 -> 3032 SASS
-// instructions; H200, 2026-11-29 19:23 UTC, side by side in one process (tests/tune_decode_variants.py,
-// tests/gpu_results/2026-11-29-s6-first-variants.json): fp8 64x4096 0.1486 -> 0.1433 ms. sm_80 keeps the
-// bit moves (no e4m3 converter there).
-#ifndef JITATTN_FP8_CVT
-#define JITATTN_FP8_CVT 1
-#endif
-#if JITATTN_FP8_CVT && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+// read as NaN; one byte permute and two conversions per 4 values (FP8 decode hd128: 3208 -> 3032 SASS
+// instructions, 0.1486 -> 0.1433 ms).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
 #define JITATTN_E4M3_BY_CVT 1
 #else
 #define JITATTN_E4M3_BY_CVT 0
@@ -202,18 +206,6 @@ __device__ __forceinline__ float group_max(float x) {
 #pragma unroll
   for (int off = kWidth / 2; off > 0; off /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
   return x;
-}
-
-// ---- online softmax state (Milakov & Gimelshein 2018; Dao et al. 2022, FlashAttention, sec. 3.1) ----
-// In base 2: m is the running max of log2-scaled logits, d the running sum of exp2(s - m).
-// Merging two states is exact; a state that has seen no key has m = -inf, d = 0.
-struct SoftmaxState {
-  float m;
-  float d;
-};
-// exp2(m_old - m_new) guarded so that (-inf) - (-inf) never makes a NaN.
-__device__ __forceinline__ float rescale_factor(float m_old, float m_new) {
-  return m_old == kNegInf ? 0.f : fast_exp2(m_old - m_new);
 }
 
 }  // namespace jitattn

@@ -6,29 +6,13 @@
 // dim, kBdy query heads of the group, kBdz key slots. Each (ty, tz) keeps its own online-softmax
 // state; states merge across tz at the end, and across splits (split-KV, partial states combined by
 // log-sum-exp as in FlashDecoding, Dao et al. 2023) in the last split block of each (sequence, kv
-// head) to finish (merge_splits_last_block), or in merge_splits_kernel when no counters are given.
+// head) to finish (merge_splits_last_block).
 #pragma once
 
 #include "common.cuh"
+#include "kv_load.cuh"
+#include "softmax.cuh"
 #include "variant.cuh"
-
-// CUDA-core decode: shared memory its stages may take (kStages = bytes / stage bytes, 2..4), the most
-// keys per thread per tile (tile keys = key slots x this), and resident blocks per SM asked for. H200,
-// 2026-11-29, one call (tests/tune_decode_variants.py; raw: tests/gpu_results/2026-11-29-s4-dec-*),
-// decode-gemma2-9b-b64x8192 (hd256, group 2: 32-key tiles of 32 KB before): 4 keys / 4 blocks (16-key
-// tiles, 3 stages of 16 KB) 4.31 TB/s, 4 / 5 (2 stages) 4.24, 2 / 6 4.14, the old 8 / 3 4.06; with 8
-// keys, 3 stages (2 blocks/SM) 3.55 and 4 (1 block/SM) 2.31 (s4-dec call 2). Only head dims above 128
-// (16-bit KV) had more than 4 keys per thread; every CUDA-core spec now asks for 4 blocks/SM, not 3
-// (a 128-register cap; decode-hd128-b64x4096-fp8 2.16 -> 2.12 TB/s in the same call).
-#ifndef JITATTN_DECODE_STAGE_BYTES
-#define JITATTN_DECODE_STAGE_BYTES (48 * 1024)
-#endif
-#ifndef JITATTN_DECODE_MAX_KEYS_PER_THREAD
-#define JITATTN_DECODE_MAX_KEYS_PER_THREAD 4
-#endif
-#ifndef JITATTN_DECODE_MIN_BLOCKS
-#define JITATTN_DECODE_MIN_BLOCKS 4
-#endif
 
 namespace jitattn {
 
@@ -41,26 +25,28 @@ struct DecodeTraits {
   static constexpr int kBdx = next_pow2(kChunks);     // lanes along head_dim (idle lanes when not a power of two)
   // Each thread serves up to 4 query heads of the group, so each K/V element it loads is converted
   // once and used for several heads (a thread per head converted each element group-size times and
-  // left decode issue-bound at ~2.6 TB/s on the H200, 2026-11-29). 8 heads spill at 3 blocks/SM.
+  // left decode issue-bound at ~2.6 TB/s on the H200). 8 heads spill at 3 blocks/SM.
   static constexpr int kMaxHeadsPerThread = cmax(1, 32 / kVec);  // q and o: <= 32 floats each per thread
   static constexpr int kHeadsPerThread = ceil_div(S::kGroupSize, ceil_div(S::kGroupSize, kMaxHeadsPerThread));
   static constexpr int kBdy = ceil_div(S::kGroupSize, kHeadsPerThread);
   // Enough key slots for ~128 threads, rounded so the block is whole warps.
   static constexpr int kBdz = round_up(ceil_div(128, kBdx * kBdy), 32 / gcd(kBdx * kBdy, 32));
   static constexpr int kThreads = kBdx * kBdy * kBdz;
-  // Register cap (memory-bound: occupancy first). JITATTN_DECODE_MIN_BLOCKS (4) was measured on a
-  // 16-bit cache (Gemma-2); an FP8 cache (2.16 -> 2.12 TB/s at 4) and key transforms (rope: 0 -> 64-166
-  // bytes spilled at 4's 128 registers, ptxas) keep 8a22a21's 3.
-  static constexpr int kMinBlocksPerSM =
-      sizeof(DTypeKV) == 2 && !S::kHasKTransform ? JITATTN_DECODE_MIN_BLOCKS : 3;
+  // Register cap (memory-bound: occupancy first): 4 blocks per SM on a 16-bit cache (Gemma-2 hd256
+  // 4.31 TB/s against 4.06 at 3); an FP8 cache (2.12 TB/s at 4 against 2.16) and key transforms (rope
+  // spills 64-166 bytes at 4's 128 registers) keep 3.
+  static constexpr int kMinBlocksPerSM = sizeof(DTypeKV) == 2 && !S::kHasKTransform ? 4 : 3;
+  // Keys per thread per tile: 4 (16-key tiles for Gemma-2 hd256: 4.31 TB/s; 8 keys: 4.06).
+  static constexpr int kMaxKeysPerThread = 4;
   // Scores of kKeysPerThread keys x kHeadsPerThread heads stay in registers: at most 32 of them.
   static constexpr int kKeysPerThread =
-      cmax(1, cmin(cmin(ceil_div(32, kBdz), 32 / kHeadsPerThread), JITATTN_DECODE_MAX_KEYS_PER_THREAD));
+      cmax(1, cmin(cmin(ceil_div(32, kBdz), 32 / kHeadsPerThread), kMaxKeysPerThread));
   static constexpr int kTileKeys = kBdz * kKeysPerThread;  // keys per pipeline stage
   static constexpr int kRowBytes = kHeadDim * sizeof(DTypeKV);
   static constexpr int kStageBytes = 2 * kTileKeys * kRowBytes;  // K and V of one tile
   // ~48 KB of stages: 4 blocks (16 warps) per SM, each with 2 tiles in flight while it computes a third.
-  static constexpr int kStages = cmax(2, cmin(4, (JITATTN_DECODE_STAGE_BYTES) / kStageBytes));
+  static constexpr int kStageBudgetBytes = 48 * 1024;
+  static constexpr int kStages = cmax(2, cmin(4, kStageBudgetBytes / kStageBytes));
   static constexpr int kSlots = kBdy * kHeadsPerThread;  // group-local head slots (>= group size)
   static constexpr int kMergeBytes = (kBdz * kSlots * (kHeadDim + 2) + kSlots) * 4;
   static constexpr int kSmemBytes = cmax(kStages * kStageBytes, kMergeBytes);
@@ -70,55 +56,6 @@ struct DecodeTraits {
   static_assert(kThreads % 32 == 0 && kThreads <= 1024, "decode block must be whole warps");
   static_assert(!(S::kHasQTransform || S::kHasKTransform) || (kHeadDim / 2) % kVec == 0,
                 "query/key transforms need head_dim / 2 to be whole 16-byte chunks of the KV type");
-};
-
-// Address of row `kv_idx` (K if which == 0, V if 1) of sequence `batch`, head `kv_head`, chunk 0.
-// A page id outside [0, num_pages) sets `bad` and reads page 0 instead: invalid metadata turns the
-// sequence's output into NaN (loud) rather than an out-of-bounds read (a crash).
-template <class S>
-__device__ __forceinline__ const typename S::DTypeKV* kv_row_in_page(const Params& p, int page, int kv_head,
-                                                                     int kv_idx, int which, bool& bad) {
-  if (static_cast<unsigned>(page) >= static_cast<unsigned>(p.num_pages)) {
-    bad = true;
-    page = 0;
-  }
-  const int slot = kv_idx % S::kPageSize;
-  long long off = static_cast<long long>(page) * p.kv_stride_page + which * p.kv_stride_kv;
-  if constexpr (S::kLayoutHND) {
-    off += (static_cast<long long>(kv_head) * S::kPageSize + slot) * S::kHeadDimQK;
-  } else {
-    off += (static_cast<long long>(slot) * S::kNumKvHeads + kv_head) * S::kHeadDimQK;
-  }
-  return p.kv_cache + off;
-}
-
-template <class S>
-__device__ __forceinline__ int page_of(const Params& p, int batch, int kv_idx) {
-  return p.block_table[static_cast<long long>(batch) * p.block_table_stride + kv_idx / S::kPageSize];
-}
-
-template <class S>
-__device__ __forceinline__ const typename S::DTypeKV* kv_row(const Params& p, int batch, int kv_head, int kv_idx,
-                                                             int which, bool& bad) {
-  return kv_row_in_page<S>(p, page_of<S>(p, batch, kv_idx), kv_head, kv_idx, which, bad);
-}
-
-// The page ids of the rows this thread copies when load_kv_rows loads kRows keys from `start` (the
-// same chunk-to-thread assignment: chunk c = threadIdx.x + j * kThreads holds row c / kChunks).
-// A decode kernel fetches them one tile ahead, so the dependent block_table read is off the path
-// from a barrier to the next cp.async (with page_size 1 it is one read per row).
-template <class S, int kRows, int kThreads>
-struct KvPages {
-  static constexpr int kChunks = S::kHeadDimQK * static_cast<int>(sizeof(typename S::DTypeKV)) / 16;
-  static constexpr int kIters = ceil_div(kRows * kChunks, kThreads);
-  int page[kIters];
-  __device__ __forceinline__ void fetch(const Params& p, int batch, int start, int end) {
-#pragma unroll
-    for (int j = 0; j < kIters; ++j) {
-      const int c = threadIdx.x + j * kThreads, kv_idx = start + c / kChunks;
-      page[j] = (c < kRows * kChunks && kv_idx < end) ? page_of<S>(p, batch, kv_idx) : 0;
-    }
-  }
 };
 
 // Keys [lo, hi) of split `split` of `num_splits` over the visible keys [kv_begin, kv_end): whole tiles of
@@ -138,105 +75,6 @@ __device__ __forceinline__ void split_range(int kv_begin, int kv_end, int split,
   const long long tiles = ceil_div(max(kv_end - kv_begin, 0), kTileKeys);
   lo = kv_begin + static_cast<int>(tiles * split / num_splits) * kTileKeys;
   hi = min(kv_end, kv_begin + static_cast<int>(tiles * (split + 1) / num_splits) * kTileKeys);
-}
-
-// Sequence metadata the kernels can check without a host sync. A sequence that fails writes NaN.
-template <class S>
-__device__ __forceinline__ bool sequence_ok(const Params& p, int qo_len, int kv_len) {
-  // explicit positions: the queries carry their own, so a sequence may bring any number of them
-  const bool enough_keys = S::kExplicitPositions ? 0 <= kv_len : qo_len <= kv_len;
-  return enough_keys && kv_len <= p.block_table_stride * S::kPageSize;
-}
-
-// Sequence `batch`'s metadata checks for a ragged spec, which reads its keys from kv_start_loc:
-// [kv_start_loc[b], kv_start_loc[b + 1]) must lie inside [0, total_kv] and hold at least the
-// sequence's queries. Paged specs check as sequence_ok above. A sequence that fails writes NaN.
-template <class S>
-__device__ __forceinline__ bool sequence_ok(const Params& p, int batch, int qo_len, int kv_len) {
-  if constexpr (S::kRagged) {
-    const int k0 = p.kv_start_loc[batch], k1 = p.kv_start_loc[batch + 1];
-    return 0 <= k0 && k0 <= k1 && k1 <= p.total_kv && qo_len <= kv_len;
-  } else {
-    return sequence_ok<S>(p, qo_len, kv_len);
-  }
-}
-
-// KV length of sequence `batch`: seq_lens (paged) or the kv_start_loc difference (ragged).
-template <class S>
-__device__ __forceinline__ int kv_length(const Params& p, int batch) {
-  if constexpr (S::kRagged) {
-    return p.kv_start_loc[batch + 1] - p.kv_start_loc[batch];
-  } else {
-    return p.seq_lens[batch];
-  }
-}
-
-// load_kv_rows' paged path with the page ids already fetched (KvPages over the same rows).
-// kSwizzle: 16-byte chunk c of row r lands at chunk c ^ (r % 8) of the row (rows of a multiple of
-// 8 chunks, unpadded): ldmatrix of 8 rows at one logical chunk then hits 8 distinct bank groups,
-// as the padded rows (kRowStride = head_dim + 8) do, without the padding's shared memory.
-template <class S, int kRows, int kRowStride, int kThreads, bool kSwizzle = false>
-__device__ __forceinline__ void load_kv_rows_paged(const Params& p, typename S::DTypeKV* sk, typename S::DTypeKV* sv,
-                                                   int kv_head, int start, int end,
-                                                   const KvPages<S, kRows, kThreads>& pages, bool& bad) {
-  constexpr int kVec = 16 / static_cast<int>(sizeof(typename S::DTypeKV));
-  constexpr int kChunks = S::kHeadDimQK / kVec;
-  static_assert(!kSwizzle || (kChunks % 8 == 0 && kRowStride == S::kHeadDimQK), "swizzled rows: 8k chunks, unpadded");
-#pragma unroll
-  for (int j = 0; j < KvPages<S, kRows, kThreads>::kIters; ++j) {
-    const int c = threadIdx.x + j * kThreads;
-    if (c < kRows * kChunks) {
-      const int row = c / kChunks, chunk = c % kChunks;
-      const int kv_idx = start + row;
-      const bool in = kv_idx < end;
-      const auto* k = in ? kv_row_in_page<S>(p, pages.page[j], kv_head, kv_idx, 0, bad) + chunk * kVec : p.kv_cache;
-      const int dst = row * kRowStride + (kSwizzle ? (chunk ^ (row % 8)) : chunk) * kVec;
-      cp_async_16(sk + dst, k, in);
-      cp_async_16(sv + dst, k + p.kv_stride_kv, in);
-    }
-  }
-}
-
-// cp.async of the K and V rows of keys [start, start + kRows) into two shared-memory tiles whose rows
-// are kRowStride (K) and kRowStrideV (V) elements apart, 16 bytes per copy; rows at or past `end` are
-// zero-filled (never read). Every decode and prefill kernel loads its K/V through this. Row addressing:
-// - paged: one page lookup per row; V sits kv_stride_kv elements after K in the same page;
-// - ragged (S::kRagged): row kv_start_loc[batch] + kv_idx of k / v, token and head strides from Params
-//   (the sequence's bounds were checked by sequence_ok); K rows are head_dim_qk wide, V rows head_dim_vo.
-template <class S, int kRows, int kRowStride, int kThreads, int kRowStrideV = kRowStride>
-__device__ __forceinline__ void load_kv_rows(const Params& p, typename S::DTypeKV* sk, typename S::DTypeKV* sv,
-                                             int batch, int kv_head, int start, int end, bool& bad) {
-  using KV = typename S::DTypeKV;
-  constexpr int kVec = 16 / sizeof(KV);
-  constexpr int kChunks = S::kHeadDimQK / kVec;
-  if constexpr (S::kRagged) {
-    constexpr int kChunksV = S::kHeadDimVO / kVec;
-    const int first = p.kv_start_loc[batch] + start;  // row of k / v holding key `start`
-    // Partly unrolled: fully unrolled, the hoisted 64-bit addresses of both loops spilled a few bytes
-    // in the mask / ALiBi variants on sm_80 (ptxas -v).
-#pragma unroll 2
-    for (int c = threadIdx.x; c < kRows * kChunks; c += kThreads) {
-      const int row = c / kChunks, chunk = c % kChunks;
-      const bool in = start + row < end;
-      const KV* src = p.k + (static_cast<long long>(first + row) * p.k_stride_token + kv_head * p.k_stride_head +
-                             chunk * kVec);
-      cp_async_16(sk + row * kRowStride + chunk * kVec, in ? src : p.k, in);
-    }
-#pragma unroll 2
-    for (int c = threadIdx.x; c < kRows * kChunksV; c += kThreads) {
-      const int row = c / kChunksV, chunk = c % kChunksV;
-      const bool in = start + row < end;
-      const KV* src = p.v + (static_cast<long long>(first + row) * p.v_stride_token + kv_head * p.v_stride_head +
-                             chunk * kVec);
-      cp_async_16(sv + row * kRowStrideV + chunk * kVec, in ? src : p.v, in);
-    }
-  } else {
-    static_assert(S::kHeadDimQK == S::kHeadDimVO && kRowStride == kRowStrideV,
-                  "the paged cache holds K and V rows of one width");
-    KvPages<S, kRows, kThreads> pages;
-    pages.fetch(p, batch, start, end);
-    load_kv_rows_paged<S, kRows, kRowStride, kThreads>(p, sk, sv, kv_head, start, end, pages, bad);
-  }
 }
 
 // Issue cp.async for keys [start, start + kTileKeys) into one stage; rows at or past `end` are zero-filled.
@@ -266,21 +104,14 @@ __device__ __forceinline__ void store2(T* dst, float a, float b) {
 
 // Upper bound of the split-KV factor (jitattn/runtime.py caps num_splits below it).
 constexpr int kMaxSplits = 64;
-constexpr int kMergeThreads = 128;
 
-// The split-KV merge fused into the decode kernel (used when p.split_counters is set; else the host
-// launches merge_splits_kernel). Every block calls it after writing its partial state; the last of a
-// (sequence, kv head)'s num_splits blocks to count itself in (one int per pair in p.split_counters,
-// zero between launches: that block resets it) merges the partials of the group's heads as
-// merge_splits_kernel does and writes the output and lse. This saves the merge kernel's launch and
-// its wait for the whole decode grid (the "last block" pattern: __threadfence, then an atomic count).
-// `scratch`: the block's merge scratch (free again), kGroupSize * (kMaxSplits + 2) + 1 words. (No static
-// __shared__ here: a kernel whose dynamic shared memory is exactly the 48 KB default limit would not launch.)
-// Tried (fifth session, branch h-dc, not merged): at head_dim 128 a warp per head, each lane's first 16
-// partial-output loads issued together with the lse loads and the weights computed by shuffles (one L2
-// round trip and no barrier instead of two and one): decode-hd128-b1x32768 3.35 / 3.34 TB/s with it and
-// without (H200, 2026-11-29, same call, tests/gpu_results/2026-11-29-s5-dc-call3-*): the merge's cost
-// (~3 us of 41) is elsewhere.
+// The split-KV merge, fused into the decode kernel. Every block calls it after writing its partial
+// state; the last of a (sequence, kv head)'s num_splits blocks to count itself in (one int per pair in
+// p.split_counters, zero between launches: that block resets it) merges the partials of the group's
+// heads and writes the output and lse. No merge launch, and no wait for the whole decode grid (the
+// "last block" pattern: __threadfence, then an atomic count). `scratch`: the block's merge scratch
+// (free again), kGroupSize * (kMaxSplits + 2) + 1 words (no static __shared__: a kernel whose dynamic
+// shared memory is exactly the 48 KB default limit would not launch).
 template <class S, int kThreads>
 __device__ __forceinline__ void merge_splits_last_block(const Params& p, float* scratch, int batch, int kv_head,
                                                         int q_row, int qo_idx) {
@@ -318,7 +149,7 @@ __device__ __forceinline__ void merge_splits_last_block(const Params& p, float* 
     if (lane == 0) {
       float lse;
       scale[g] = finalize_state<S>(p, qo_head, SoftmaxState{m, d}, lse);
-      poison[g] = bad ? __int_as_float(0x7fc00000) : 0.f;
+      poison[g] = bad ? quiet_nan() : 0.f;
       if (p.lse != nullptr) p.lse[static_cast<long long>(q_row) * S::kNumQoHeads + qo_head] = lse + poison[g];
     }
   }
@@ -346,7 +177,7 @@ __device__ __forceinline__ void merge_splits_last_block(const Params& p, float* 
       bool oob = false;
       if constexpr (S::kHasOutTransform) value = S::output_transform(p, value, batch, qo_head, qo_idx, i + j, oob);
       p.o[row_head * S::kHeadDimVO + i + j] =
-          from_float<typename S::DTypeO>(value + poison[g] + (oob ? __int_as_float(0x7fc00000) : 0.f));
+          from_float<typename S::DTypeO>(value + poison[g] + (oob ? quiet_nan() : 0.f));
     }
   }
 }
@@ -408,7 +239,7 @@ __device__ __forceinline__ void decode_finish(const Params& p, float* sm_m, int 
         value[j] = acc[j] * sm_scale[g];
         bool oob = false;  // a parameter read out of range here poisons this element
         if constexpr (S::kHasOutTransform) value[j] = S::output_transform(p, value[j], batch, qo_head, qo_idx, i + j, oob);
-        value[j] += poison + (oob ? __int_as_float(0x7fc00000) : 0.f);
+        value[j] += poison + (oob ? quiet_nan() : 0.f);
       }
       store2<typename S::DTypeO>(p.o + (static_cast<long long>(q_row) * S::kNumQoHeads + qo_head) * S::kHeadDimVO + i,
                                  value[0], value[1]);
@@ -472,12 +303,10 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
       q[h][i] *= q_prescale<S>() * p.k_scale;  // an FP8 cache's K scale folds into q
       o[h][i] = 0.f;
     }
-    st[h] = SoftmaxState{S::kSoftmax ? kNegInf : 0.f, 0.f};
+    st[h] = softmax_initial<S>();
   }
 
-  // Prologue: kStages - 1 tiles in flight. (Issued before the q loads instead: Gemma-2's decode
-  // 0.5341 vs 0.5342 ms, H200 2026-11-29 (s4-dec call 2), no difference; the 4.03 -> 3.36 TB/s once
-  // noted here matches the soft-cap division's cost of ff8c327, measured the same day.)
+  // Prologue: kStages - 1 tiles in flight (issuing them before the q loads made no difference).
 #pragma unroll
   for (int s = 0; s < T::kStages - 1; ++s) {
     const int start = lo + s * T::kTileKeys;
@@ -537,23 +366,19 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
         const int kv_idx = start + tz + j * T::kBdz;
         const float v = transform_logit<S>(p, s[h][j], batch, qo_head, kv_head, qo_idx, kv_idx, 1, kv_len, bad);
         const bool ok = kv_idx < hi && custom_visible<S>(p, batch, qo_head, kv_head, qo_idx, kv_idx, 1, kv_len, bad);
-        s[h][j] = ok ? v : (S::kSoftmax ? kNegInf : 0.f);
+        s[h][j] = ok ? v : masked_score<S>();
         tile_max = fmaxf(tile_max, s[h][j]);
       }
-      if constexpr (S::kSoftmax) {
-        const float m_new = fmaxf(st[h].m, tile_max);
-        const float m_use = m_new == kNegInf ? 0.f : m_new;
-        const float alpha = rescale_factor(st[h].m, m_use);
-        st[h].d *= alpha;
+      if constexpr (S::kSoftmax) {  // (without softmax the weights are used as they are)
+        const SoftmaxStep step = softmax_step(st[h], tile_max);
 #pragma unroll
-        for (int i = 0; i < V; ++i) o[h][i] *= alpha;
+        for (int i = 0; i < V; ++i) o[h][i] *= step.alpha;
 #pragma unroll
         for (int j = 0; j < KPT; ++j) {
-          s[h][j] = fast_exp2(s[h][j] - m_use);
+          s[h][j] = fast_exp2(s[h][j] - step.m_use);
           st[h].d += s[h][j];
         }
-        st[h].m = m_new;
-      }  // without softmax the weights are used as they are (state stays m = 0, d unused)
+      }
     }
 #pragma unroll
     for (int j = 0; j < KPT; ++j) {
@@ -570,7 +395,7 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
   }
   cp_async_wait<0>();
   // All stages idle (shared memory is reused for the merge below); any thread's bad metadata poisons the row.
-  const float poison = __syncthreads_or(bad) ? __int_as_float(0x7fc00000) : 0.f;
+  const float poison = __syncthreads_or(bad) ? quiet_nan() : 0.f;
 
   // Merge the kBdz key-slot states of each head, all threads at once. Scratch (floats):
   // m[kBdz][kSlots] (then the merge weights), d[kBdz][kSlots], o[kBdz][kSlots][kHeadDim], scale[kSlots].
@@ -591,59 +416,6 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
   }
   __syncthreads();
   decode_finish<S, T::kBdz, kSlots, T::kThreads>(p, sm_m, split, batch, kv_head, q_row, qo_idx, poison);
-}
-
-// Combines the num_splits partial states of each decode row (grid: batch x num_qo_heads,
-// kMergeThreads threads). The split weights are computed once into shared memory; every thread
-// then sums its head-dim elements over the splits.
-template <class S>
-__device__ __forceinline__ void merge_splits_kernel(const Params& p) {
-  __shared__ float weight[kMaxSplits];
-  __shared__ float red[kMergeThreads / 32];
-  const int batch = blockIdx.x, qo_head = blockIdx.y;
-  const int q_row = p.query_start_loc[batch];
-  if (p.query_start_loc[batch + 1] - q_row != 1 || q_row < 0 || q_row >= p.total_q) return;
-  const long long stride = static_cast<long long>(p.batch_size) * S::kNumQoHeads;
-  const long long base = static_cast<long long>(batch) * S::kNumQoHeads + qo_head;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int n = min(p.num_splits, kMaxSplits);
-
-  // Max over the splits' lse (base 2). fmaxf drops NaN, so a poisoned split is looked for explicitly.
-  const float l = threadIdx.x < n ? p.partial_lse[threadIdx.x * stride + base] : kNegInf;
-  const bool bad = __syncthreads_or(isnan(l));
-  float m = group_max<32>(l);
-  if (lane == 0) red[warp] = m;
-  __syncthreads();
-  m = red[0];
-#pragma unroll
-  for (int w = 1; w < kMergeThreads / 32; ++w) m = fmaxf(m, red[w]);
-  const float w_split = S::kSoftmax ? rescale_factor(l, m) : (threadIdx.x < n ? 1.0f : 0.f);
-  if (threadIdx.x < n) weight[threadIdx.x] = w_split;
-  __syncthreads();  // everyone has read red[] (max) before it is reused for the sum
-  float d = group_sum<32>(threadIdx.x < n ? w_split : 0.f);
-  if (lane == 0) red[warp] = d;
-  __syncthreads();
-  d = 0.f;
-#pragma unroll
-  for (int w = 0; w < kMergeThreads / 32; ++w) d += red[w];
-
-  // The merged state is (m, d) over normalised partials; fold in the sink and finish.
-  float lse;
-  const float scale = finalize_state<S>(p, qo_head, SoftmaxState{m, d}, lse);
-  const float poison = bad ? __int_as_float(0x7fc00000) : 0.f;
-  const long long row_head = static_cast<long long>(q_row) * S::kNumQoHeads + qo_head;
-  const int qo_idx = p.seq_lens[batch] - 1;
-  for (int i = threadIdx.x; i < S::kHeadDimVO; i += kMergeThreads) {
-    float acc = 0.f;
-#pragma unroll 8
-    for (int s = 0; s < n; ++s) acc += weight[s] * p.partial_o[(s * stride + base) * S::kHeadDimVO + i];
-    float value = acc * scale;
-    bool oob = false;
-    if constexpr (S::kHasOutTransform) value = S::output_transform(p, value, batch, qo_head, qo_idx, i, oob);
-    p.o[row_head * S::kHeadDimVO + i] =
-        from_float<typename S::DTypeO>(value + poison + (oob ? __int_as_float(0x7fc00000) : 0.f));
-  }
-  if (threadIdx.x == 0 && p.lse != nullptr) p.lse[row_head] = lse + poison;
 }
 
 }  // namespace jitattn

@@ -12,59 +12,16 @@
 // instead of the keys (kSplitDims, decode_mma_split_dims) and no merge is needed.
 // An FP8 (e4m3) cache is read here too (DecodeMmaTraits::kFp8): raw rows are staged, and each lane
 // widens the bytes of its ldmatrix fragments to f16 in registers (decode_mma_qk_fp8 / _pv_fp8); at
-// hd <= 128 a warp takes 32 keys per tile. H200, decode-hd128-b64x4096-fp8, 2026-11-29: 0.151 ms vs
-// 0.266 ms for the bf16 cache (1.76x; the CUDA-core FP8 decode: 0.247 ms).
+// hd <= 128 a warp takes 32 keys per tile (decode-hd128-b64x4096-fp8: 0.151 ms against 0.266 ms for
+// the bf16 cache; the CUDA-core FP8 decode: 0.247 ms).
 #pragma once
 
 #include "common.cuh"
 #include "decode.cuh"
+#include "softmax.cuh"
 #include "variant.cuh"
 
 namespace jitattn {
-
-// Resident blocks per SM the split-dims whole-window kernel asks registers for (the shared memory
-// allows 6 for gpt-oss: 35 KB per block). H200, decode-gpt-oss-sliding-b256x8192, 2026-11-29, one
-// run: 6 (80 registers, no spill) 2.55 TB/s, 5: 2.36, the key-split kernel at 5 (96 registers): 2.41.
-#ifndef JITATTN_SPLIT_DIMS_BLOCKS
-#define JITATTN_SPLIT_DIMS_BLOCKS 6
-#endif
-// FP8 tile pipeline: resident blocks per SM asked of the register allocator (the shared memory
-// allows 4 with swizzled rows at hd 128: 53.5 KB per block).
-#ifndef JITATTN_FP8_DECODE_BLOCKS
-#define JITATTN_FP8_DECODE_BLOCKS 3
-#endif
-// FP8: swizzled (unpadded) rows in the tile pipeline too, where a row is 8k chunks (hd 128, 256).
-#ifndef JITATTN_FP8_SWIZZLE
-#define JITATTN_FP8_SWIZZLE 1
-#endif
-#ifndef JITATTN_FP8_WARP_KEYS
-#define JITATTN_FP8_WARP_KEYS 32
-#endif
-#ifndef JITATTN_FP8_STAGES
-#define JITATTN_FP8_STAGES 2
-#endif
-// FP8 tile pipeline: decode_mma_load_tile issues the tile's copies (0: load_kv_rows_paged).
-#ifndef JITATTN_FP8_LOADER
-#define JITATTN_FP8_LOADER 1
-#endif
-// 16-bit tile pipeline: the same (1) or load_kv_rows_paged (0). bf16 hd128: 3592 -> 2984 SASS
-// instructions, 184 -> 150 registers (sm_90a). H200, 2026-11-29 18:40 UTC, one call, graph ms, each beside
-// cuDNN in its own bench run (tests/gpu_results/2026-11-29-s5-final-*): decode-hd128-b64x4096 0.249 ->
-// 0.248 (page 1: 0.256 -> 0.253, page 16: 0.249 -> 0.247, page 64: 0.251 -> 0.247), 1x32768 3.24 -> 3.28
-// TB/s; test_gpu_kernels.py with it on: 81 passed.
-#ifndef JITATTN_DECODE_MMA_LOADER
-#define JITATTN_DECODE_MMA_LOADER 1
-#endif
-// Whole-window mode (gpt-oss sliding): the same loop for the window's copies (1) or load_kv_rows_paged
-// (0). gpt-oss hd64 2280 -> 2016 SASS instructions; H200, 2026-11-29 19:23 UTC, side by side in one
-// process (tests/tune_decode_variants.py, graph ms, median of 5 rounds; tests/gpu_results/2026-11-29-s6-
-// first-variants.json): gpt-oss-sliding 256x8192 0.0258 -> 0.0236 ms.
-#ifndef JITATTN_DECODE_MMA_WINDOW_LOADER
-#define JITATTN_DECODE_MMA_WINDOW_LOADER 1
-#endif
-#ifndef JITATTN_FP8_SPLIT_DIMS_BLOCKS
-#define JITATTN_FP8_SPLIT_DIMS_BLOCKS 5
-#endif
 
 template <bool B, class A, class C> struct DecodeMmaSelect { using type = A; };
 template <class A, class C> struct DecodeMmaSelect<false, A, C> { using type = C; };
@@ -81,38 +38,14 @@ __host__ __device__ constexpr bool decode_mma_reads_cache() {
          (sizeof(typename S::DTypeKV) == 1 && (S::kSoftmax || DecodeMmaIsHalf<typename S::DTypeQ>::value));
 }
 
-// Tile pipeline (no window, or one longer than the whole-window mode's): stages for head dims <= 128
-// and above, XOR-swizzled unpadded rows (1) or rows padded by 16 bytes (0), and the resident blocks per
-// SM the compiler is asked to leave registers for. Measured on the H200, 2026-11-29, each variant beside
-// the padded 3-stage kernel in one call (tests/tune_decode_variants.py; raw:
-// tests/gpu_results/2026-11-29-s4-dec-*): swizzled rows 4.07 -> 4.39 TB/s on decode-hd128-b64x4096 and
-// 3.10 -> 3.29 on decode-hd128-b1x32768 (cause not established: the stores of a 256-byte row at a
-// 272-byte stride are conflict-free, but each row then spans three 128-byte lines of shared memory, not
-// two); 4 stages (1 block/SM): 3.18 / 2.25; 2 stages at 3 blocks/SM (168 registers): 4.00 / 3.10.
-// Tried and not merged (fifth session, branch h-dc, H200 2026-11-29, side by side with cab859b,
-// tests/gpu_results/2026-11-29-s5-dc-*): a balanced grid (every (sequence, kv head) pair's tiles laid
-// end to end and cut into one equal share per resident block, cut pairs merged by the fused split
-// merge): decode-hd128-b64x4096 bf16 0.259 ms against 0.245 for this grid (piece starts and merges
-// cost more than the 1.94-wave tail), FP8 0.147 against 0.150 (about the run-to-run spread); and an
-// e4m3 widening that reads the NaN codes as NaN (3 integer ops per 4 values): FP8 0.174 against 0.147.
-#ifndef JITATTN_DECODE_MMA_STAGES
-#define JITATTN_DECODE_MMA_STAGES 3
-#endif
-#ifndef JITATTN_DECODE_MMA_STAGES_WIDE
-#define JITATTN_DECODE_MMA_STAGES_WIDE 2
-#endif
-#ifndef JITATTN_DECODE_MMA_SWIZZLE
-#define JITATTN_DECODE_MMA_SWIZZLE 1
-#endif
-#ifndef JITATTN_DECODE_MMA_MIN_BLOCKS
-#define JITATTN_DECODE_MMA_MIN_BLOCKS 1
-#endif
-// Smallest GQA group the tensor-core decode serves (attention.cu.j2, DecodeLaunch); smaller groups run
-// the CUDA-core decode (decode.cuh). Gemma-2-9B's group 2 (hd256) on tensor cores measured 3.38 TB/s
-// (3.11 swizzled with 3 stages; both spill at 255 registers) against 4.07 on CUDA cores (same call).
-#ifndef JITATTN_DECODE_MMA_MIN_GROUP
-#define JITATTN_DECODE_MMA_MIN_GROUP 4
-#endif
+// Whether the tensor-core decode serves this spec (attention.cu.j2, DecodeLaunch): GQA groups of 4 to
+// 16 over a cache it reads, no key transform. Smaller groups run the CUDA-core decode (decode.cuh):
+// Gemma-2-9B's group 2 (hd256) ran 3.38 TB/s on tensor cores against 4.07 on CUDA cores.
+template <class S>
+__host__ __device__ constexpr bool decode_mma_serves() {
+  constexpr int kMinGroup = 4;
+  return S::kGroupSize >= kMinGroup && S::kGroupSize <= 16 && decode_mma_reads_cache<S>() && !S::kHasKTransform;
+}
 
 template <class S>
 struct DecodeMmaTraits {
@@ -138,37 +71,36 @@ struct DecodeMmaTraits {
   // (one block_table round trip, one wait, one barrier) instead of through the tile pipeline, the
   // shared memory holds exactly the window, and more blocks fit on an SM. Such a block reads little
   // (32 KB for gpt-oss), so its life is mostly fixed latency, and blocks resident per SM set the rate.
-  static constexpr int kWindowTiles = S::kWindowLeft >= 0 ? ceil_div(S::kWindowLeft + 1, kWarps * 16) : 0;
+  static constexpr int kWindowTiles = ceil_div(left_window_keys<S>(), kWarps * 16);
   static constexpr bool kWholeWindow = kWindowTiles > 0 && kWindowTiles <= kWholeWindowMaxTiles;
   // Keys per warp per tile: one k-step of P V (16), or for the FP8 tile pipeline at hd <= 128
-  // JITATTN_FP8_WARP_KEYS (32: two k-steps, so the per-tile work that does not scale with bytes, the
+  // 32 (two k-steps, so the per-tile work that does not scale with bytes, the
   // barrier, the softmax reductions and rescaling, is spread over as many bytes as a 16-bit tile of 16
   // keys; at hd 256 the registers do not allow it: ptxas spilled 628 bytes for group 16).
-  static constexpr bool kFp8Wide = kFp8 && !kWholeWindow && kHeadDim <= 128 && JITATTN_FP8_WARP_KEYS == 32;
+  static constexpr bool kFp8Wide = kFp8 && !kWholeWindow && kHeadDim <= 128;
   static constexpr int kWarpKeys = kFp8Wide ? 32 : 16;
   static constexpr int kTileKeys = kWarps * kWarpKeys;  // keys per pipeline stage
-  static constexpr int kPipelineStages =
-      kFp8Wide ? JITATTN_FP8_STAGES : (kHeadDim <= 128 ? JITATTN_DECODE_MMA_STAGES : JITATTN_DECODE_MMA_STAGES_WIDE);
+  // Tile pipeline stages: 3 for head dims <= 128 (hd128 64x4096: 4.39 TB/s; 4 stages at 1 block/SM
+  // 3.18, 2 stages at 3 blocks/SM 4.00), 2 above and for the FP8 32-key tiles.
+  static constexpr int kPipelineStages = kFp8Wide ? 2 : (kHeadDim <= 128 ? 3 : 2);
   // Tile pipeline: the copies are issued by decode_mma_load_tile where a thread's chunk of a row is the
   // same on every pass (the threads are whole rows' worth of chunks).
-  static constexpr bool kTileLoader = (kFp8 ? JITATTN_FP8_LOADER : JITATTN_DECODE_MMA_LOADER) && !kWholeWindow &&
-                                     kThreads % kKvChunks == 0 &&
+  static constexpr bool kTileLoader = !kWholeWindow && kThreads % kKvChunks == 0 &&
                                      (kTileKeys * kKvChunks) % kThreads == 0 && (kThreads / kKvChunks) % 8 == 0;
-  // Rows are unpadded and XOR-swizzled (load_kv_rows_paged) where a row is 8k chunks: whole-window rows
-  // always, pipeline rows under JITATTN_DECODE_MMA_SWIZZLE (16-bit, head dims <= 128: measured there)
-  // / JITATTN_FP8_SWIZZLE (FP8), both on by default. 16-bit hd 256 keeps padded rows: swizzled, the
-  // gemma-3-1b decode (group 4) spilled 140 bytes at 255 registers against 48 padded (ptxas, sm_90a),
-  // and no hd 256 tensor-core decode was timed either way.
-  static constexpr bool kSwizzle =
-      (kWholeWindow || (kFp8 ? JITATTN_FP8_SWIZZLE : JITATTN_DECODE_MMA_SWIZZLE && kHeadDim <= 128)) && kKvChunks % 8 == 0;
+  // Rows are unpadded and XOR-swizzled (load_kv_rows_paged) where a row is 8k chunks: whole-window and
+  // FP8 rows always, 16-bit pipeline rows at head dims <= 128 (hd128 64x4096: 4.39 TB/s against 4.07
+  // padded). 16-bit hd 256 keeps padded rows: swizzled, the gemma-3-1b decode (group 4) spilled 140
+  // bytes at 255 registers against 48 padded (ptxas, sm_90a).
+  static constexpr bool kSwizzle = (kWholeWindow || kFp8 || kHeadDim <= 128) && kKvChunks % 8 == 0;
   // K/V rows in KV elements; padded by 16 bytes (hd 80, 96, ...): conflict-free ldmatrix (8 rows hit 8
   // distinct bank groups).
   static constexpr int kRowStride = kSwizzle ? kHeadDim : kHeadDim + 16 / static_cast<int>(sizeof(KV));
   static constexpr int kQRowStride = kHeadDim + 8;
   static constexpr int kStageBytes = 2 * kTileKeys * kRowStride * static_cast<int>(sizeof(KV));  // K and V of one tile
   static constexpr int kStages = kWholeWindow ? kWindowTiles : kPipelineStages;
-  // Whole window: its copies issued by decode_mma_load_tile too (JITATTN_DECODE_MMA_WINDOW_LOADER).
-  static constexpr bool kWindowLoader = JITATTN_DECODE_MMA_WINDOW_LOADER && kWholeWindow && kSwizzle &&
+  // Whole window: its copies issued by decode_mma_load_tile too (gpt-oss hd64: 2280 -> 2016 SASS
+  // instructions, 0.0258 -> 0.0236 ms).
+  static constexpr bool kWindowLoader = kWholeWindow && kSwizzle &&
                                         kThreads % kKvChunks == 0 && (kStages * kTileKeys * kKvChunks) % kThreads == 0 &&
                                         (kThreads / kKvChunks) % 8 == 0;
   static constexpr int kQBytes = 16 * kQRowStride * 2;
@@ -188,26 +120,21 @@ struct DecodeMmaTraits {
   // Fragment rows g + 8 (r = 1) hold group heads 8..15: with a group of at most 8 they are padding,
   // so their softmax, rescaling and accumulators are skipped (fewer registers, fewer instructions).
   static constexpr int kRowHalves = S::kGroupSize <= 8 ? 1 : 2;
-  // Whole-window blocks are short: ask the compiler for registers that let the shared memory's
-  // count of blocks (227 KB per SM, 1 KB reserved per block) be resident, at most 5 for the key-split
-  // kernel (gpt-oss sliding, H200, 2026-11-29, one run: 6 blocks at 80 registers spilled and ran
-  // 2.07 TB/s, 5 at 96: 2.20) and JITATTN_SPLIT_DIMS_BLOCKS for the split-dims one (its o is a quarter
-  // as large: 80 registers without spills).
-  // FP8 rows are half as large, so the shared memory would allow 6 blocks even at hd 128, where the
-  // widening's registers do not fit 80 (ptxas: 4 / 98 bytes spilled for groups 8 / 16, hd 128): FP8 at
-  // hd >= 128 takes at most JITATTN_FP8_SPLIT_DIMS_BLOCKS (5: 96 registers, no spill).
-  static constexpr int kMaxWholeWindowBlocks =
-      kSplitDims ? (kFp8 && kHeadDim >= 128 ? JITATTN_FP8_SPLIT_DIMS_BLOCKS : JITATTN_SPLIT_DIMS_BLOCKS) : 5;
-  // The FP8 tile pipeline for groups <= 8 and hd <= 128 fits JITATTN_FP8_DECODE_BLOCKS' registers.
+  // Whole-window blocks are short: ask the compiler for registers that let the shared memory's count
+  // of blocks be resident, at most 5 for the key-split kernel (gpt-oss sliding: 6 blocks at 80
+  // registers spilled, 2.07 TB/s; 5 at 96: 2.20) and 6 for the split-dims one (its o is a quarter as
+  // large: 80 registers without spills; 2.55 TB/s against 2.36 at 5). FP8 rows are half as large, so
+  // the shared memory would allow 6 blocks even at hd 128, where the widening's registers do not fit
+  // 80 (4 / 98 bytes spilled for groups 8 / 16): FP8 at hd >= 128 takes at most 5 (96 registers).
+  static constexpr int kMaxWholeWindowBlocks = kSplitDims ? (kFp8 && kHeadDim >= 128 ? 5 : 6) : 5;
+  // The FP8 tile pipeline for groups <= 8 and hd <= 128 fits 3 blocks' registers (the shared memory
+  // allows 4 with swizzled rows at hd 128: 53.5 KB per block); every other tile pipeline asks for 1.
   static constexpr bool kFp8Capped = kFp8 && !kWholeWindow && kRowHalves == 1 && kHeadDim <= 128;
+  static constexpr int kMaxPipelineBlocks = kFp8Capped ? 3 : 1;
+  static constexpr int kSmemFitBlocks = kSmemPerSm / (kSmemBytes + kSmemReservedPerBlock);
   static constexpr int kMinBlocksPerSM =
-      kWholeWindow ? cmax(1, cmin(kMaxWholeWindowBlocks, (227 * 1024) / (kSmemBytes + 1024)))
-      : kFp8Capped ? cmax(1, cmin(JITATTN_FP8_DECODE_BLOCKS, (227 * 1024) / (kSmemBytes + 1024)))
-                   : cmax(1, cmin(JITATTN_DECODE_MMA_MIN_BLOCKS, (227 * 1024) / (kSmemBytes + 1024)));
+      cmax(1, cmin(kWholeWindow ? kMaxWholeWindowBlocks : kMaxPipelineBlocks, kSmemFitBlocks));
   static_assert(S::kGroupSize <= 16, "the group's query heads must fit one m16 tile");
-  // (An earlier FP8 path staged raw rows and widened them per tile into a 16-bit tile in shared
-  // memory: 0.39 ms vs 0.26 ms, H200, decode-hd128-b64x4096-fp8, 2026-11-29; replaced by the
-  // in-register widening above.)
   static_assert(decode_mma_reads_cache<S>(), "tensor-core decode: a 16-bit cache, or FP8 with f16-safe weights");
 };
 
@@ -215,9 +142,8 @@ struct DecodeMmaTraits {
 // kTileKeys), as load_kv_rows_paged (page ids from KvPages, a page id out of range sets `bad` and reads
 // page 0, rows at or past `end` zero-filled), with the per-thread constants hoisted: thread t copies
 // chunk t % kKvChunks of rows t / kKvChunks + i * (kThreads / kKvChunks), so its chunk, its swizzle and
-// the head's offset in a page are fixed, and a row's address is page * kv_stride_page + slot * stride.
-// (load_kv_rows_paged spent 44 instructions per K/V chunk pair here with an FP8 cache, ptxas sm_90a,
-// 2026-11-29.)
+// the head's offset in a page are fixed, and a row's address is page * kv_stride_page + slot * stride
+// (load_kv_rows_paged spent 44 instructions per K/V chunk pair here with an FP8 cache, sm_90a).
 // kRows: a pipeline stage's keys, or the whole window's (DecodeMmaTraits::kWindowLoader).
 template <class S, int kRows = DecodeMmaTraits<S>::kTileKeys>
 __device__ __forceinline__ void decode_mma_load_tile(
@@ -416,27 +342,22 @@ __device__ __forceinline__ void decode_mma_softmax_step(const Params& p, float (
         float v = transform_logit<S>(p, s[n][2 * r + e] * qk_scale[r], batch, head, kv_head, qo_idx, kv_idx, 1, kv_len,
                                      bad);
         const bool ok = kv_idx < hi && custom_visible<S>(p, batch, head, kv_head, qo_idx, kv_idx, 1, kv_len, bad);
-        v = ok ? v : (S::kSoftmax ? kNegInf : 0.f);
+        v = ok ? v : masked_score<S>();
         s[n][2 * r + e] = v;
         tile_max = fmaxf(tile_max, v);
       }
     if constexpr (S::kSoftmax) {
-      tile_max = group_max<4>(tile_max);
-      const float m_new = fmaxf(st[r].m, tile_max);
-      const float m_use = m_new == kNegInf ? 0.f : m_new;
-      const float alpha = rescale_factor(st[r].m, m_use);
-      st[r].m = m_new;
-      st[r].d *= alpha;
+      const SoftmaxStep step = softmax_step(st[r], group_max<4>(tile_max));
 #pragma unroll
       for (int d = 0; d < kDTiles; ++d) {
-        o[d][2 * r] *= alpha;
-        o[d][2 * r + 1] *= alpha;
+        o[d][2 * r] *= step.alpha;
+        o[d][2 * r + 1] *= step.alpha;
       }
 #pragma unroll
       for (int n = 0; n < kN; ++n)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float pe = fast_exp2(s[n][2 * r + e] - m_use);
+          const float pe = fast_exp2(s[n][2 * r + e] - step.m_use);
           s[n][2 * r + e] = pe;
           st[r].d += pe;
         }
@@ -461,7 +382,7 @@ __device__ __forceinline__ void decode_mma_split_dims(const Params& p, const uin
   for (int d = 0; d < T::kWarpDTiles; ++d)
 #pragma unroll
     for (int i = 0; i < 4; ++i) o[d][i] = 0.f;
-  SoftmaxState st[2] = {{S::kSoftmax ? kNegInf : 0.f, 0.f}, {S::kSoftmax ? kNegInf : 0.f, 0.f}};
+  SoftmaxState st[2] = {softmax_initial<S>(), softmax_initial<S>()};
 
 #pragma unroll
   for (int c0 = 0; c0 < T::kStages * T::kTileKeys; c0 += T::kChunkKeys) {
@@ -516,7 +437,7 @@ __device__ __forceinline__ void decode_mma_split_dims(const Params& p, const uin
   }
   // Any thread's bad metadata (a page id out of range, seen by the thread that loaded the row) poisons
   // every output of the block.
-  const float poison = __syncthreads_or(bad) ? __int_as_float(0x7fc00000) : 0.f;
+  const float poison = __syncthreads_or(bad) ? quiet_nan() : 0.f;
 #pragma unroll
   for (int r = 0; r < T::kRowHalves; ++r) {
     const int row = g + 8 * r;
@@ -540,7 +461,7 @@ __device__ __forceinline__ void decode_mma_split_dims(const Params& p, const uin
           bool oob = false;  // a parameter read out of range here poisons this element
           if constexpr (S::kHasOutTransform)
             value[j] = S::output_transform(p, value[j], batch, qo_head, qo_idx, dim + j, oob);
-          value[j] += poison + (oob ? __int_as_float(0x7fc00000) : 0.f);
+          value[j] += poison + (oob ? quiet_nan() : 0.f);
         }
         store2<typename S::DTypeO>(p.o + (static_cast<long long>(q_row) * S::kNumQoHeads + qo_head) * S::kHeadDimVO + dim,
                                    value[0], value[1]);
@@ -604,11 +525,9 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
   if (bad) kv_end = kv_begin;
   int lo, hi;
   if constexpr (T::kWholeWindow) {
-    // A window of a few tiles keeps 8a22a21's chunks of ceil(keys / splits) rounded up to whole tiles,
-    // and its Q fragments below keep their rows 8..15 as loaded: with split_range and zeroed rows the
-    // gpt-oss sliding decode ran 2.43-2.46 TB/s against 2.49-2.55 (H200, 2026-11-29, s4-dec call 3 and
-    // s4-final); with both kept, every 16-bit whole-window spec of the GPU tests and bench compiles to
-    // the SASS of 8a22a21 (cuobjdump, 7 specs).
+    // A window of a few tiles keeps chunks of ceil(keys / splits) rounded up to whole tiles, and its Q
+    // fragments below keep their rows 8..15 as loaded: with split_range and zeroed rows the gpt-oss
+    // sliding decode ran 2.43-2.46 TB/s against 2.49-2.55.
     const int chunk_len = round_up(ceil_div(max(kv_end - kv_begin, 0), p.num_splits), T::kTileKeys);
     lo = kv_begin + split * chunk_len;
     hi = min(kv_end, lo + chunk_len);
@@ -705,7 +624,7 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
   for (int d = 0; d < T::kDTiles; ++d)
 #pragma unroll
     for (int i = 0; i < 4; ++i) o[d][i] = 0.f;
-  SoftmaxState st[2] = {{S::kSoftmax ? kNegInf : 0.f, 0.f}, {S::kSoftmax ? kNegInf : 0.f, 0.f}};
+  SoftmaxState st[2] = {softmax_initial<S>(), softmax_initial<S>()};
 
   int it = 0;
   for (int start = lo; start < hi; start += T::kTileKeys, ++it) {
@@ -770,7 +689,7 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
     }
   }
   cp_async_wait<0>();
-  const float poison = __syncthreads_or(bad) ? __int_as_float(0x7fc00000) : 0.f;
+  const float poison = __syncthreads_or(bad) ? quiet_nan() : 0.f;
 
   // Each warp's state of each row into the merge scratch: z = warp, slot = row (group head).
   float* sm_m = reinterpret_cast<float*>(smem);

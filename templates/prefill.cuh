@@ -12,7 +12,8 @@
 #pragma once
 
 #include "common.cuh"
-#include "decode.cuh"
+#include "kv_load.cuh"
+#include "softmax.cuh"
 #include "variant.cuh"
 
 namespace jitattn {
@@ -54,9 +55,6 @@ struct PrefillTraits {
   static constexpr int kSmemBytes = kQBytes + kStages * (kTileBytes + kTileBytesV + kRawTileBytes);
   static constexpr int kNTiles = kBlockN / 8;     // n-tiles of S per m-tile
   static constexpr int kDTiles = kHeadDimVO / 8;  // n-tiles of O per m-tile
-  // Rescale O only when a row's max grows by more than this (log2 units): most tiles skip the
-  // kDTiles x 4 multiplies (deferred rescaling; FlashAttention-4 does the same).
-  static constexpr float kRescaleThreshold = 8.0f;
   static_assert(kHeadDim % 16 == 0, "head_dim must be a multiple of 16 (mma k-step)");
   static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16 (P is the A operand of P V)");
   static_assert(kHeadDimVO % 16 == 0, "head_dim_vo must be a multiple of 16 (two O n-tiles per ldmatrix)");
@@ -234,6 +232,26 @@ struct RowFrame {
   int batch;  // hooks' batch
   int koff;   // added to key positions for the hooks
 };
+
+// The output stores of one accumulator row, in both prefill kernels: each column pair scaled, through
+// the output transform, poisoned if needed and stored as one 32-bit pair. o(d, e): this thread's
+// accumulator of column 8 d + 2 tig + e; `out`: the row's output.
+template <class S, int kDTiles, class Acc>
+__device__ __forceinline__ void prefill_store_pairs(const Params& p, typename S::DTypeO* out, float scale,
+                                                    const RowFrame& f, int head, int tig, float poison, Acc o) {
+#pragma unroll
+  for (int d = 0; d < kDTiles; ++d) {
+    float v0 = o(d, 0) * scale, v1 = o(d, 1) * scale;
+    if constexpr (S::kHasOutTransform) {
+      bool oob = false;
+      const int dim = d * 8 + 2 * tig;
+      v0 = S::output_transform(p, v0, f.batch, head, f.hpos, dim, oob);
+      v1 = S::output_transform(p, v1, f.batch, head, f.hpos, dim + 1, oob);
+      if (oob) v0 = v1 = quiet_nan();
+    }
+    *reinterpret_cast<uint32_t*>(out + d * 8 + 2 * tig) = pack2<typename S::DTypeO>(v0 + poison, v1 + poison);
+  }
+}
 
 // S = Q K^T for the warp's kMTiles x 16 rows and kBlockN keys (fp32 accumulators).
 template <class S>
@@ -452,7 +470,7 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
       for (int i = 0; i < 4; ++i) o[mt][d][i] = 0.f;
   SoftmaxState st[MT][2];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) st[mt][0] = st[mt][1] = SoftmaxState{S::kSoftmax ? kNegInf : 0.f, 0.f};
+  for (int mt = 0; mt < MT; ++mt) st[mt][0] = st[mt][1] = softmax_initial<S>();
   constexpr float kScale = q_prescale<S>();
 
   int it = 0;
@@ -505,40 +523,28 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
               const bool ok = kv_idx < kv_end && kv_idx >= kv_begin && structurally_visible<S>(f.pos, kv_idx) &&
                               custom_visible<S>(p, f.batch, row.head, kv_head, f.hpos, kv_idx + f.koff, qo_len,
                                                 kv_len, bad);
-              v = ok ? v : (S::kSoftmax ? kNegInf : 0.f);
+              v = ok ? v : masked_score<S>();
             }
             s[mt][n][2 * r + e] = v;
             tile_max = fmaxf(tile_max, v);
           }
         if constexpr (!S::kSoftmax) continue;  // the weights are the probabilities already
         tile_max = group_max<4>(tile_max);
-        // Deferred rescaling: keep the reference max (and skip rescaling O) unless the new max
-        // exceeds it by more than kRescaleThreshold; probabilities then stay below 2^threshold.
-        if (tile_max > st[mt][r].m + T::kRescaleThreshold) {
-          const float alpha = rescale_factor(st[mt][r].m, tile_max);
-          st[mt][r].m = tile_max;
-          st[mt][r].d *= alpha;
+        softmax_update_deferred<T::kNTiles, 2>(
+            st[mt][r], tile_max, tile_max > st[mt][r].m + kRescaleThreshold,
+            [&](int n, int e) -> float& { return s[mt][n][2 * r + e]; }, [&](float alpha) {
 #pragma unroll
-          for (int d = 0; d < T::kDTiles; ++d) {
-            o[mt][d][2 * r] *= alpha;
-            o[mt][d][2 * r + 1] *= alpha;
-          }
-        }
-        const float m_use = st[mt][r].m == kNegInf ? 0.f : st[mt][r].m;
-#pragma unroll
-        for (int n = 0; n < T::kNTiles; ++n)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float pe = fast_exp2(s[mt][n][2 * r + e] - m_use);
-            s[mt][n][2 * r + e] = pe;
-            st[mt][r].d += pe;  // this thread's share of the row sum; the quad is summed at the end
-          }
+              for (int d = 0; d < T::kDTiles; ++d) {
+                o[mt][d][2 * r] *= alpha;
+                o[mt][d][2 * r + 1] *= alpha;
+              }
+            });
       }
 
     prefill_pv<S>(o, s, stage_v(stage), lane);
   }
   cp_async_wait<0>();
-  const float poison = __syncthreads_or(bad) ? __int_as_float(0x7fc00000) : 0.f;
+  const float poison = __syncthreads_or(bad) ? quiet_nan() : 0.f;
 
   // Epilogue: finish each row (sum the quad's partial sums, fold sinks) and store.
 #pragma unroll
@@ -554,19 +560,8 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
       const float scale = finalize_state<S>(p, row.head, st[mt][r], lse);
       if (!row.valid) continue;
       const long long row_head = static_cast<long long>(q_start + packed / S::kGroupSize) * S::kNumQoHeads + row.head;
-      typename S::DTypeO* out = p.o + row_head * S::kHeadDimVO;
-#pragma unroll
-      for (int d = 0; d < T::kDTiles; ++d) {
-        float v0 = o[mt][d][2 * r] * scale, v1 = o[mt][d][2 * r + 1] * scale;
-        if constexpr (S::kHasOutTransform) {
-          bool oob = false;
-          const int dim = d * 8 + 2 * tig;
-          v0 = S::output_transform(p, v0, f.batch, row.head, f.hpos, dim, oob);
-          v1 = S::output_transform(p, v1, f.batch, row.head, f.hpos, dim + 1, oob);
-          if (oob) v0 = v1 = __int_as_float(0x7fc00000);
-        }
-        *reinterpret_cast<uint32_t*>(out + d * 8 + 2 * tig) = pack2<typename S::DTypeO>(v0 + poison, v1 + poison);
-      }
+      prefill_store_pairs<S, T::kDTiles>(p, p.o + row_head * S::kHeadDimVO, scale, f, row.head, tig, poison,
+                                         [&](int d, int e) { return o[mt][d][2 * r + e]; });
       if (tig == 0 && p.lse != nullptr) p.lse[row_head] = lse + poison;
     }
 }

@@ -16,8 +16,8 @@
 // kStages stages with cp.async and hands them over through mbarriers (prefill_sm90_kernel says how);
 // setmaxnreg moves its registers to the two (three at paged head dims 32, 48, 80, 96, 112) consumer
 // warpgroups. Served here (PrefillLaunch in attention.cu.j2 picks this kernel in the sm_90a cubin
-// only): 16-bit q/KV/o, head dims any multiple of 16 from 32 to 256, paged or ragged K/V
-// (kPrefillSm90Ragged). FP8 caches keep prefill_kernel.
+// only): 16-bit q/KV/o, head dims any multiple of 16 from 32 to 256, paged or ragged K/V (head_dim_qk
+// may differ from head_dim_vo, e.g. 192 / 128). FP8 caches keep prefill_kernel.
 //
 // The wgmma m64nN fp32 accumulator of a warpgroup is, per warp, N/8 mma.sync m16n8 C fragments
 // (warp w owns rows 16w .. 16w + 15), and the register A operand of m64k16 is, per warp, an m16k16
@@ -25,44 +25,13 @@
 #pragma once
 
 #include "common.cuh"
-#include "decode.cuh"
+#include "kv_load.cuh"
 #include "prefill.cuh"
+#include "softmax.cuh"
 #include "variant.cuh"
 #include "wgmma_sm90.cuh"
 
 namespace jitattn {
-
-// Dispatch switch read by PrefillLaunch (attention.cu.j2). On since this version passed the GPU test
-// matrix on the H200 (GPU_TESTS.md, 2026-11-29) and ran faster than prefill_kernel (BENCHMARKS.md).
-constexpr bool kPrefillSm90Enabled = true;
-// Ragged (contiguous varlen) K/V on this kernel too: the producer reads k / v rows through
-// kv_start_loc and the token / head strides instead of the page table; head_dim_qk may differ from
-// head_dim_vo (e.g. 192 / 128).
-constexpr bool kPrefillSm90Ragged = true;
-// Consumer warpgroups take turns issuing their MMAs (see prefill_sm90_kernel). Off: it passed the GPU
-// matrix but was slower without the overlap below (H200, 2026-11-29: hd128 causal 4x8192 305 vs 349
-// TFLOP/s, Gemma-2 310 vs 352: with a wait right after each MMA there is no softmax/MMA overlap inside
-// a warpgroup for the turns to protect), and no faster with it (hd128 404.1 vs 404.2; 68/68 GPU tests).
-// Again with the two-register K/V copies (kPrefillSm90FastLoad), same bench: 494.6 vs 494.8, no gain.
-constexpr bool kPrefillSm90PingPong = false;
-// Inside each consumer warpgroup, the S = Q K^T MMAs of tile j are issued before O += P V of tile j - 1
-// and the softmax of tile j runs while those P V MMAs run (FlashAttention-3, Shah et al. 2024,
-// sec. 3.2). H200, 2026-11-29, hd128 causal 4x8192: 348 -> 404 TFLOP/s (ping-pong on top: 404, no
-// gain). Specs with a key transform keep the loop without overlap (both warpgroups transform each
-// tile in place between two barriers), and so do two-stage specs (see kOverlap). Tried on top and not
-// kept (same bench): separate K and V barriers with cp.async.mbarrier.arrive arrivals (358 TFLOP/s),
-// no consumer-side proxy fence after the full wait (398: no gain).
-constexpr bool kPrefillSm90Overlap = true;
-// The producer's K/V copies addressed from two registers plus immediates on specs with 128-byte
-// swizzled K and V tiles of one width (Sm90KvLoader::kFast128B). H200, 2026-11-29, side by side with
-// cab859b in one run (jitattn bench, graph ms): hd128 causal 4 x 8192 paged 403.9 -> 496.8 TFLOP/s,
-// ragged 397.2 -> 462.5, Gemma-2 hd256 353.5 -> 387.7. What showed the producer as the limit (same
-// device, cab859b's kernel, hd128 case): with the copies left out 582 TFLOP/s against 402, with
-// exp2 left out 401 (the MUFU is not it), with the O stores left out 417, each block's K/V walk done
-// twice 2x the time less 0.1 ms (little per-block start-up cost); ncu: the producer warps busy
-// issuing (about 20 instructions per cp.async) and the consumers' full-barrier wait the largest stall
-// after the wait for S.
-constexpr bool kPrefillSm90FastLoad = true;
 
 template <bool B>
 struct BoolConstant {
@@ -104,8 +73,8 @@ struct PrefillSm90Traits {
   // Warp specialisation (FlashAttention-3's layout): warpgroups 0 .. kConsumerWGs - 1 compute, 64 rows
   // each; the last warpgroup only loads K/V (cp.async into the stages) and runs on few registers.
   // Three consumer warpgroups (192 rows, 96-key tiles, as FlashAttention-3 at head dim 96) for the
-  // paged specs of head dims up to 112 that are not multiples of 64, two otherwise. H200, 2026-11-29,
-  // Phi-3 hd96 causal 4 x 8192: 349 TFLOP/s with two (128 x 128 tiles), 387 with three. At three, 160
+  // paged specs of head dims up to 112 that are not multiples of 64, two otherwise (Phi-3 hd96 causal
+  // 4 x 8192: 349 TFLOP/s with two, 128 x 128 tiles; 387 with three). At three, 160
   // registers per consumer thread: hd96 spills 12-28 bytes (plain) to 108 (ALiBi + windows); ragged
   // specs keep two, where tests/test_ragged.py asks for no spills.
   // Explicit query positions keep two as well: at three, hd96 spilled 24 / 52 bytes against 16 / 32 with
@@ -124,7 +93,7 @@ struct PrefillSm90Traits {
   static constexpr int kBlockN = kConsumerWGs == 3 ? 96 : (kHeadDim <= 128 && !kExplicitNarrow) ? 128 : 64;
   // K/V stages in flight: three where they fit beside Q (up to head_dim 224; 230 KB at 128), else
   // two (head dims 240, 256).
-  static constexpr int kSmemLimit = 227 * 1024 - 256;
+  static constexpr int kSmemLimit = kSmemPerSm - 256;  // 256: the static __shared__ (barriers, flags)
   static constexpr int kMaxStages =
       (kSmemLimit - 1024 - kBlockM * kHeadDimQK * 2) / (2 * kBlockN * (kHeadDimQK + kHeadDimVO));
   static constexpr int kStages = kMaxStages < 3 ? 2 : 3;
@@ -145,7 +114,13 @@ struct PrefillSm90Traits {
   static_assert(!kSupported || kSmemBytes <= kSmemLimit, "stages exceed the shared memory of one SM");
   static constexpr int kNTiles = kBlockN / 8;   // n8 column groups of S
   static constexpr int kDTiles = kHeadDimVO / 8;  // n8 column groups of O
-  static constexpr float kRescaleThreshold = 8.0f;
+  // Inside each consumer warpgroup, the S = Q K^T MMAs of tile j are issued before O += P V of tile
+  // j - 1 and the softmax of tile j runs while those P V MMAs run (FlashAttention-3, Shah et al. 2024,
+  // sec. 3.2): hd128 causal 4x8192 348 -> 404 TFLOP/s. Specs with a key transform keep the loop
+  // without overlap (both warpgroups transform each tile in place between two barriers), and so do
+  // two-stage specs: a warpgroup in round j holds tiles j and j - 1, which leaves the producer
+  // nothing to prefetch into (Gemma-2 hd256: 307 TFLOP/s with overlap, 355 without).
+  static constexpr bool kOverlap = !S::kHasKTransform && kStages >= 3;
   static_assert(!kSupported || (kHeadDimQK % kSwizzle == 0 && kHeadDimVO % kSwizzleVO == 0 && kBlockN % 32 == 0),
                 "tiles are whole swizzle columns");
 };
@@ -221,10 +196,6 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
 __device__ __forceinline__ void named_barrier_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
-// bar.arrive: counts this warp towards barrier `id` without waiting.
-__device__ __forceinline__ void named_barrier_arrive(int id, int count) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // P (the S accumulators of a 64 x kN tile, one warpgroup's wgmma layout) as register A fragments of
@@ -273,9 +244,9 @@ struct Sm90KvLoader {
   // Specs with 128-byte swizzled K and V tiles of one width (head dims 64, 128, 192, 256; paged or
   // ragged): every copy of a pass is addressed from two registers plus immediates (load_128b). The
   // general path recomputes the swizzled offset and selects both pointers per 16-byte copy, about 20
-  // instructions per cp.async: on hd128 the producer warpgroup (one warp per scheduler) then took
-  // longer per tile than the consumers (kPrefillSm90FastLoad says what was measured).
-  static constexpr bool kFast128B = T::kSwizzle == 64 && T::kHeadDimQK == T::kHeadDimVO && kPrefillSm90FastLoad;
+  // instructions per cp.async, and on hd128 the producer warpgroup then bounded the kernel (hd128
+  // causal 4 x 8192 paged 403.9 -> 496.8 TFLOP/s, ragged 397.2 -> 462.5, Gemma-2 353.5 -> 387.7).
+  static constexpr bool kFast128B = T::kSwizzle == 64 && T::kHeadDimQK == T::kHeadDimVO;
   static constexpr int kPasses = T::kBlockN / 32;
   static constexpr int kChunksPerThread = (T::kChunks + 3) / 4;  // the last one partial at 48, 80, ...
   static constexpr int kChunksPerThreadVO = (T::kChunksVO + 3) / 4;
@@ -601,20 +572,13 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
 #pragma unroll
   for (int i = 0; i < T::kDTiles * 4; ++i) o[i] = 0.f;
   SoftmaxState st[2];
-  st[0] = st[1] = SoftmaxState{S::kSoftmax ? kNegInf : 0.f, 0.f};
+  st[0] = st[1] = softmax_initial<S>();
   constexpr float kScale = q_prescale<S>();
 
-  // Ping-pong (FlashAttention-3): the warpgroups take turns issuing their MMAs (named barriers 3 and
-  // 4), so one runs its softmax while the other's MMAs run. Warpgroup 0 goes first.
-  constexpr bool kPingPong = kPrefillSm90PingPong && !S::kHasKTransform && T::kConsumerWGs == 2;
   // Which tiles this warpgroup computes: [j_lo, j_hi), the tiles some of its rows can see (a
   // contiguous range: causal and window bounds only cut tiles off the ends). It still waits for the
   // others and releases them, so that every stage is released by all consumer threads in order.
-  // Two stages (head_dim 256) keep the loop without overlap: a warpgroup in round j holds tiles j and
-  // j - 1, which leaves the producer nothing to prefetch into (H200, 2026-11-29: Gemma-2 hd256 307 TFLOP/s
-  // with overlap, 355 without).
-  constexpr bool kOverlap = kPrefillSm90Overlap && !S::kHasKTransform && T::kStages >= 3;
-  if constexpr (kOverlap) {
+  if constexpr (T::kOverlap) {
     const int j_lo = min(num_tiles, max(0, wg_kv_begin - n_first) / kN);  // num_tiles is 0 for a bad sequence
     const int j_hi = max(j_lo, min(num_tiles, wg_kv_end > n_first ? ceil_div(wg_kv_end - n_first, kN) : 0));
     // Online softmax of the S tile at keys n0 .. n0 + kN - 1, in place (s becomes P, unnormalised).
@@ -645,7 +609,7 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
               const bool ok = kv_idx < kv_end && kv_idx >= kv_begin && structurally_visible<S>(f.pos, kv_idx) &&
                               custom_visible<S>(p, f.batch, row.head, kv_head, f.hpos, kv_idx + f.koff, qo_len,
                                                 kv_len, bad);
-              v = ok ? v : (S::kSoftmax ? kNegInf : 0.f);
+              v = ok ? v : masked_score<S>();
             }
             s[n * 4 + 2 * r + e] = v;
             part[(n % 2) * 2 + e] = fmaxf(part[(n % 2) * 2 + e], v);
@@ -653,7 +617,9 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
         if constexpr (!S::kSoftmax) continue;
         float tile_max = group_max<4>(fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3])));
         if constexpr (kFoldScale) tile_max *= kScale;  // -inf stays -inf
-        if (tile_max > st[r].m + T::kRescaleThreshold) {
+        // softmax_update_deferred's step in its own form: the rescale is left to the caller (alpha),
+        // the sum runs in four chains like the max, and the scale folds into exp2.
+        if (tile_max > st[r].m + kRescaleThreshold) {
           alpha[r] = rescale_factor(st[r].m, tile_max);
           st[r].m = tile_max;
           st[r].d *= alpha[r];
@@ -688,23 +654,9 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
     // releases stage j - 1 and applies tile j's O rescale; P(j) waits in registers (bf16 A fragments)
     // for the next round. The MMAs sit in straight-line code (a prologue round with S only, a steady
     // loop, an epilogue with P V only): under a branch that ptxas cannot prove uniform it serialises
-    // every wgmma (warning C7520). Ping-pong: the warpgroups take turns issuing a round's MMAs, and
-    // every warpgroup takes num_tiles + 1 turns (idle ones for the tiles it skips).
+    // every wgmma (warning C7520).
     float s[T::kNTiles * 4];
     uint32_t a[kN / 16][4];
-    int turn = 0;
-    auto turn_begin = [&]() {
-      if constexpr (kPingPong) named_barrier_sync(3 + wg, 256);  // this warpgroup's turn to issue
-    };
-    auto turn_end = [&]() {  // the other warpgroup's turn (warpgroup 1 skips its last: nobody waits)
-      if constexpr (kPingPong) {
-        if (wg == 0 || turn < num_tiles) named_barrier_arrive(3 + (1 - wg), 256);
-        ++turn;
-      }
-    };
-    if constexpr (kPingPong) {
-      if (wg == 1 && num_tiles > 0) named_barrier_arrive(3, 256);
-    }
     auto wait_full = [&](int j) {
       mbar_wait(&full_bar[j % T::kStages], (j / T::kStages) & 1);
       fence_proxy_async();  // the producer fenced its cp.async writes before arriving; this side too
@@ -712,8 +664,6 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
     auto skip_tile = [&](int j) {  // no row of this warpgroup sees tile j
       wait_full(j);
       mbar_arrive(&empty_bar[j % T::kStages]);
-      turn_begin();
-      turn_end();
     };
     auto issue_s = [&](int j) {
       const uint64_t k_desc = swizzled_desc<kW>(stage_k(j % T::kStages), 16);
@@ -749,10 +699,8 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
       {  // prologue: S(j_lo) alone
         float alpha[2];
         wait_full(j_lo);
-        turn_begin();
         wgmma_fence();
         issue_s(j_lo);
-        turn_end();
         wgmma_wait<0>();
         wgmma_fence_operands(s);
         softmax_tile(s, n_first + j_lo * kN, alpha);
@@ -761,12 +709,10 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
       for (int j = j_lo + 1; j < j_hi; ++j) {
         float alpha[2];
         wait_full(j);
-        turn_begin();
         wgmma_fence_operands(o);
         wgmma_fence();  // o (rescaled) and a (packed) were written by ordinary instructions
         issue_s(j);
         issue_pv(j - 1);
-        turn_end();
         wgmma_wait<1>();  // S(j) done; the P V MMAs may still run
         wgmma_fence_operands(s);
         softmax_tile(s, n_first + j * kN, alpha);
@@ -776,24 +722,16 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
         rescale_and_pack(alpha);
       }
       {  // epilogue: O += P V of the last tile
-        turn_begin();
         wgmma_fence_operands(o);
         wgmma_fence();
         issue_pv(j_hi - 1);
-        turn_end();
         wgmma_wait<0>();
         wgmma_fence_operands(o);
         mbar_arrive(&empty_bar[(j_hi - 1) % T::kStages]);
       }
-    } else if (num_tiles > 0) {
-      turn_begin();  // the turn a warpgroup with tiles spends on its last P V
-      turn_end();
     }
     for (int j = j_hi; j < num_tiles; ++j) skip_tile(j);
   } else {
-  if constexpr (kPingPong) {
-    if (wg == 1 && num_tiles > 0) named_barrier_arrive(3, 256);
-  }
   for (int j = 0; j < num_tiles; ++j) {
     const int n0 = n_first + j * kN;
     const int stage = j % T::kStages;
@@ -810,7 +748,6 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
 
     // S = Q K^T: head_dim / 16 wgmma, 64 x kBlockN per warpgroup.
     float s[T::kNTiles * 4];
-    if constexpr (kPingPong) named_barrier_sync(3 + wg, 256);  // this warpgroup's turn to issue
     if (!skip) {
       const uint64_t k_desc = swizzled_desc<kW>(stage_k(stage), 16);
       wgmma_fence();
@@ -818,9 +755,6 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
       for (int kk = 0; kk < kDQK / 16; ++kk)
         wgmma_ss<kN, DT>(s, q_desc + kstep_off(kk, T::kBlockM), k_desc + kstep_off(kk, kN), kk > 0 ? 1 : 0);
       wgmma_commit();
-    }
-    if constexpr (kPingPong) {  // the other warpgroup's turn (warpgroup 1 skips its last: nobody waits)
-      if (wg == 0 || j + 1 < num_tiles) named_barrier_arrive(3 + (1 - wg), 256);
     }
     if (skip) {
       mbar_arrive(&empty_bar[stage]);
@@ -848,32 +782,22 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
             const bool ok = kv_idx < kv_end && kv_idx >= kv_begin && structurally_visible<S>(f.pos, kv_idx) &&
                             custom_visible<S>(p, f.batch, row.head, kv_head, f.hpos, kv_idx + f.koff, qo_len,
                                               kv_len, bad);
-            v = ok ? v : (S::kSoftmax ? kNegInf : 0.f);
+            v = ok ? v : masked_score<S>();
           }
           s[n * 4 + 2 * r + e] = v;
           tile_max = fmaxf(tile_max, v);
         }
       if constexpr (!S::kSoftmax) continue;
       tile_max = group_max<4>(tile_max);
-      if (tile_max > st[r].m + T::kRescaleThreshold) {
-        const float alpha = rescale_factor(st[r].m, tile_max);
-        st[r].m = tile_max;
-        st[r].d *= alpha;
+      softmax_update_deferred<T::kNTiles, 2>(
+          st[r], tile_max, tile_max > st[r].m + kRescaleThreshold,
+          [&](int n, int e) -> float& { return s[n * 4 + 2 * r + e]; }, [&](float alpha) {
 #pragma unroll
-        for (int d = 0; d < T::kDTiles; ++d) {
-          o[d * 4 + 2 * r] *= alpha;
-          o[d * 4 + 2 * r + 1] *= alpha;
-        }
-      }
-      const float m_use = st[r].m == kNegInf ? 0.f : st[r].m;
-#pragma unroll
-      for (int n = 0; n < T::kNTiles; ++n)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float pe = fast_exp2(s[n * 4 + 2 * r + e] - m_use);
-          s[n * 4 + 2 * r + e] = pe;
-          st[r].d += pe;
-        }
+            for (int d = 0; d < T::kDTiles; ++d) {
+              o[d * 4 + 2 * r] *= alpha;
+              o[d * 4 + 2 * r + 1] *= alpha;
+            }
+          });
     }
 
     // O += P V: P from the S accumulators as register A fragments (n8 groups 2kk, 2kk + 1 = k-step kk).
@@ -895,7 +819,7 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
   }  // kOverlap
   if (bad) bad_flag = 1;
   named_barrier_sync(2, T::kThreads);  // every bad flag (the producer's page lookups too) is in
-  const float poison = bad_flag ? __int_as_float(0x7fc00000) : 0.f;
+  const float poison = bad_flag ? quiet_nan() : 0.f;
 
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -908,19 +832,8 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
     const float scale = finalize_state<S>(p, row.head, st[r], lse);
     if (!row.valid) continue;
     const long long row_head = static_cast<long long>(q_start + packed / S::kGroupSize) * S::kNumQoHeads + row.head;
-    typename S::DTypeO* out = p.o + row_head * S::kHeadDimVO;
-#pragma unroll
-    for (int d = 0; d < T::kDTiles; ++d) {
-      float v0 = o[d * 4 + 2 * r] * scale, v1 = o[d * 4 + 2 * r + 1] * scale;
-      if constexpr (S::kHasOutTransform) {
-        bool oob = false;
-        const int dim = d * 8 + 2 * tig;
-        v0 = S::output_transform(p, v0, f.batch, row.head, f.hpos, dim, oob);
-        v1 = S::output_transform(p, v1, f.batch, row.head, f.hpos, dim + 1, oob);
-        if (oob) v0 = v1 = __int_as_float(0x7fc00000);
-      }
-      *reinterpret_cast<uint32_t*>(out + d * 8 + 2 * tig) = pack2<typename S::DTypeO>(v0 + poison, v1 + poison);
-    }
+    prefill_store_pairs<S, T::kDTiles>(p, p.o + row_head * S::kHeadDimVO, scale, f, row.head, tig, poison,
+                                       [&](int d, int e) { return o[d * 4 + 2 * r + e]; });
     if (tig == 0 && p.lse != nullptr) p.lse[row_head] = lse + poison;
   }
 #else

@@ -6,6 +6,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "visibility.cuh"
 
 namespace jitattn {
 
@@ -30,12 +31,6 @@ __device__ __forceinline__ float transform_logit(const Params& p, float s, int b
   }
 }
 
-// Causal and window bounds of one pair (positions are absolute within the sequence).
-template <class S>
-__device__ __forceinline__ bool structurally_visible(int qo_idx, int kv_idx) {
-  return S::structural_mask(qo_idx, kv_idx);
-}
-
 template <class S>
 __device__ __forceinline__ bool custom_visible(const Params& p, int batch, int qo_head, int kv_head, int qo_idx,
                                                int kv_idx, int qo_len, int kv_len, bool& oob) {
@@ -49,48 +44,6 @@ __device__ __forceinline__ bool custom_visible(const Params& p, int batch, int q
 // The element that rotate_half puts at `dim` of a head_dim-D vector, given the element D/2 away.
 __device__ __forceinline__ float rotate_half_value(int dim, int head_dim, float partner) {
   return dim < head_dim / 2 ? -partner : partner;
-}
-
-// Key range [begin, end) that can be visible to queries at positions [qo_lo, qo_hi] of a sequence
-// with kv_len keys: whole tiles outside it are never loaded.
-template <class S>
-__device__ __forceinline__ void visible_kv_range(int qo_lo, int qo_hi, int kv_len, int& begin, int& end) {
-  begin = 0;
-  end = kv_len;
-  if constexpr (S::kWindowLeft >= 0) begin = max(0, qo_lo - S::kWindowLeft);
-  if constexpr (S::kCausal) end = min(end, qo_hi + 1);
-  if constexpr (S::kWindowRight >= 0) end = min(end, qo_hi + S::kWindowRight + 1);
-}
-
-// Folds the sink logit (natural units) into a finished state and returns the factor that turns the
-// un-normalised accumulator into the output (0 for a row that saw nothing), and the lse (natural log;
-// -inf for an empty row). Sinks join the denominator only (gpt-oss).
-template <class S>
-__device__ __forceinline__ float finalize_state(const Params& p, int qo_head, SoftmaxState st, float& lse) {
-  float m = st.m, d = st.d;
-  if constexpr (!S::kSoftmax) {  // a weighted sum: nothing to normalise, no lse
-    lse = __int_as_float(0x7fc00000);
-    return 1.0f;
-  } else if constexpr (S::kHasSinks) {
-    const float sink = p.sinks[qo_head] * kLog2e;
-    const float m_new = fmaxf(m, sink);
-    if (m_new == kNegInf) {  // no key and a -inf sink (no sink): nothing to normalise (exp2(-inf + inf) is NaN)
-      lse = kNegInf;
-      return 0.f;
-    }
-    d = d * rescale_factor(m, m_new) + fast_exp2(sink - m_new);
-    const float out_scale = rescale_factor(m, m_new) / d;
-    m = m_new;
-    lse = (m + __log2f(d)) * kLn2;
-    return out_scale;
-  } else {
-    if (d == 0.f) {
-      lse = kNegInf;
-      return 0.f;
-    }
-    lse = (m + __log2f(d)) * kLn2;
-    return 1.0f / d;
-  }
 }
 
 }  // namespace jitattn

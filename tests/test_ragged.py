@@ -188,14 +188,14 @@ def test_ragged_metadata_value_checks():
 def test_ragged_source_builds_only_the_prefill_kernel():
     src = render(ragged(16, 2, 192, 128, logits_soft_cap=30.0))
     assert f"void __launch_bounds__(jitattn::PrefillLaunch" in src.text or KERNEL_NAMES["prefill"] in src.text
-    assert KERNEL_NAMES["decode"] not in src.text and KERNEL_NAMES["merge"] not in src.text
+    assert KERNEL_NAMES["decode"] not in src.text
     assert "kRagged = true" in src.text and "kHeadDimQK = 192" in src.text and "kHeadDimVO = 128" in src.text
     names = [f.name for f in src.fields]
     for name in ("k", "v", "kv_start_loc", "k_stride_token", "k_stride_head", "v_stride_token", "v_stride_head",
                  "q_stride_head", "total_kv"):
         assert name in names
     paged = render(AttentionSpec(16, 2, 128)).text
-    assert KERNEL_NAMES["decode"] in paged and KERNEL_NAMES["merge"] in paged and "kRagged = false" in paged
+    assert KERNEL_NAMES["decode"] in paged and "kRagged = false" in paged
 
 
 # ---- backends and selector ----------------------------------------------------------------------------
@@ -289,7 +289,7 @@ def test_ragged_spec_compiles_without_spills(compiled, name, arch):
         pytest.fail(f"{type(entry).__name__}: {entry}", pytrace=False)
     log = entry.manifest["compiler_log"]
     assert f"Compiling entry function '{KERNEL_NAMES['prefill']}' for '{arch}'" in log
-    assert KERNEL_NAMES["decode"] not in log and KERNEL_NAMES["merge"] not in log  # nothing the spec does not need
+    assert KERNEL_NAMES["decode"] not in log  # nothing the spec does not need
     assert entry.cubin.read_bytes()[:4] == b"\x7fELF"
     assert not any(prefill_spills(entry, name, arch)), f"{name} {arch}: spills in ptxas -v output"
 
