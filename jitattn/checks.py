@@ -332,6 +332,18 @@ def check_q_layout(spec: AttentionSpec, q: torch.Tensor) -> None:
              f"data_ptr % 16 = {q.data_ptr() % 16}); pass q.contiguous()")
 
 
+def check_out_layout(out: torch.Tensor) -> None:
+    """What the kernels need of a preallocated ``out``: its data 16-byte aligned (they store pairs of
+    elements as one 32-bit word; a tensor offset by one element faults with a misaligned address).
+
+    Raises:
+        ValueError: naming the alignment.
+    """
+    if out.data_ptr() % 16:
+        fail(f"out: the data must start 16-byte aligned, got data_ptr % 16 = {out.data_ptr() % 16} "
+             f"(a view at an odd element offset); pass a tensor of its own, e.g. torch.empty_like(out)")
+
+
 def check_kv_cache_layout(spec: AttentionSpec, kv_cache: torch.Tensor) -> None:
     """What the kernels need of the cache: contiguous pages (strided between pages), 16-byte aligned.
 

@@ -30,10 +30,10 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from jitattn.checks import (check_flag, check_kv_cache, check_kv_cache_layout, check_max_query_len,
-                            check_metadata_layout, check_metadata_values, check_out, check_paged_metadata,
-                            check_params, check_position_values, check_positions, check_q_layout,
-                            check_ragged_metadata_values, check_ragged_tensors, check_scales, check_spec,
-                            check_tensor, check_vector, fail, kv_cache_shape)
+                            check_metadata_layout, check_metadata_values, check_out, check_out_layout,
+                            check_paged_metadata, check_params, check_position_values, check_positions,
+                            check_q_layout, check_ragged_metadata_values, check_ragged_tensors, check_scales,
+                            check_spec, check_tensor, check_vector, fail, kv_cache_shape)
 from jitattn.dtypes import TORCH_DTYPES
 from jitattn.render import params_fields, params_layout
 from jitattn.spec import AttentionSpec
@@ -518,8 +518,9 @@ class SpecPlan:
             self._check_ragged_kv(q, kv)
         if out is not None and not (type(out) is torch.Tensor and out.dtype == self._dtypes[2] and
                                     out.shape == self._out_shape and out.device == plan.device and
-                                    out.is_contiguous()):
+                                    out.is_contiguous() and out.data_ptr() % 16 == 0):
             check_out(self.spec, out, plan.total_q, plan.device, device_of="the plan")
+            check_out_layout(out)
 
     def _explain_q(self, q: Any) -> None:
         """The slow path of q's check: passes a tensor subclass that fits, else names what differs."""

@@ -647,8 +647,8 @@ def run(q: torch.Tensor, kv_cache: Any, plan: Plan, *, spec: AttentionSpec | Non
         plan: the step's plan.
         spec: which of the plan's specs this layer runs (default: the first); a spec not planned yet
             is planned now (allocating its scratch: plan every spec up front for CUDA graphs).
-        out: optional contiguous ``(total_q, num_qo_heads, head_dim_vo)`` of ``spec.o_dtype``, written
-            in place and returned.
+        out: optional contiguous, 16-byte aligned ``(total_q, num_qo_heads, head_dim_vo)`` of
+            ``spec.o_dtype``, written in place and returned.
         return_lse: also return the float32 lse ``(total_q, num_qo_heads)`` (natural log).
         sinks, alibi_slopes, params, k_scale, v_scale: this layer's, as :func:`paged_attention`.
 

@@ -41,6 +41,8 @@ def _launched(kernels) -> int:
      r"kv_cache: dims 1-4 must be contiguous"),
     (lambda t: dict(out=torch.empty(7, 8, 32, dtype=torch.bfloat16)), r"out: expected a contiguous \(7, 8, 64\)"),
     (lambda t: dict(out=torch.empty(7, 8, 64, dtype=torch.float16)), r"out: expected dtype torch.bfloat16"),
+    (lambda t: dict(out=torch.empty(7 * 8 * 64 + 1, dtype=torch.bfloat16)[1:].view(7, 8, 64)),
+     r"out: the data must start 16-byte aligned, got data_ptr % 16 = 2"),
     (lambda t: dict(sinks=torch.zeros(8)), r"sinks: given, but spec.sinks=False"),
     (lambda t: dict(alibi_slopes=torch.zeros(8)), r"alibi_slopes: given, but spec.alibi=False"),
     (lambda t: dict(params={"x": 1}), r"params: unknown names \['x'\]"),
@@ -146,3 +148,20 @@ def test_validate_under_graph_capture_is_refused(kernels, monkeypatch):  # noqa:
     t = lc._paged(SPEC, [1], [30])
     with pytest.raises(ValueError, match=r"validate=True: .*CUDA graph capture"):
         runtime.plan(SPEC, t["block_table"], t["seq_lens"], t["query_start_loc"], total_q=1, validate=True)
+
+
+def test_an_out_at_an_odd_element_offset_is_refused_on_every_run_path(kernels):  # noqa: F811
+    """A contiguous out one element into its storage would fault the kernels' 32-bit stores: refused on
+    the one-call paged path and on a ragged run too, before any launch."""
+    t = lc._paged(SPEC, [1, 5, 1], [30, 40, 17])
+    odd = torch.empty(7 * 8 * 64 + 1, dtype=torch.bfloat16)[1:].view(7, 8, 64)
+    with pytest.raises(ValueError, match=r"out: the data must start 16-byte aligned"):
+        runtime.paged_attention(SPEC, t["q"], t["kv_cache"], t["block_table"], t["seq_lens"], t["query_start_loc"],
+                                out=odd)
+    spec = AttentionSpec(8, 2, 64, kv_storage="ragged")
+    r = lc._ragged(spec, [1, 9], [20, 37])
+    plan = runtime.plan_ragged(spec, r["query_start_loc"], r["kv_start_loc"])
+    with pytest.raises(ValueError, match=r"out: the data must start 16-byte aligned"):
+        runtime.run(r["q"], (r["k"], r["v"]), plan, out=torch.empty(10 * 8 * 64 + 1, dtype=torch.bfloat16)[1:]
+                    .view(10, 8, 64))
+    assert _launched(kernels) == 0
