@@ -290,6 +290,9 @@ def make_paged_plan(load: Callable[[AttentionSpec], Any], specs: Sequence[Attent
     max_query_len, validate = check_max_query_len(max_query_len), _validating(validate)
     qsl = _read_starts(query_start_loc, mode, total_q, max_query_len, validate)
     lens = None if qsl is None else [b - a for a, b in zip(qsl, qsl[1:])]
+    if qsl is not None and total_q is not None and qsl[-1] > total_q:  # read anyway: the kernels would skip them
+        fail(f"total_q={total_q}: query_start_loc ends at {qsl[-1]}, so its last queries have no row of q and "
+             f"would be left unwritten; pass total_q=q.shape[0] with q holding every query")
     total_q = total_q if total_q is not None else qsl[-1]  # type: ignore[index]
     if total_q >= 2 ** 31:
         fail(f"total_q={total_q}: at most 2**31 - 1 query tokens (int32 start locations)")

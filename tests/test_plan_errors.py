@@ -94,6 +94,7 @@ def test_a_spec_of_other_heads_sharing_the_layout_checks_its_own_shapes(step):
     (lambda t: dict(mode="lazy"), r"mode='lazy': expected 'eager'"),
     (lambda t: dict(mode="graph"), r"total_q: required in graph mode"),
     (lambda t: dict(total_q=-1), r"total_q=-1: expected None or an int >= 0"),
+    (lambda t: dict(total_q=6), r"total_q=6: query_start_loc ends at 7, so its last queries have no row of q"),
     (lambda t: dict(max_query_len=True), r"max_query_len=True: expected None or an int >= 0"),
     (lambda t: dict(validate=True), r"num_pages: validate=True checks the page ids"),
     (lambda t: dict(validate=True, num_pages=2), r"block_table\[1\]: page ids must be in \[0, 2\)"),
