@@ -546,6 +546,8 @@ class SpecPlan:
         if not isinstance(kv, (tuple, list)) or len(kv) != 2:
             fail(f"kv: a ragged plan runs with a (k, v) pair, got {type(kv).__name__}")
         check_ragged_tensors(self.spec, q, kv[0], kv[1], self.plan.device)
+        if self.plan.total_kv is not None and kv[0].shape[0] != self.plan.total_kv:
+            fail(f"k: {kv[0].shape[0]} rows, but the plan was made for total_kv={self.plan.total_kv}")
 
     def _outputs(self, q: torch.Tensor, out: torch.Tensor | None, return_lse: bool
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:

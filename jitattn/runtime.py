@@ -464,7 +464,7 @@ class JitKernel:
         key = stream = None
         if validate is False and not capturing():  # as paged_attention: the stream's last plan if it fits
             try:
-                key = ("ragged", q.shape[0], _layout_key(query_start_loc), _layout_key(kv_start_loc))
+                key = ("ragged", q.shape[0], k.shape[0], _layout_key(query_start_loc), _layout_key(kv_start_loc))
             except AttributeError:
                 key = None
             if key is not None:
@@ -621,7 +621,8 @@ def plan_ragged(spec: AttentionSpec | Sequence[AttentionSpec], query_start_loc: 
         spec: a ragged spec, or several sharing the layout.
         query_start_loc, kv_start_loc: int32 ``(batch + 1,)`` cumulative query / key counts.
         total_q: rows of q (default: read from ``query_start_loc[-1]``, eager mode only).
-        total_kv: rows of k and v; required by ``validate``.
+        total_kv: rows of k and v (optional): a run then refuses k and v of another row count, and
+            ``validate`` checks ``kv_start_loc`` against it (required there).
         mode, validate: as :func:`plan`.
 
     Raises:

@@ -166,3 +166,18 @@ def test_an_out_at_an_odd_element_offset_is_refused_on_every_run_path(kernels): 
         runtime.run(r["q"], (r["k"], r["v"]), plan, out=torch.empty(10 * 8 * 64 + 1, dtype=torch.bfloat16)[1:]
                     .view(10, 8, 64))
     assert _launched(kernels) == 0
+
+
+def test_a_ragged_plan_given_total_kv_refuses_k_and_v_of_another_row_count(kernels):  # noqa: F811
+    """As num_pages for a paged plan: the rows validate checked kv_start_loc against are the rows a run takes;
+    the one-call path, which plans with k's rows, plans again for k of another row count."""
+    spec = AttentionSpec(8, 2, 64, kv_storage="ragged")
+    t = lc._ragged(spec, [1, 9], [20, 37])
+    plan = runtime.plan_ragged(spec, t["query_start_loc"], t["kv_start_loc"], total_kv=57, validate=True)
+    with pytest.raises(ValueError, match=r"k: 40 rows, but the plan was made for total_kv=57"):
+        runtime.run(t["q"], (t["k"][:40], t["v"][:40]), plan)
+    assert _launched(kernels) == 0
+    runtime.ragged_attention(spec, t["q"], t["k"], t["v"], t["query_start_loc"], t["kv_start_loc"])
+    runtime.ragged_attention(spec, t["q"], t["k"][:50], t["v"][:50], t["query_start_loc"], t["kv_start_loc"])
+    (kernel, module), = kernels.values()
+    assert [m["fields"]["total_kv"] for m in module.launches] == [57, 50]
