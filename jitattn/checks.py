@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 from dataclasses import dataclass
 from typing import Any, Mapping, NoReturn
 
@@ -494,6 +495,19 @@ def _resolve_dim(dim: int | str, *, batch: int, total_q: int, spec: AttentionSpe
             "num_kv_heads": spec.num_kv_heads}.get(dim)  # "*": any
 
 
+_FLOAT32_MAX = struct.unpack("<f", b"\xff\xff\x7f\x7f")[0]
+
+
+def _fits_float32(value: float) -> bool:
+    """Whether the kernel's Params packer takes ``value`` as a float32 (it refuses finite values beyond
+    float32's range)."""
+    try:
+        struct.pack("<f", value)
+    except (OverflowError, struct.error):  # struct.error: an int too large for a float
+        return False
+    return True
+
+
 def check_params(spec: AttentionSpec, params: Mapping[str, Any], *, batch: int, total_q: int,
                  device: torch.device | None) -> None:
     """Every declared variant parameter present with its dtype and shape; nothing undeclared.
@@ -513,6 +527,9 @@ def check_params(spec: AttentionSpec, params: Mapping[str, Any], *, batch: int, 
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             if p.dtype == "int32":
                 ok = ok and isinstance(value, int) and -(2 ** 31) <= value < 2 ** 31
+            elif ok and not _fits_float32(value):
+                fail(f"params[{name!r}]: {value!r} is outside float32's range (|x| <= {_FLOAT32_MAX:.7g}); "
+                     f"pass a float32 value (inf and nan are taken as they are)")
             if not ok:
                 fail(f"params[{name!r}]: expected a Python {'int in [-2**31, 2**31)' if p.dtype == 'int32' else 'float'}"
                      f" scalar ({p.dtype}), got {value!r}")

@@ -181,3 +181,20 @@ def test_a_ragged_plan_given_total_kv_refuses_k_and_v_of_another_row_count(kerne
     runtime.ragged_attention(spec, t["q"], t["k"][:50], t["v"][:50], t["query_start_loc"], t["kv_start_loc"])
     (kernel, module), = kernels.values()
     assert [m["fields"]["total_kv"] for m in module.launches] == [57, 50]
+
+
+def test_a_float32_parameter_beyond_float32_is_a_value_error_before_any_launch(kernels):  # noqa: F811
+    """The run packs a float32 scalar into Params: a finite value float32 cannot hold is refused by the
+    checks (naming the parameter), not by struct's OverflowError mid-pack; inf still passes."""
+    from jitattn.variant import Param, Variant
+
+    variant = Variant("scaled", logits_transform="logits * alpha", params=(Param("alpha", "float32"),),
+                      reference_transform=lambda s, b, h, qi, ki, p: s * p.alpha)
+    spec = AttentionSpec(8, 2, 64, variant=variant)
+    t = lc._paged(spec, [1, 5, 1], [30, 40, 17])
+    plan = runtime.plan(spec, t["block_table"], t["seq_lens"], t["query_start_loc"])
+    with pytest.raises(ValueError, match=r"params\['alpha'\]: 1e\+40 is outside float32's range"):
+        runtime.run(t["q"], t["kv_cache"], plan, params={"alpha": 1e40})
+    assert _launched(kernels) == 0
+    runtime.run(t["q"], t["kv_cache"], plan, params={"alpha": float("inf")})
+    assert _launched(kernels) == 2
