@@ -459,13 +459,18 @@ def check_max_query_len(value: Any) -> int | None:
 
 
 def check_scale(name: str, value: Any) -> float:
-    """An FP8 dequantisation scale (``k_scale`` / ``v_scale``): a positive finite Python number.
+    """An FP8 dequantisation scale (``k_scale`` / ``v_scale``): a positive finite Python number that
+    stays positive and finite as the float32 the kernels read.
 
     Raises:
-        ValueError: naming the argument and the value (NaN, inf, <= 0, a bool or a tensor).
+        ValueError: naming the argument and the value (NaN, inf, <= 0, beyond float32's range or
+            rounding to 0 there, a bool or a tensor).
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        fail(f"{name}={value!r}: expected a positive finite Python float (a tensor would need a sync)")
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and _fits_float32(value)
+    as_f32 = struct.unpack("<f", struct.pack("<f", value))[0] if ok else math.nan
+    if not (math.isfinite(as_f32) and as_f32 > 0):
+        fail(f"{name}={value!r}: expected a positive finite Python float (a tensor would need a sync), "
+             f"one float32 holds (its positive range is about 1.4e-45 to 3.4e+38)")
     return float(value)
 
 

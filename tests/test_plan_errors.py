@@ -198,3 +198,14 @@ def test_a_float32_parameter_beyond_float32_is_a_value_error_before_any_launch(k
     assert _launched(kernels) == 0
     runtime.run(t["q"], t["kv_cache"], plan, params={"alpha": float("inf")})
     assert _launched(kernels) == 2
+
+
+def test_an_fp8_scale_float32_cannot_hold_is_a_value_error_before_any_launch(kernels):  # noqa: F811
+    """k_scale is packed as a float32: 1e40 was checked as positive and finite and then raised struct's
+    OverflowError mid-pack; now it is refused by the checks, naming k_scale."""
+    spec = AttentionSpec(8, 2, 64, kv_dtype="float8_e4m3fn")
+    t = lc._paged(spec, [1, 5, 1], [30, 40, 17])
+    plan = runtime.plan(spec, t["block_table"], t["seq_lens"], t["query_start_loc"])
+    with pytest.raises(ValueError, match=r"k_scale=1e\+40: expected a positive finite Python float .*float32"):
+        runtime.run(t["q"], t["kv_cache"], plan, k_scale=1e40)
+    assert _launched(kernels) == 0
