@@ -674,8 +674,20 @@ def paged_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor
     The one-call form of :func:`plan` + :func:`run` (a plan for this call, nothing read on the host);
     same argument order, shapes, dtypes and semantics as :func:`jitattn.reference.paged_attention`;
     keyword arguments: :meth:`JitKernel.paged_attention`.
+
+    Raises:
+        ValueError: ``spec`` not an AttentionSpec, ``q`` not a tensor, or a bad input (before any launch).
     """
+    _check_spec_and_q(spec, q, "paged_attention(spec, q, kv_cache, block_table, seq_lens, query_start_loc, ...)")
     return load_kernel(spec, q.device).paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, **kwargs)
+
+
+def _check_spec_and_q(spec: Any, q: Any, call: str) -> None:
+    """What the one-call forms read before the kernel's own checks: the spec (its kernel is loaded) and
+    q's device (where it is loaded)."""
+    check_spec(spec, call)
+    if not isinstance(q, torch.Tensor):
+        fail(f"q: expected a torch.Tensor, got {type(q).__name__}")
 
 
 def ragged_attention(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -693,4 +705,5 @@ def ragged_attention(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: t
     Raises:
         ValueError: a paged spec or a bad input, before any launch.
     """
+    _check_spec_and_q(spec, q, "ragged_attention(spec, q, k, v, query_start_loc, kv_start_loc, ...)")
     return load_kernel(spec, q.device).ragged_attention(q, k, v, query_start_loc, kv_start_loc, **kwargs)

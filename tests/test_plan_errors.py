@@ -209,3 +209,16 @@ def test_an_fp8_scale_float32_cannot_hold_is_a_value_error_before_any_launch(ker
     with pytest.raises(ValueError, match=r"k_scale=1e\+40: expected a positive finite Python float .*float32"):
         runtime.run(t["q"], t["kv_cache"], plan, k_scale=1e40)
     assert _launched(kernels) == 0
+
+
+@pytest.mark.parametrize("call", ["paged", "ragged"])
+def test_the_one_call_forms_name_a_bad_spec_or_q_before_loading_a_kernel(kernels, call):  # noqa: F811
+    """They load the spec's kernel on q's device first: a non-spec or a non-tensor q was an AttributeError."""
+    fn = runtime.paged_attention if call == "paged" else runtime.ragged_attention
+    t = lc._paged(SPEC, [1], [30])
+    rest = (t["kv_cache"], t["block_table"], t["seq_lens"], t["query_start_loc"])
+    with pytest.raises(ValueError, match=rf"spec: expected a jitattn.AttentionSpec, got str .*{call}_attention\(spec"):
+        fn("spec", t["q"], *rest)
+    with pytest.raises(ValueError, match=r"q: expected a torch.Tensor, got list"):
+        fn(SPEC, [[0.0]], *rest)
+    assert not kernels
