@@ -564,6 +564,13 @@ def _specs(spec: AttentionSpec | Sequence[AttentionSpec], call: str) -> tuple[At
     return tuple(check_spec(s, call) for s in specs)
 
 
+def _metadata_device(query_start_loc: Any) -> torch.device:
+    """The device a plan loads its kernels on: its metadata's (checked to be a tensor first)."""
+    if not isinstance(query_start_loc, torch.Tensor):
+        fail(f"query_start_loc: expected a torch.Tensor, got {type(query_start_loc).__name__}")
+    return query_start_loc.device
+
+
 def plan(spec: AttentionSpec | Sequence[AttentionSpec], block_table: torch.Tensor, seq_lens: torch.Tensor,
          query_start_loc: torch.Tensor, *, total_q: int | None = None, max_query_len: int | None = None,
          num_pages: int | None = None, query_positions: torch.Tensor | None = None,
@@ -605,8 +612,7 @@ def plan(spec: AttentionSpec | Sequence[AttentionSpec], block_table: torch.Tenso
         ValueError: a bad spec or metadata tensor, naming the argument (before any launch).
     """
     specs = _specs(spec, "plan(spec, block_table, seq_lens, query_start_loc, ...)")
-    device = query_start_loc.device if isinstance(query_start_loc, torch.Tensor) else None
-    first = load_kernel(specs[0], device)
+    first = load_kernel(specs[0], _metadata_device(query_start_loc))
     return first.plan(block_table, seq_lens, query_start_loc, also=specs[1:], total_q=total_q,
                       max_query_len=max_query_len, num_pages=num_pages, query_positions=query_positions,
                       functor_batch=functor_batch, position_offset=position_offset, mode=mode, validate=validate)
@@ -629,8 +635,7 @@ def plan_ragged(spec: AttentionSpec | Sequence[AttentionSpec], query_start_loc: 
         ValueError: a bad spec or metadata tensor, naming the argument.
     """
     specs = _specs(spec, "plan_ragged(spec, query_start_loc, kv_start_loc, ...)")
-    device = query_start_loc.device if isinstance(query_start_loc, torch.Tensor) else None
-    return load_kernel(specs[0], device).plan_ragged(query_start_loc, kv_start_loc, also=specs[1:], total_q=total_q,
+    return load_kernel(specs[0], _metadata_device(query_start_loc)).plan_ragged(query_start_loc, kv_start_loc, also=specs[1:], total_q=total_q,
                                                      total_kv=total_kv, mode=mode, validate=validate)
 
 

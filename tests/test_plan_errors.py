@@ -222,3 +222,14 @@ def test_the_one_call_forms_name_a_bad_spec_or_q_before_loading_a_kernel(kernels
     with pytest.raises(ValueError, match=r"q: expected a torch.Tensor, got list"):
         fn(SPEC, [[0.0]], *rest)
     assert not kernels
+
+
+def test_a_plan_names_query_start_loc_that_is_not_a_tensor_before_loading_a_kernel(kernels):  # noqa: F811
+    """Its device is where the kernels load: a list there loaded on the current CUDA device (on the CPU:
+    a RuntimeError about CUDA) before the metadata checks named it."""
+    t = lc._paged(SPEC, [1], [30])
+    with pytest.raises(ValueError, match=r"query_start_loc: expected a torch.Tensor, got list"):
+        runtime.plan(SPEC, t["block_table"], t["seq_lens"], [0, 1])
+    with pytest.raises(ValueError, match=r"query_start_loc: expected a torch.Tensor, got list"):
+        runtime.plan_ragged(AttentionSpec(8, 2, 64, kv_storage="ragged"), [0, 1], torch.tensor([0, 30]))
+    assert not kernels
