@@ -282,7 +282,7 @@ def plan_cascade(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: i
     for i in range(1, len(levels)):
         level_start[i] = level_start[i - 1] + lens[i - 1]
     req_qsl = levels[-1].query_start_loc.long()
-    req = seg[-1]
+    req = seg[-1].clamp(0, levels[-1].kv_lens.shape[0] - 1)  # rows past the last request (padding) index none
     total_kv = level_start[-1] + lens[-1]
     qo_len = (req_qsl[1:] - req_qsl[:-1])[req]
     tok = torch.arange(total_q, device=dev)

@@ -353,3 +353,15 @@ def test_plan_cascade_checks_its_arguments_before_building(args, match):
     spec_arg, levels, total_q, *rest = args(b, spec)
     with pytest.raises(ValueError, match=match):
         plan_cascade(spec_arg, levels, total_q, num_sms=rest[0] if rest else 132)
+
+
+def test_a_cascade_over_a_padded_q_leaves_the_padding_out():
+    """q with rows past the last request (an engine pads q to a graph's size): its segment index ran past
+    the requests and plan_cascade indexed out of range (an IndexError here, a device-side assert on a
+    GPU); the requests' rows are now those of the unpadded call."""
+    spec = AttentionSpec(8, 2, 32, page_size=4)
+    b = random_cascade_batch(spec, [12], [3], [5, 0, 9], [1, 1, 2], seed=2)
+    want = cascade_attention(spec, b.q, b.kv_cache, b.levels, use_cascade=True, attention=reference.paged_attention)
+    padded = torch.cat([b.q, torch.zeros(3, *b.q.shape[1:], dtype=b.q.dtype)])
+    got = cascade_attention(spec, padded, b.kv_cache, b.levels, use_cascade=True, attention=reference.paged_attention)
+    assert got.shape[0] == b.q.shape[0] + 3 and torch.equal(got[: b.q.shape[0]], want)
