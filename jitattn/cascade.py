@@ -104,10 +104,30 @@ def cascade_pays(num_requests: int, prefix_len: int, suffix_len: float, *, mode:
     return r >= 8 and p >= 1000 and (p >= 4 * s or (r >= 32 and p >= 4096 and p >= 2 * s))
 
 
-def _check_levels(levels: Sequence[CascadeLevel], dev: torch.device) -> None:
-    """Types, dtypes, devices and shapes of the levels (no host read)."""
+def _check_cascade_spec(spec: Any, call: str) -> None:
+    """A spec the cascade's split preserves (:func:`cascade_attention`'s Raises)."""
+    check_spec(spec, call)
+    if spec.ragged or spec.explicit_positions:
+        fail(f"spec: cascade attention takes a paged spec with implicit query positions, got "
+             f"kv_storage={spec.kv_storage!r}, query_positions={spec.query_positions!r}")
+    v = spec.variant
+    if v is not None and not v.softmax:
+        fail(f"spec.variant={v.name!r} has no softmax: its levels' weighted sums have no lse to merge by")
+    if v is not None and "output_transform" in v.cuda:
+        fail(f"spec.variant={v.name!r} has an output_transform: it applies to the finished output, which a "
+             f"cascade only has after the merge; run the plain paged_attention")
+    if v is not None and any(isinstance(v.cuda.get(h), str) and re.search(r"\b(qo_len|kv_len)\b", v.cuda[h])
+                             for h in v.cuda):  # the names, not a parameter such as max_kv_len
+        fail(f"spec.variant={v.name!r}: a CUDA hook reads qo_len / kv_len, which a cascade level does not know "
+             f"for the whole request; write it with positions only, or run the plain paged_attention")
+
+
+def _check_levels(levels: Sequence[CascadeLevel], dev: torch.device | None) -> None:
+    """Types, dtypes, devices and shapes of the levels (no host read); ``dev`` None: the first level's."""
     if not isinstance(levels, (list, tuple)) or len(levels) < 1 or not all(isinstance(v, CascadeLevel) for v in levels):
         fail(f"levels: expected a non-empty list of CascadeLevel, got {levels!r:.120}")
+    if dev is None and isinstance(levels[0].query_start_loc, torch.Tensor):
+        dev = levels[0].query_start_loc.device
     for i, lv in enumerate(levels):
         check_tensor(f"levels[{i}].query_start_loc", lv.query_start_loc, dtype=torch.int32, ndim=1, device=dev)
         n = lv.query_start_loc.shape[0] - 1
@@ -244,8 +264,15 @@ def plan_cascade(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: i
         a :class:`CascadePlan` on the levels' device (int32 tensors; ``num_states * total_q`` query rows).
 
     Raises:
-        ValueError: ``chunks`` that is not one int >= 1 per level, a bad ``mode``.
+        ValueError: a spec the cascade cannot split (as :func:`cascade_attention`), bad levels (types,
+            dtypes, devices, shapes), ``total_q`` / ``num_sms`` that are not ints >= 0 / >= 1,
+            ``chunks`` that is not one int >= 1 per level, a bad ``mode``.
     """
+    _check_cascade_spec(spec, "plan_cascade(spec, levels, total_q, num_sms=...)")
+    _check_levels(levels, None)
+    for name, value, least in (("total_q", total_q, 0), ("num_sms", num_sms, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            fail(f"{name}={value!r}: expected an int >= {least}")
     mode = choose_mode(mode)
     dev = levels[0].kv_lens.device
     page = spec.page_size
@@ -255,7 +282,7 @@ def plan_cascade(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: i
     for i in range(1, len(levels)):
         level_start[i] = level_start[i - 1] + lens[i - 1]
     req_qsl = levels[-1].query_start_loc.long()
-    req = seg[-1]
+    req = seg[-1].clamp(0, levels[-1].kv_lens.shape[0] - 1)  # rows past the last request (padding) index none
     total_kv = level_start[-1] + lens[-1]
     qo_len = (req_qsl[1:] - req_qsl[:-1])[req]
     tok = torch.arange(total_q, device=dev)
@@ -375,20 +402,7 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tens
             shapes always; their values with ``validate=True``), bad ``chunks``, a ``plan`` for another
             layout, or an argument the plain call refuses (before any launch).
     """
-    check_spec(spec, "cascade_attention(spec, q, kv_cache, levels, ...)")
-    if spec.ragged or spec.explicit_positions:
-        fail(f"spec: cascade attention takes a paged spec with implicit query positions, got "
-             f"kv_storage={spec.kv_storage!r}, query_positions={spec.query_positions!r}")
-    v = spec.variant
-    if v is not None and not v.softmax:
-        fail(f"spec.variant={v.name!r} has no softmax: its levels' weighted sums have no lse to merge by")
-    if v is not None and "output_transform" in v.cuda:
-        fail(f"spec.variant={v.name!r} has an output_transform: it applies to the finished output, which a "
-             f"cascade only has after the merge; run the plain paged_attention")
-    if v is not None and any(isinstance(v.cuda.get(h), str) and re.search(r"\b(qo_len|kv_len)\b", v.cuda[h])
-                             for h in v.cuda):  # the names, not a parameter such as max_kv_len
-        fail(f"spec.variant={v.name!r}: a CUDA hook reads qo_len / kv_len, which a cascade level does not know "
-             f"for the whole request; write it with positions only, or run the plain paged_attention")
+    _check_cascade_spec(spec, "cascade_attention(spec, q, kv_cache, levels, ...)")
     check_flag("return_lse", return_lse)
     check_flag("validate", validate)
     if use_cascade is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 from dataclasses import dataclass
 from typing import Any, Mapping, NoReturn
 
@@ -332,6 +333,18 @@ def check_q_layout(spec: AttentionSpec, q: torch.Tensor) -> None:
              f"data_ptr % 16 = {q.data_ptr() % 16}); pass q.contiguous()")
 
 
+def check_out_layout(out: torch.Tensor) -> None:
+    """What the kernels need of a preallocated ``out``: its data 16-byte aligned (they store pairs of
+    elements as one 32-bit word; a tensor offset by one element faults with a misaligned address).
+
+    Raises:
+        ValueError: naming the alignment.
+    """
+    if out.data_ptr() % 16:
+        fail(f"out: the data must start 16-byte aligned, got data_ptr % 16 = {out.data_ptr() % 16} "
+             f"(a view at an odd element offset); pass a tensor of its own, e.g. torch.empty_like(out)")
+
+
 def check_kv_cache_layout(spec: AttentionSpec, kv_cache: torch.Tensor) -> None:
     """What the kernels need of the cache: contiguous pages (strided between pages), 16-byte aligned.
 
@@ -446,13 +459,18 @@ def check_max_query_len(value: Any) -> int | None:
 
 
 def check_scale(name: str, value: Any) -> float:
-    """An FP8 dequantisation scale (``k_scale`` / ``v_scale``): a positive finite Python number.
+    """An FP8 dequantisation scale (``k_scale`` / ``v_scale``): a positive finite Python number that
+    stays positive and finite as the float32 the kernels read.
 
     Raises:
-        ValueError: naming the argument and the value (NaN, inf, <= 0, a bool or a tensor).
+        ValueError: naming the argument and the value (NaN, inf, <= 0, beyond float32's range or
+            rounding to 0 there, a bool or a tensor).
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        fail(f"{name}={value!r}: expected a positive finite Python float (a tensor would need a sync)")
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and _fits_float32(value)
+    as_f32 = struct.unpack("<f", struct.pack("<f", value))[0] if ok else math.nan
+    if not (math.isfinite(as_f32) and as_f32 > 0):
+        fail(f"{name}={value!r}: expected a positive finite Python float (a tensor would need a sync), "
+             f"one float32 holds (its positive range is about 1.4e-45 to 3.4e+38)")
     return float(value)
 
 
@@ -482,6 +500,19 @@ def _resolve_dim(dim: int | str, *, batch: int, total_q: int, spec: AttentionSpe
             "num_kv_heads": spec.num_kv_heads}.get(dim)  # "*": any
 
 
+_FLOAT32_MAX = struct.unpack("<f", b"\xff\xff\x7f\x7f")[0]
+
+
+def _fits_float32(value: float) -> bool:
+    """Whether the kernel's Params packer takes ``value`` as a float32 (it refuses finite values beyond
+    float32's range)."""
+    try:
+        struct.pack("<f", value)
+    except (OverflowError, struct.error):  # struct.error: an int too large for a float
+        return False
+    return True
+
+
 def check_params(spec: AttentionSpec, params: Mapping[str, Any], *, batch: int, total_q: int,
                  device: torch.device | None) -> None:
     """Every declared variant parameter present with its dtype and shape; nothing undeclared.
@@ -501,6 +532,9 @@ def check_params(spec: AttentionSpec, params: Mapping[str, Any], *, batch: int, 
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             if p.dtype == "int32":
                 ok = ok and isinstance(value, int) and -(2 ** 31) <= value < 2 ** 31
+            elif ok and not _fits_float32(value):
+                fail(f"params[{name!r}]: {value!r} is outside float32's range (|x| <= {_FLOAT32_MAX:.7g}); "
+                     f"pass a float32 value (inf and nan are taken as they are)")
             if not ok:
                 fail(f"params[{name!r}]: expected a Python {'int in [-2**31, 2**31)' if p.dtype == 'int32' else 'float'}"
                      f" scalar ({p.dtype}), got {value!r}")

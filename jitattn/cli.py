@@ -181,7 +181,7 @@ CascadeOpt = Annotated[bool, typer.Option(
                       "merge_state module it merges with.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="JSON output, for scripts.")]
 TpOpt = Annotated[int, typer.Option(
-    "--tensor-parallel-size", "--tp", help="Ranks a model's heads are split over: the specs are one rank's "
+    "--tensor-parallel-size", "--tp", min=1, help="Ranks a model's heads are split over: the specs are one rank's "
                                            "(query heads / N; KV heads / N, or 1 when fewer KV heads than ranks).")]
 
 

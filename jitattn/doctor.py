@@ -11,8 +11,8 @@ It reports, without compiling anything and without needing torch or a GPU:
   is cached for.
 
 A node *can serve* a model when, for every kernel, the cache holds it for an arch the node runs:
-with a GPU, any arch of :func:`jitattn.archs.archs_for_capability` (the runtime takes the best one
-cached); without one (a build box checking what it ships), each requested arch (``--arch``, default
+with GPUs, for each GPU any arch of :func:`jitattn.archs.archs_for_capability` (the runtime takes the
+best one cached); without one (a build box checking what it ships), each requested arch (``--arch``, default
 ``JITATTN_ARCHS``). Lookups are the ones a ``JITATTN_DISABLE_JIT=1`` process makes (an entry any
 nvcc built serves), and never write. :func:`diagnose` returns a :class:`Report`; its ``ok`` is
 the exit code's answer, its ``warmup_command`` the command that fills the gap.
@@ -188,8 +188,12 @@ def cache_layers(cache: KernelCache) -> tuple[Layer, ...]:
 
 
 def model_kernels(path: Path, cache: KernelCache, archs: Sequence[str], any_arch: bool, *, dtype: str | None,
-                  page_size: int, kv_layout: str, kv_dtype: str | None, tensor_parallel_size: int) -> ModelReport:
+                  page_size: int, kv_layout: str, kv_dtype: str | None, tensor_parallel_size: int,
+                  gpu_archs: Sequence[Sequence[str]] = ()) -> ModelReport:
     """Which archs each kernel of one model is cached for (lookups as under JITATTN_DISABLE_JIT=1).
+
+    ``any_arch``: a kernel is served when one of ``archs`` is cached for each group of ``gpu_archs``
+    (the archs each GPU of the node runs; no groups: one of ``archs``), else when every one is.
 
     Raises:
         FileNotFoundError, ValueError: the config cannot be read or mapped (:func:`load_model_config`).
@@ -205,7 +209,10 @@ def model_kernels(path: Path, cache: KernelCache, archs: Sequence[str], any_arch
     with settings.scope(JITATTN_DISABLE_JIT="1"):  # what a serving node finds: any nvcc's build, no compile
         for module, sources in needed.items():
             found = {a: str(e.path) for a in archs if (e := cache.find(module, a)) is not None}
-            served = bool(found) if any_arch else len(found) == len(archs)
+            if not any_arch:
+                served = len(found) == len(archs)
+            else:  # every GPU must run one cached arch: an sm_80 build does not serve an H100 beside an A100
+                served = all(any(a in found for a in group) for group in gpu_archs) if gpu_archs else bool(found)
             kernels.append(Kernel(module.name, module.describe(), tuple(sources), found, served))
     return ModelReport(str(path), model.name, tensor_parallel_size, tuple(kernels))
 
@@ -226,22 +233,25 @@ def diagnose(models: Sequence[Path] = (), archs: Sequence[str] = (), *, dtype: s
     cache = cache or KernelCache()
     looking = KernelCache(cache.root, cache.layers, look_only=True)  # a corrupt entry is reported, not moved
     driver = find_driver()
-    notes = []
+    notes, gpu_archs = [], ()
     if archs:
         chosen, any_arch = [normalize_arch(a, field="--arch") for a in archs], False
     elif driver.gpus:
-        chosen = list(dict.fromkeys(a for g in driver.gpus for a in g.archs))
+        gpu_archs = tuple(dict.fromkeys(tuple(g.archs) for g in driver.gpus))  # one group per kind of GPU
+        chosen = list(dict.fromkeys(a for group in gpu_archs for a in group))
         any_arch = True
     else:
         chosen, any_arch = list(settings.archs()), False
         notes.append(f"no GPU here: checking the archs a serving node needs, {', '.join(chosen)} (JITATTN_ARCHS, "
                      f"or --arch)")
     reports = tuple(model_kernels(Path(m), looking, chosen, any_arch, dtype=dtype, page_size=page_size,
-                                  kv_layout=kv_layout, kv_dtype=kv_dtype, tensor_parallel_size=tensor_parallel_size)
+                                  kv_layout=kv_layout, kv_dtype=kv_dtype, tensor_parallel_size=tensor_parallel_size,
+                                  gpu_archs=gpu_archs)
                     for m in models)
     command = None
     if any(not r.ok for r in reports):
-        fill = [normalize_arch(a) for a in archs] if archs else ([chosen[0]] if any_arch else chosen)
+        fill = [normalize_arch(a) for a in archs] if archs else (
+            list(dict.fromkeys(group[0] for group in gpu_archs if group)) if any_arch else chosen)  # each GPU's best
         command = models_warmup_command([r.config for r in reports if not r.ok], [], fill, dtype=dtype,
                                         page_size=page_size, kv_layout=kv_layout, kv_dtype=kv_dtype,
                                         tensor_parallel_size=tensor_parallel_size)

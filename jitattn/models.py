@@ -139,9 +139,12 @@ def per_rank_heads(num_qo_heads: int, num_kv_heads: int, tensor_parallel_size: i
     ranks a multiple of the KV heads). Llama-3-70B (64 / 8) at TP 8: ``(8, 1)``; at TP 16: ``(4, 1)``.
 
     Raises:
-        ValueError: ``tensor_parallel_size`` is not a positive int, or the heads do not split over it
-            (the message names the numbers).
+        ValueError: a head count or ``tensor_parallel_size`` is not a positive int, or the heads do not
+            split over it (the message names the numbers).
     """
+    for name, n in (("num_attention_heads", num_qo_heads), ("num_key_value_heads", num_kv_heads)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name}={n!r}: expected a positive int")
     tp = tensor_parallel_size
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tensor_parallel_size={tp!r}: expected a positive int")

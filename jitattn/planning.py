@@ -30,10 +30,10 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from jitattn.checks import (check_flag, check_kv_cache, check_kv_cache_layout, check_max_query_len,
-                            check_metadata_layout, check_metadata_values, check_out, check_paged_metadata,
-                            check_params, check_position_values, check_positions, check_q_layout,
-                            check_ragged_metadata_values, check_ragged_tensors, check_scales, check_spec,
-                            check_tensor, check_vector, fail, kv_cache_shape)
+                            check_metadata_layout, check_metadata_values, check_out, check_out_layout,
+                            check_paged_metadata, check_params, check_position_values, check_positions,
+                            check_q_layout, check_ragged_metadata_values, check_ragged_tensors, check_scales,
+                            check_spec, check_tensor, check_vector, fail, kv_cache_shape)
 from jitattn.dtypes import TORCH_DTYPES
 from jitattn.render import params_fields, params_layout
 from jitattn.spec import AttentionSpec
@@ -290,6 +290,9 @@ def make_paged_plan(load: Callable[[AttentionSpec], Any], specs: Sequence[Attent
     max_query_len, validate = check_max_query_len(max_query_len), _validating(validate)
     qsl = _read_starts(query_start_loc, mode, total_q, max_query_len, validate)
     lens = None if qsl is None else [b - a for a, b in zip(qsl, qsl[1:])]
+    if qsl is not None and total_q is not None and qsl[-1] > total_q:  # read anyway: the kernels would skip them
+        fail(f"total_q={total_q}: query_start_loc ends at {qsl[-1]}, so its last queries have no row of q and "
+             f"would be left unwritten; pass total_q=q.shape[0] with q holding every query")
     total_q = total_q if total_q is not None else qsl[-1]  # type: ignore[index]
     if total_q >= 2 ** 31:
         fail(f"total_q={total_q}: at most 2**31 - 1 query tokens (int32 start locations)")
@@ -518,8 +521,9 @@ class SpecPlan:
             self._check_ragged_kv(q, kv)
         if out is not None and not (type(out) is torch.Tensor and out.dtype == self._dtypes[2] and
                                     out.shape == self._out_shape and out.device == plan.device and
-                                    out.is_contiguous()):
+                                    out.is_contiguous() and out.data_ptr() % 16 == 0):
             check_out(self.spec, out, plan.total_q, plan.device, device_of="the plan")
+            check_out_layout(out)
 
     def _explain_q(self, q: Any) -> None:
         """The slow path of q's check: passes a tensor subclass that fits, else names what differs."""
@@ -542,6 +546,8 @@ class SpecPlan:
         if not isinstance(kv, (tuple, list)) or len(kv) != 2:
             fail(f"kv: a ragged plan runs with a (k, v) pair, got {type(kv).__name__}")
         check_ragged_tensors(self.spec, q, kv[0], kv[1], self.plan.device)
+        if self.plan.total_kv is not None and kv[0].shape[0] != self.plan.total_kv:
+            fail(f"k: {kv[0].shape[0]} rows, but the plan was made for total_kv={self.plan.total_kv}")
 
     def _outputs(self, q: torch.Tensor, out: torch.Tensor | None, return_lse: bool
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:

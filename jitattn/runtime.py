@@ -464,7 +464,7 @@ class JitKernel:
         key = stream = None
         if validate is False and not capturing():  # as paged_attention: the stream's last plan if it fits
             try:
-                key = ("ragged", q.shape[0], _layout_key(query_start_loc), _layout_key(kv_start_loc))
+                key = ("ragged", q.shape[0], k.shape[0], _layout_key(query_start_loc), _layout_key(kv_start_loc))
             except AttributeError:
                 key = None
             if key is not None:
@@ -564,6 +564,13 @@ def _specs(spec: AttentionSpec | Sequence[AttentionSpec], call: str) -> tuple[At
     return tuple(check_spec(s, call) for s in specs)
 
 
+def _metadata_device(query_start_loc: Any) -> torch.device:
+    """The device a plan loads its kernels on: its metadata's (checked to be a tensor first)."""
+    if not isinstance(query_start_loc, torch.Tensor):
+        fail(f"query_start_loc: expected a torch.Tensor, got {type(query_start_loc).__name__}")
+    return query_start_loc.device
+
+
 def plan(spec: AttentionSpec | Sequence[AttentionSpec], block_table: torch.Tensor, seq_lens: torch.Tensor,
          query_start_loc: torch.Tensor, *, total_q: int | None = None, max_query_len: int | None = None,
          num_pages: int | None = None, query_positions: torch.Tensor | None = None,
@@ -605,8 +612,7 @@ def plan(spec: AttentionSpec | Sequence[AttentionSpec], block_table: torch.Tenso
         ValueError: a bad spec or metadata tensor, naming the argument (before any launch).
     """
     specs = _specs(spec, "plan(spec, block_table, seq_lens, query_start_loc, ...)")
-    device = query_start_loc.device if isinstance(query_start_loc, torch.Tensor) else None
-    first = load_kernel(specs[0], device)
+    first = load_kernel(specs[0], _metadata_device(query_start_loc))
     return first.plan(block_table, seq_lens, query_start_loc, also=specs[1:], total_q=total_q,
                       max_query_len=max_query_len, num_pages=num_pages, query_positions=query_positions,
                       functor_batch=functor_batch, position_offset=position_offset, mode=mode, validate=validate)
@@ -621,15 +627,15 @@ def plan_ragged(spec: AttentionSpec | Sequence[AttentionSpec], query_start_loc: 
         spec: a ragged spec, or several sharing the layout.
         query_start_loc, kv_start_loc: int32 ``(batch + 1,)`` cumulative query / key counts.
         total_q: rows of q (default: read from ``query_start_loc[-1]``, eager mode only).
-        total_kv: rows of k and v; required by ``validate``.
+        total_kv: rows of k and v (optional): a run then refuses k and v of another row count, and
+            ``validate`` checks ``kv_start_loc`` against it (required there).
         mode, validate: as :func:`plan`.
 
     Raises:
         ValueError: a bad spec or metadata tensor, naming the argument.
     """
     specs = _specs(spec, "plan_ragged(spec, query_start_loc, kv_start_loc, ...)")
-    device = query_start_loc.device if isinstance(query_start_loc, torch.Tensor) else None
-    return load_kernel(specs[0], device).plan_ragged(query_start_loc, kv_start_loc, also=specs[1:], total_q=total_q,
+    return load_kernel(specs[0], _metadata_device(query_start_loc)).plan_ragged(query_start_loc, kv_start_loc, also=specs[1:], total_q=total_q,
                                                      total_kv=total_kv, mode=mode, validate=validate)
 
 
@@ -647,8 +653,8 @@ def run(q: torch.Tensor, kv_cache: Any, plan: Plan, *, spec: AttentionSpec | Non
         plan: the step's plan.
         spec: which of the plan's specs this layer runs (default: the first); a spec not planned yet
             is planned now (allocating its scratch: plan every spec up front for CUDA graphs).
-        out: optional contiguous ``(total_q, num_qo_heads, head_dim_vo)`` of ``spec.o_dtype``, written
-            in place and returned.
+        out: optional contiguous, 16-byte aligned ``(total_q, num_qo_heads, head_dim_vo)`` of
+            ``spec.o_dtype``, written in place and returned.
         return_lse: also return the float32 lse ``(total_q, num_qo_heads)`` (natural log).
         sinks, alibi_slopes, params, k_scale, v_scale: this layer's, as :func:`paged_attention`.
 
@@ -673,8 +679,20 @@ def paged_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor
     The one-call form of :func:`plan` + :func:`run` (a plan for this call, nothing read on the host);
     same argument order, shapes, dtypes and semantics as :func:`jitattn.reference.paged_attention`;
     keyword arguments: :meth:`JitKernel.paged_attention`.
+
+    Raises:
+        ValueError: ``spec`` not an AttentionSpec, ``q`` not a tensor, or a bad input (before any launch).
     """
+    _check_spec_and_q(spec, q, "paged_attention(spec, q, kv_cache, block_table, seq_lens, query_start_loc, ...)")
     return load_kernel(spec, q.device).paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, **kwargs)
+
+
+def _check_spec_and_q(spec: Any, q: Any, call: str) -> None:
+    """What the one-call forms read before the kernel's own checks: the spec (its kernel is loaded) and
+    q's device (where it is loaded)."""
+    check_spec(spec, call)
+    if not isinstance(q, torch.Tensor):
+        fail(f"q: expected a torch.Tensor, got {type(q).__name__}")
 
 
 def ragged_attention(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -692,4 +710,5 @@ def ragged_attention(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: t
     Raises:
         ValueError: a paged spec or a bad input, before any launch.
     """
+    _check_spec_and_q(spec, q, "ragged_attention(spec, q, k, v, query_start_loc, kv_start_loc, ...)")
     return load_kernel(spec, q.device).ragged_attention(q, k, v, query_start_loc, kv_start_loc, **kwargs)

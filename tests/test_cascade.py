@@ -334,3 +334,34 @@ def test_a_cascade_plan_runs_every_layer_through_one_jit_plan(kernels):
     assert [x["kernel"] for x in module.launches] == ["prefill", "prefill"]
     assert all(x["fields"]["total_q"] == plan.num_states * b.q.shape[0] for x in module.launches)
     assert all(x["fields"]["query_positions"] == plan.query_positions.data_ptr() for x in module.launches)
+
+
+@pytest.mark.parametrize("args, match", [
+    (lambda b, s: ("spec", b.levels, 4), r"spec: expected a jitattn.AttentionSpec, got str .*plan_cascade\(spec"),
+    (lambda b, s: (AttentionSpec(8, 2, 32, kv_storage="ragged"), b.levels, 4),
+     r"spec: cascade attention takes a paged"),
+    (lambda b, s: (s, [], 4), r"levels: expected a non-empty list of CascadeLevel, got \[\]"),
+    (lambda b, s: (s, b.levels, -1), r"total_q=-1: expected an int >= 0"),
+    (lambda b, s: (s, b.levels, 4.0), r"total_q=4.0: expected an int >= 0"),
+    (lambda b, s: (s, b.levels, 4, 0), r"num_sms=0: expected an int >= 1"),
+])
+def test_plan_cascade_checks_its_arguments_before_building(args, match):
+    """plan_cascade is called by the engine directly (once per step): a bad spec, levels or size is a
+    ValueError naming it, not an AttributeError / IndexError / torch error from inside the layout."""
+    spec = AttentionSpec(8, 2, 32, page_size=4)
+    b = random_cascade_batch(spec, [12], [3], [5, 0, 9], [1, 1, 2], seed=2)
+    spec_arg, levels, total_q, *rest = args(b, spec)
+    with pytest.raises(ValueError, match=match):
+        plan_cascade(spec_arg, levels, total_q, num_sms=rest[0] if rest else 132)
+
+
+def test_a_cascade_over_a_padded_q_leaves_the_padding_out():
+    """q with rows past the last request (an engine pads q to a graph's size): its segment index ran past
+    the requests and plan_cascade indexed out of range (an IndexError here, a device-side assert on a
+    GPU); the requests' rows are now those of the unpadded call."""
+    spec = AttentionSpec(8, 2, 32, page_size=4)
+    b = random_cascade_batch(spec, [12], [3], [5, 0, 9], [1, 1, 2], seed=2)
+    want = cascade_attention(spec, b.q, b.kv_cache, b.levels, use_cascade=True, attention=reference.paged_attention)
+    padded = torch.cat([b.q, torch.zeros(3, *b.q.shape[1:], dtype=b.q.dtype)])
+    got = cascade_attention(spec, padded, b.kv_cache, b.levels, use_cascade=True, attention=reference.paged_attention)
+    assert got.shape[0] == b.q.shape[0] + 3 and torch.equal(got[: b.q.shape[0]], want)

@@ -133,6 +133,8 @@ def test_alibi_slopes_optional_but_checked():
     (dict(scale_=True), r"params\['scale_'\]: expected a Python float scalar"),
     (dict(n=3.0), r"params\['n'\]: expected a Python int in \[-2\*\*31, 2\*\*31\) scalar \(int32\), got 3.0"),
     (dict(n=2 ** 31), r"params\['n'\]: expected a Python int in \[-2\*\*31, 2\*\*31\) scalar \(int32\), got 2147483648"),
+    (dict(scale_=1e40), r"params\['scale_'\]: 1e\+40 is outside float32's range"),
+    (dict(scale_=-(10 ** 400)), r"params\['scale_'\]: -1000.* is outside float32's range"),
 ])
 def test_variant_params(change, match):
     batch = make(variant=VARIANT)

@@ -176,6 +176,9 @@ BAD_ARGS = [
     (("--model", str(GEMMA), "--arch", "sm_75"), {}, r"--arch='sm_75': sm_75 is below sm_80, which jitattn needs"),
     (("--model", str(GEMMA), "--tensor-parallel-size", "3"), {},
      r"gemma-2-9b.json: tensor_parallel_size=3: num_attention_heads=16 does not divide over 3 ranks"),
+    # a spec alone never reaches the heads' split, which refused a bad count: 0 ranks were accepted
+    (("--spec", '{"num_qo_heads": 8, "num_kv_heads": 8, "head_dim_qk": 64}', "--tp", "0"), {},
+     r"Invalid value for '--tensor-parallel-size' / '--tp': .*1"),
     (("--model", str(GEMMA), "--kv-layout", "nhd"), {}, r"kv_layout='nhd': expected one of \('NHD', 'HND'\)"),
     (("--model", str(GEMMA), "--dtype", "float32"), {}, r"dtype='float32': expected one of"),
     (("--model", str(GEMMA), "--page-size", "0"), {}, r"page_size=0: expected an int in \[1, 1024\]"),

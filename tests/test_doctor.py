@@ -65,6 +65,25 @@ def test_doctor_on_a_gpu_node_takes_any_arch_the_gpu_runs(tmp_path, monkeypatch)
     assert report.archs == ("sm_90a", "sm_90") and report.any_arch and report.ok
 
 
+def test_doctor_on_a_node_of_two_gpu_kinds_needs_an_arch_each_runs(tmp_path, monkeypatch):
+    """An A100 and an H100 in one node: an sm_80 build runs on the A100 only (cubins do not cross major
+    versions), so the node is not served until an arch the H100 runs is cached too."""
+    from jitattn import doctor
+    from jitattn.doctor import Driver, Gpu
+
+    gpus = (Gpu(0, "NVIDIA A100", (8, 0)), Gpu(1, "NVIDIA H100", (9, 0)))
+    monkeypatch.setattr(doctor, "find_driver", lambda: Driver("13.0", gpus))
+    cache = KernelCache(root=tmp_path / "c", layers=())
+    for module in model_modules(LLAMA_8B):
+        publish_fake(cache, module, "sm_80")
+    report = diagnose([LLAMA_8B], cache=cache)
+    assert report.any_arch and not report.ok
+    assert report.warmup_command == f"jitattn warmup --model {LLAMA_8B} --arch sm_80 --arch sm_90a"
+    for module in model_modules(LLAMA_8B):
+        publish_fake(cache, module, "sm_90")
+    assert diagnose([LLAMA_8B], cache=cache).ok
+
+
 def test_doctor_reports_corrupt_entries_of_every_layer(tmp_path, monkeypatch):
     no_gpu(monkeypatch)
     image = KernelCache(root=tmp_path / "image", layers=())

@@ -39,7 +39,9 @@ def test_checks_want_the_fp8_cache_dtype():
         check_paged_call(SPEC, batch.q, batch.kv_cache.float().to(torch.bfloat16), *batch.args()[2:])
 
 
-@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), torch.tensor(1.0), True])
+# 1e40 and 10**400 overflow the float32 the kernels read; 1e-50 rounds to 0 there
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), torch.tensor(1.0), True,
+                                 1e40, pytest.param(10 ** 400, id="10**400"), 1e-50])
 def test_scales_must_be_positive_python_floats(bad):
     # check_scales is what every callable runs (JitKernel.paged_attention since f55bb99, which removed
     # runtime._scale that this test imported: the module failed to collect).

@@ -415,6 +415,19 @@ def test_heads_that_do_not_divide_are_a_clear_error(tp, message):
         load_model_config(LLAMA_70B, tensor_parallel_size=tp)
 
 
+@pytest.mark.parametrize("heads,message", [
+    ((32, 0), r"num_key_value_heads=0: expected a positive int"),
+    ((0, 8), r"num_attention_heads=0: expected a positive int"),
+    ((-8, 2), r"num_attention_heads=-8: expected a positive int"),
+    ((32, 8.0), r"num_key_value_heads=8.0: expected a positive int"),
+])
+def test_per_rank_heads_refuses_head_counts_that_are_not_positive_ints(heads, message):
+    """Called directly (not through a config, which checks them first): a ValueError, not a ZeroDivisionError
+    or a rank with no heads."""
+    with pytest.raises(ValueError, match=message):
+        per_rank_heads(*heads, 4)
+
+
 def test_kv_heads_that_do_not_split_name_both_numbers():
     with pytest.raises(ValueError, match=r"tensor_parallel_size=4: num_key_value_heads=6 does not divide over 4"):
         per_rank_heads(24, 6, 4)

@@ -41,6 +41,8 @@ def _launched(kernels) -> int:
      r"kv_cache: dims 1-4 must be contiguous"),
     (lambda t: dict(out=torch.empty(7, 8, 32, dtype=torch.bfloat16)), r"out: expected a contiguous \(7, 8, 64\)"),
     (lambda t: dict(out=torch.empty(7, 8, 64, dtype=torch.float16)), r"out: expected dtype torch.bfloat16"),
+    (lambda t: dict(out=torch.empty(7 * 8 * 64 + 1, dtype=torch.bfloat16)[1:].view(7, 8, 64)),
+     r"out: the data must start 16-byte aligned, got data_ptr % 16 = 2"),
     (lambda t: dict(sinks=torch.zeros(8)), r"sinks: given, but spec.sinks=False"),
     (lambda t: dict(alibi_slopes=torch.zeros(8)), r"alibi_slopes: given, but spec.alibi=False"),
     (lambda t: dict(params={"x": 1}), r"params: unknown names \['x'\]"),
@@ -92,6 +94,7 @@ def test_a_spec_of_other_heads_sharing_the_layout_checks_its_own_shapes(step):
     (lambda t: dict(mode="lazy"), r"mode='lazy': expected 'eager'"),
     (lambda t: dict(mode="graph"), r"total_q: required in graph mode"),
     (lambda t: dict(total_q=-1), r"total_q=-1: expected None or an int >= 0"),
+    (lambda t: dict(total_q=6), r"total_q=6: query_start_loc ends at 7, so its last queries have no row of q"),
     (lambda t: dict(max_query_len=True), r"max_query_len=True: expected None or an int >= 0"),
     (lambda t: dict(validate=True), r"num_pages: validate=True checks the page ids"),
     (lambda t: dict(validate=True, num_pages=2), r"block_table\[1\]: page ids must be in \[0, 2\)"),
@@ -146,3 +149,87 @@ def test_validate_under_graph_capture_is_refused(kernels, monkeypatch):  # noqa:
     t = lc._paged(SPEC, [1], [30])
     with pytest.raises(ValueError, match=r"validate=True: .*CUDA graph capture"):
         runtime.plan(SPEC, t["block_table"], t["seq_lens"], t["query_start_loc"], total_q=1, validate=True)
+
+
+def test_an_out_at_an_odd_element_offset_is_refused_on_every_run_path(kernels):  # noqa: F811
+    """A contiguous out one element into its storage would fault the kernels' 32-bit stores: refused on
+    the one-call paged path and on a ragged run too, before any launch."""
+    t = lc._paged(SPEC, [1, 5, 1], [30, 40, 17])
+    odd = torch.empty(7 * 8 * 64 + 1, dtype=torch.bfloat16)[1:].view(7, 8, 64)
+    with pytest.raises(ValueError, match=r"out: the data must start 16-byte aligned"):
+        runtime.paged_attention(SPEC, t["q"], t["kv_cache"], t["block_table"], t["seq_lens"], t["query_start_loc"],
+                                out=odd)
+    spec = AttentionSpec(8, 2, 64, kv_storage="ragged")
+    r = lc._ragged(spec, [1, 9], [20, 37])
+    plan = runtime.plan_ragged(spec, r["query_start_loc"], r["kv_start_loc"])
+    with pytest.raises(ValueError, match=r"out: the data must start 16-byte aligned"):
+        runtime.run(r["q"], (r["k"], r["v"]), plan, out=torch.empty(10 * 8 * 64 + 1, dtype=torch.bfloat16)[1:]
+                    .view(10, 8, 64))
+    assert _launched(kernels) == 0
+
+
+def test_a_ragged_plan_given_total_kv_refuses_k_and_v_of_another_row_count(kernels):  # noqa: F811
+    """As num_pages for a paged plan: the rows validate checked kv_start_loc against are the rows a run takes;
+    the one-call path, which plans with k's rows, plans again for k of another row count."""
+    spec = AttentionSpec(8, 2, 64, kv_storage="ragged")
+    t = lc._ragged(spec, [1, 9], [20, 37])
+    plan = runtime.plan_ragged(spec, t["query_start_loc"], t["kv_start_loc"], total_kv=57, validate=True)
+    with pytest.raises(ValueError, match=r"k: 40 rows, but the plan was made for total_kv=57"):
+        runtime.run(t["q"], (t["k"][:40], t["v"][:40]), plan)
+    assert _launched(kernels) == 0
+    runtime.ragged_attention(spec, t["q"], t["k"], t["v"], t["query_start_loc"], t["kv_start_loc"])
+    runtime.ragged_attention(spec, t["q"], t["k"][:50], t["v"][:50], t["query_start_loc"], t["kv_start_loc"])
+    (kernel, module), = kernels.values()
+    assert [m["fields"]["total_kv"] for m in module.launches] == [57, 50]
+
+
+def test_a_float32_parameter_beyond_float32_is_a_value_error_before_any_launch(kernels):  # noqa: F811
+    """The run packs a float32 scalar into Params: a finite value float32 cannot hold is refused by the
+    checks (naming the parameter), not by struct's OverflowError mid-pack; inf still passes."""
+    from jitattn.variant import Param, Variant
+
+    variant = Variant("scaled", logits_transform="logits * alpha", params=(Param("alpha", "float32"),),
+                      reference_transform=lambda s, b, h, qi, ki, p: s * p.alpha)
+    spec = AttentionSpec(8, 2, 64, variant=variant)
+    t = lc._paged(spec, [1, 5, 1], [30, 40, 17])
+    plan = runtime.plan(spec, t["block_table"], t["seq_lens"], t["query_start_loc"])
+    with pytest.raises(ValueError, match=r"params\['alpha'\]: 1e\+40 is outside float32's range"):
+        runtime.run(t["q"], t["kv_cache"], plan, params={"alpha": 1e40})
+    assert _launched(kernels) == 0
+    runtime.run(t["q"], t["kv_cache"], plan, params={"alpha": float("inf")})
+    assert _launched(kernels) == 2
+
+
+def test_an_fp8_scale_float32_cannot_hold_is_a_value_error_before_any_launch(kernels):  # noqa: F811
+    """k_scale is packed as a float32: 1e40 was checked as positive and finite and then raised struct's
+    OverflowError mid-pack; now it is refused by the checks, naming k_scale."""
+    spec = AttentionSpec(8, 2, 64, kv_dtype="float8_e4m3fn")
+    t = lc._paged(spec, [1, 5, 1], [30, 40, 17])
+    plan = runtime.plan(spec, t["block_table"], t["seq_lens"], t["query_start_loc"])
+    with pytest.raises(ValueError, match=r"k_scale=1e\+40: expected a positive finite Python float .*float32"):
+        runtime.run(t["q"], t["kv_cache"], plan, k_scale=1e40)
+    assert _launched(kernels) == 0
+
+
+@pytest.mark.parametrize("call", ["paged", "ragged"])
+def test_the_one_call_forms_name_a_bad_spec_or_q_before_loading_a_kernel(kernels, call):  # noqa: F811
+    """They load the spec's kernel on q's device first: a non-spec or a non-tensor q was an AttributeError."""
+    fn = runtime.paged_attention if call == "paged" else runtime.ragged_attention
+    t = lc._paged(SPEC, [1], [30])
+    rest = (t["kv_cache"], t["block_table"], t["seq_lens"], t["query_start_loc"])
+    with pytest.raises(ValueError, match=rf"spec: expected a jitattn.AttentionSpec, got str .*{call}_attention\(spec"):
+        fn("spec", t["q"], *rest)
+    with pytest.raises(ValueError, match=r"q: expected a torch.Tensor, got list"):
+        fn(SPEC, [[0.0]], *rest)
+    assert not kernels
+
+
+def test_a_plan_names_query_start_loc_that_is_not_a_tensor_before_loading_a_kernel(kernels):  # noqa: F811
+    """Its device is where the kernels load: a list there loaded on the current CUDA device (on the CPU:
+    a RuntimeError about CUDA) before the metadata checks named it."""
+    t = lc._paged(SPEC, [1], [30])
+    with pytest.raises(ValueError, match=r"query_start_loc: expected a torch.Tensor, got list"):
+        runtime.plan(SPEC, t["block_table"], t["seq_lens"], [0, 1])
+    with pytest.raises(ValueError, match=r"query_start_loc: expected a torch.Tensor, got list"):
+        runtime.plan_ragged(AttentionSpec(8, 2, 64, kv_storage="ragged"), [0, 1], torch.tensor([0, 30]))
+    assert not kernels
