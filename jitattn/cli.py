@@ -797,7 +797,8 @@ def _print_report(report, out: Console) -> None:
         _say(out, "ok: this node can serve every model with JITATTN_DISABLE_JIT=1")
     else:
         missing = sum(not k.served for m in report.models for k in m.kernels)
-        _say(out, f"NOT OK: {missing} kernels are missing; JITATTN_DISABLE_JIT=1 would fail on them. "
+        what = "1 kernel is" if missing == 1 else f"{missing} kernels are"
+        _say(out, f"NOT OK: {what} missing; JITATTN_DISABLE_JIT=1 would fail on them. "
                   f"Fill the cache on a build box with:\n  {report.warmup_command}\nthen ship it "
                   f"(jitattn cache export / import).")
 
