@@ -569,7 +569,7 @@ class SpecPlan:
             alibi_slopes = self.kernel.default_slopes  # the spec's slopes, made once per kernel
         pair = None
         if self.plan.kind == "paged":
-            if type(kv) is not torch.Tensor:  # a (k_cache, v_cache) pair: K's address, V at kv_stride_kv from it
+            if type(kv) is not torch.Tensor and is_kv_pair(kv):  # K's address; V at the pair's kv_stride_kv
                 pair, kv = kv_stride_kv(kv), kv[0]
             values = (q.data_ptr(), kv.data_ptr(), out.data_ptr(), _ptr(lse), _ptr(sinks), _ptr(alibi_slopes),
                       q.stride(0), kv.stride(0), kv.shape[0], scales[0], scales[1])

@@ -155,3 +155,14 @@ def test_cascade_takes_a_pair(layout):
     got = cascade_attention(spec, batch.q, engine_kv(spec, batch.kv_cache, layout), batch.levels, **kw)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_a_tensor_subclass_is_one_cache_not_a_pair(kernels):  # noqa: F811
+    spec = _spec("NHD", "bfloat16", 16)
+    b = random_paged_batch(spec, Q_LENS, KV_LENS, seed=10)
+    kv = torch.nn.Parameter(b.kv_cache, requires_grad=False)
+    plan = runtime.plan(spec, b.block_table, b.seq_lens, b.query_start_loc)
+    runtime.run(b.q, kv, plan)
+    _, module = kernels[spec.canonical_text]
+    f = module.launches[0]["fields"]
+    assert f["kv_cache"] == kv.data_ptr() and f["kv_stride_kv"] == kv.stride(1) and f["num_pages"] == kv.shape[0]
