@@ -12,14 +12,14 @@ from jitattn.trace import TraceError
 from jitattn.variant import Param, Variant
 
 __all__ = ["AttentionSpec", "Param", "Variant", "__version__", "paged_attention", "ragged_attention", "load_kernel",
-           "plan", "plan_ragged", "run", "merge_state", "merge_state_in_place", "merge_states", "TraceError",
+           "plan", "plan_ragged", "run", "merge_state", "merge_state_in_place", "merge_states", "append_kv", "TraceError",
            "MissingKernelError"]
 
 
 # Submodules reachable as attributes (``jitattn.testing.random_paged_batch``) without importing them
 # first; loaded on first use, so ``import jitattn`` stays light (and torch-free).
-_SUBMODULES = frozenset({"archs", "backends", "bench", "build", "cache", "cache_admin", "checks", "cli", "commands",
-                         "constants", "cuda_driver", "doctor", "dtypes", "integrations", "merge", "merge_module",
+_SUBMODULES = frozenset({"append_kv_module", "archs", "backends", "bench", "build", "cache", "cache_admin", "checks", "cli", "commands",
+                         "constants", "cuda_driver", "doctor", "dtypes", "integrations", "kv_write", "merge", "merge_module",
                          "models", "modules", "ops", "planning", "reference", "render", "runtime", "selector",
                          "settings", "spec", "testing", "trace", "variant"})
 
@@ -42,4 +42,8 @@ def __getattr__(name: str):
         from jitattn import merge
 
         return getattr(merge, name)
+    if name == "append_kv":
+        from jitattn.kv_write import append_kv
+
+        return append_kv
     raise AttributeError(f"module 'jitattn' has no attribute {name!r}")

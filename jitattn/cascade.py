@@ -32,8 +32,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from jitattn.checks import (check_flag, check_out, check_params, check_scales, check_spec, check_tensor, check_vector,
-                            fail)
+from jitattn.checks import (check_flag, check_kv_cache, check_out, check_params, check_scales, check_spec,
+                            check_tensor, check_vector, fail, kv_num_pages)
 from jitattn.planning import choose_mode
 from jitattn.spec import AttentionSpec
 
@@ -346,7 +346,7 @@ def _fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tu
     return (out.float() * w[..., None]).to(out.dtype), new
 
 
-def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor, levels: Sequence[CascadeLevel], *,
+def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: Any, levels: Sequence[CascadeLevel], *,
                       sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
                       params: Mapping[str, Any] | None = None, return_lse: bool = False,
                       k_scale: float = 1.0, v_scale: float = 1.0, use_cascade: bool | None = None,
@@ -365,7 +365,8 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tens
     Args:
         spec: a paged spec (implicit query positions) with softmax and no output hook.
         q: ``(total_q, num_qo_heads, head_dim_qk)``.
-        kv_cache: the paged cache all levels' pages index (NHD or HND, as the spec).
+        kv_cache: the paged cache all levels' pages index (NHD or HND, as the spec): one tensor or a
+            ``(k_cache, v_cache)`` pair, as :func:`jitattn.paged_attention`.
         levels: :class:`CascadeLevel` list (:func:`two_level` builds the usual two).
         sinks, alibi_slopes, params, k_scale, v_scale: as :func:`jitattn.paged_attention`; ``params``
             indexed by batch are indexed by the request (the last level's segment).
@@ -415,9 +416,8 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tens
         check_out(spec, out, total_q, q.device)
     _check_levels(levels, q.device)
     if validate:
-        if not isinstance(kv_cache, torch.Tensor):
-            fail(f"kv_cache: expected a torch.Tensor, got {type(kv_cache).__name__}")
-        check_level_values(spec, levels, total_q, kv_cache.shape[0])
+        check_kv_cache(spec, kv_cache, q.device)
+        check_level_values(spec, levels, total_q, kv_num_pages(kv_cache))
     check_scales(spec, k_scale, v_scale)
     jit = attention is None  # the jit kernels: the cascade then runs through jitattn.plan / run
     if jit:

@@ -13,7 +13,7 @@ import math
 import numbers
 import struct
 from dataclasses import dataclass
-from typing import Any, Mapping, NoReturn
+from typing import Any, Mapping, NoReturn, Sequence
 
 import torch
 
@@ -92,7 +92,7 @@ def check_spec(spec: Any, call: str) -> AttentionSpec:
     return spec
 
 
-def check_paged_call(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+def check_paged_call(spec: AttentionSpec, q: torch.Tensor, kv_cache: Any, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, sinks: torch.Tensor | None = None,
                      alibi_slopes: torch.Tensor | None = None, params: Mapping[str, Any] | None = None,
                      out: torch.Tensor | None = None, for_kernel: bool = False) -> PagedCall:
@@ -117,7 +117,7 @@ def check_paged_call(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tenso
         check_q_layout(spec, q)
         check_kv_cache_layout(spec, kv_cache)
         check_metadata_layout(block_table, seq_lens, query_start_loc)
-    return PagedCall(batch=batch, total_q=q.shape[0], num_pages=kv_cache.shape[0], max_pages_per_seq=max_pages)
+    return PagedCall(batch=batch, total_q=q.shape[0], num_pages=kv_num_pages(kv_cache), max_pages_per_seq=max_pages)
 
 
 def check_paged_spec(spec: Any) -> AttentionSpec:
@@ -144,12 +144,59 @@ def check_paged_q(spec: AttentionSpec, q: Any) -> None:
     _check_dim("q", q, 2, spec.head_dim_qk, "head_dim_qk")
 
 
+def is_kv_pair(kv_cache: Any) -> bool:
+    """Whether ``kv_cache`` is given as a ``(k_cache, v_cache)`` pair (a tuple or list) rather than one tensor."""
+    return isinstance(kv_cache, (tuple, list))
+
+
+def kv_num_pages(kv_cache: Any) -> int:
+    """Pages in a checked cache: one tensor's dim 0, or the pair's (the two have one shape)."""
+    return (kv_cache[0] if is_kv_pair(kv_cache) else kv_cache).shape[0]
+
+
+def kv_pair_shape(spec: AttentionSpec, num_pages: int) -> tuple[int, ...]:
+    """Each tensor of a ``(k_cache, v_cache)`` pair: NHD ``(pages, page_size, H_kv, D)``, HND ``(pages, H_kv, page_size, D)``."""
+    full = kv_cache_shape(spec, num_pages)
+    return (full[0],) + full[2:]
+
+
+def kv_stride_kv(kv_cache: Any) -> int:
+    """Elements from K to V: a pair's ``v_cache.data_ptr() - k_cache.data_ptr()`` over the element size
+    (signed: V may sit before K); a tensor's ``stride(1)``. The pair must be checked first."""
+    if not is_kv_pair(kv_cache):
+        return kv_cache.stride(1)
+    k, v = kv_cache
+    return (v.data_ptr() - k.data_ptr()) // k.element_size()
+
+
+def _check_kv_pair(spec: AttentionSpec, kv_cache: Any, device: torch.device | None, device_of: str) -> None:
+    if len(kv_cache) != 2:
+        fail(f"kv_cache: a pair is (k_cache, v_cache), got a {type(kv_cache).__name__} of {len(kv_cache)}")
+    dtype = _TORCH_DTYPES[spec.kv_dtype]
+    for name, t in zip(("k_cache", "v_cache"), kv_cache):
+        check_tensor(f"kv_cache ({name})", t, dtype=dtype, ndim=4, device=device, device_of=device_of)
+    k, v = kv_cache
+    expected = kv_pair_shape(spec, k.shape[0])
+    if tuple(k.shape) != expected:
+        dims = "(num_pages, page_size, num_kv_heads, head_dim)" if spec.kv_layout == "NHD" else \
+            "(num_pages, num_kv_heads, page_size, head_dim)"
+        fail(f"kv_cache (k_cache): expected {spec.kv_layout} shape {expected} {dims}, got {tuple(k.shape)}")
+    if v.shape != k.shape:
+        fail(f"kv_cache: k_cache and v_cache must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if v.device != k.device:
+        fail(f"kv_cache: k_cache is on {k.device}, v_cache on {v.device}; both must be on one device")
+
+
 def check_kv_cache(spec: AttentionSpec, kv_cache: Any, device: torch.device | None, device_of: str = "q") -> None:
-    """``kv_cache`` of ``spec.kv_dtype`` in the spec's layout (:func:`kv_cache_shape`), any page count.
+    """``kv_cache`` of ``spec.kv_dtype`` in the spec's layout (:func:`kv_cache_shape`), any page count;
+    or a ``(k_cache, v_cache)`` pair of two tensors of :func:`kv_pair_shape` (one shape, dtype, device).
 
     Raises:
         ValueError: naming the dim (page_size, num_kv_heads, ...), the value and the layout.
     """
+    if is_kv_pair(kv_cache):
+        _check_kv_pair(spec, kv_cache, device, device_of)
+        return
     check_tensor("kv_cache", kv_cache, dtype=_TORCH_DTYPES[spec.kv_dtype], ndim=5, device=device, device_of=device_of)
     expected = kv_cache_shape(spec, kv_cache.shape[0])
     names = ("num_pages", "K/V", "page_size" if spec.kv_layout == "NHD" else "num_kv_heads",
@@ -351,6 +398,9 @@ def check_kv_cache_layout(spec: AttentionSpec, kv_cache: torch.Tensor) -> None:
     Raises:
         ValueError: naming the strides or the alignment.
     """
+    if is_kv_pair(kv_cache):
+        _check_kv_pair_layout(spec, kv_cache)
+        return
     inner = kv_cache_shape(spec, 1)[1:]
     want = tuple(math.prod(inner[i + 1:]) for i in range(len(inner)))
     got = kv_cache.stride()[1:]
@@ -361,6 +411,29 @@ def check_kv_cache_layout(spec: AttentionSpec, kv_cache: torch.Tensor) -> None:
     if kv_cache.stride(0) % (16 // kv_cache.element_size()) or kv_cache.data_ptr() % 16:
         fail(f"kv_cache: pages must start 16-byte aligned (stride(0)={kv_cache.stride(0)} elements, "
              f"data_ptr % 16 = {kv_cache.data_ptr() % 16})")
+
+
+def _check_kv_pair_layout(spec: AttentionSpec, kv_cache: Sequence[torch.Tensor]) -> None:
+    """A pair runs on the single-tensor kernels (V at K's address + ``kv_stride_kv``), so both tensors
+    must share their strides: pages strided alike, each page contiguous, 16-byte aligned."""
+    k, v = kv_cache
+    inner = kv_pair_shape(spec, 1)[1:]
+    want = tuple(math.prod(inner[i + 1:]) for i in range(len(inner)))
+    for name, t in (("k_cache", k), ("v_cache", v)):
+        got = t.stride()[1:]
+        if any(g != w for g, w, n in zip(got, want, inner) if n > 1):
+            fail(f"kv_cache ({name}): dims 1-3 must be contiguous (strides {want}), got {got}; "
+                 f"pages may be strided, nothing inside a page may")
+        if t.stride(0) % (16 // t.element_size()) or t.data_ptr() % 16:
+            fail(f"kv_cache ({name}): pages must start 16-byte aligned (stride(0)={t.stride(0)} elements, "
+                 f"data_ptr % 16 = {t.data_ptr() % 16})")
+    if k.shape[0] > 1 and k.stride(0) != v.stride(0):
+        fail(f"kv_cache: k_cache's page stride is {k.stride(0)} elements and v_cache's {v.stride(0)}; the kernels "
+             f"take a pair whose two tensors have the same strides (V read at K's address + a fixed offset): "
+             f"views of one tensor such as (kv[0], kv[1]) or (kv[:, 0], kv[:, 1]), or two caches allocated alike")
+    if (v.data_ptr() - k.data_ptr()) % k.element_size():
+        fail(f"kv_cache: v_cache starts {v.data_ptr() - k.data_ptr()} bytes from k_cache, not a whole number of "
+             f"{k.element_size()}-byte elements")
 
 
 def check_metadata_layout(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> None:

@@ -2,7 +2,8 @@
 
 - ``jitattn warmup``: compile every kernel some models (``--model config.json``) or specs
   (``--spec``) need, for every target arch, into the cache. nvcc only: no GPU, no torch. A model
-  also gets the ``merge_state`` utility module of its output dtype (:mod:`jitattn.merge_module`);
+  also gets the ``merge_state`` utility module of its output dtype (:mod:`jitattn.merge_module`) and
+  the ``append_kv`` module of its K/V and cache dtypes (:mod:`jitattn.append_kv_module`);
   ``--spec '{"kind":"merge_state","dtype":"bfloat16"}'`` names one directly.
 - ``jitattn cache ls | verify | prune | clear | export | import``: list the entries of every layer;
   check every checksum (quarantining corrupt entries); remove what no lookup uses; empty the
@@ -53,6 +54,7 @@ from jitattn._version import __version__
 from jitattn.build import BuildError, CompileError, normalize_arch, nvcc_version
 from jitattn.cache import MANIFEST, CacheWriteError, KernelCache, point_root_elsewhere
 from jitattn.commands import models_warmup_command
+from jitattn.append_kv_module import AppendKvModule
 from jitattn.merge_module import MergeModule
 from jitattn.modules import KernelModule
 
@@ -260,7 +262,8 @@ def collect_targets(models: list[Path], spec_args: list[str], *, dtype: str | No
                     tensor_parallel_size: int = 1) -> list[Target]:
     """The distinct specs to build, in order of first mention, each with who asked for it.
 
-    Each model also needs the ``merge_state`` module of each of its output dtypes (after its specs).
+    Each model also needs the ``merge_state`` module of each of its output dtypes and the ``append_kv``
+    module of each of its (K/V dtype, cache dtype) pairs (after its specs).
     With ``cascade``, every paged spec's explicit-position twin too (the module cascade attention's
     passes run, :mod:`jitattn.cascade`) and the ``merge_state`` module of its output dtype (which merges
     the passes' states), after the spec itself. ``tensor_parallel_size`` makes a model's specs one
@@ -283,6 +286,8 @@ def collect_targets(models: list[Path], spec_args: list[str], *, dtype: str | No
             add(kind.spec, f"{Path(path).stem}/{kind.name}")
         for out_dtype in dict.fromkeys(kind.spec.o_dtype for kind in model.layer_kinds):
             add(MergeModule(out_dtype), f"{Path(path).stem}/merge_state")  # jitattn.merge_state on its outputs
+        for pair in dict.fromkeys((kind.spec.q_dtype, kind.spec.kv_dtype) for kind in model.layer_kinds):
+            add(AppendKvModule(*pair), f"{Path(path).stem}/append_kv")  # jitattn.append_kv into its cache
     for i, text in enumerate(spec_args, start=1):
         for spec in parse_spec_arg(text):
             add(spec, f"--spec #{i}")

@@ -43,6 +43,8 @@ def _attention_model_flags(spec) -> list[str] | None:
 MODEL_FLAGS: dict[str, Callable[[KernelModule], list[str] | None]] = {
     ATTENTION: _attention_model_flags,
     "merge_state": lambda module: [],  # every --model warm-up builds its output dtype's merge module
+    "append_kv": lambda module: [f"--dtype {module.dtype}"] + (  # and the append_kv module of its K/V dtypes
+        [f"--kv-dtype {module.kv_dtype}"] if module.kv_dtype != module.dtype else []),
 }
 
 

@@ -2,10 +2,10 @@
 
 A *module* is one rendered CUDA source compiled to one cubin per arch: an attention kernel set for
 one :class:`~jitattn.spec.AttentionSpec`, or a utility module such as ``merge_state``
-(:class:`~jitattn.merge_module.MergeModule`). Every kind satisfies :class:`KernelModule`, and
+(:class:`~jitattn.merge_module.MergeModule`), ``append_kv`` (:class:`~jitattn.append_kv_module.AppendKvModule`). Every kind satisfies :class:`KernelModule`, and
 :data:`KINDS` holds, per kind, how to read it back from its JSON and how to render it. The cache,
 the build and the CLI go through :func:`render`, :func:`from_json` and :func:`kind_of` only, so a
-new kind of module (an ``append_kv`` module, say) is one row of :data:`KINDS`, not a new switch.
+new kind of module is one row of :data:`KINDS`, not a new switch.
 
 A module's JSON names its kind in ``"kind"``; an attention spec's JSON has no ``kind`` field
 (it is the default, :data:`ATTENTION`).
@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
+from jitattn import append_kv_module as _append
 from jitattn import merge_module as _merge
 from jitattn import render as _render
 from jitattn.spec import AttentionSpec
@@ -70,6 +71,8 @@ KINDS: dict[str, ModuleKind] = {k.name: k for k in (
     ModuleKind(ATTENTION, AttentionSpec, AttentionSpec.from_json, _render.render, _render.KERNEL_NAMES),
     ModuleKind(_merge.KIND, _merge.MergeModule, _merge.MergeModule.from_json, _merge.MergeModule.render,
                _merge.KERNEL_NAMES),
+    ModuleKind(_append.KIND, _append.AppendKvModule, _append.AppendKvModule.from_json, _append.AppendKvModule.render,
+               _append.KERNEL_NAMES),
 )}
 _BY_TYPE = {k.type: k for k in KINDS.values()}
 

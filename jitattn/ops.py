@@ -35,7 +35,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from jitattn.backends import DeviceInfo, get_backend
-from jitattn.checks import check_flag, check_max_query_len, check_scales, check_spec
+from jitattn.checks import check_flag, check_max_query_len, check_scales, check_spec, fail
 from jitattn.dtypes import torch_dtype
 from jitattn.selector import build_cached, select_cached
 from jitattn.spec import AttentionSpec, live_spec
@@ -162,6 +162,9 @@ def paged_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor
             other than 1.0 for a 16-bit cache.
     """
     check_spec(spec, "jitattn.ops.paged_attention(spec, q, kv_cache, block_table, seq_lens, query_start_loc, ...)")
+    if isinstance(kv_cache, (tuple, list)):
+        fail("kv_cache: the custom op's schema takes one cache tensor, got a (k_cache, v_cache) pair; call "
+             "jitattn.paged_attention or jitattn.plan / run with the pair (they take it as is), or pass one tensor")
     check_scales(spec, k_scale, v_scale)
     check_flag("return_lse", return_lse)
     max_query_len = check_max_query_len(max_query_len)

@@ -33,7 +33,8 @@ from jitattn.checks import (check_flag, check_kv_cache, check_kv_cache_layout, c
                             check_metadata_layout, check_metadata_values, check_out, check_out_layout,
                             check_paged_metadata, check_params, check_position_values, check_positions,
                             check_q_layout, check_ragged_metadata_values, check_ragged_tensors, check_scales,
-                            check_spec, check_tensor, check_vector, fail, kv_cache_shape)
+                            check_spec, check_tensor, check_vector, fail, is_kv_pair, kv_cache_shape,
+                            kv_stride_kv)
 from jitattn.dtypes import TORCH_DTYPES
 from jitattn.render import params_fields, params_layout
 from jitattn.spec import AttentionSpec
@@ -533,6 +534,9 @@ class SpecPlan:
                  f"spec, got {tuple(q.shape)}")
 
     def _check_kv_cache(self, kv: Any) -> None:
+        if type(kv) is not torch.Tensor and is_kv_pair(kv):
+            self._check_kv_pair(kv)
+            return
         if type(kv) is not torch.Tensor or kv.dtype != self._dtypes[1] or tuple(kv.shape[1:]) != self._kv_inner:
             check_kv_cache(self.spec, kv, self.plan.device, device_of="the plan")
         if kv.device != self.plan.device:
@@ -541,6 +545,13 @@ class SpecPlan:
             fail(f"kv_cache: {kv.shape[0]} pages, but the plan was made for num_pages={self.plan.num_pages}")
         if kv.stride()[1:] != self._kv_strides or kv.stride(0) % self._kv_align or kv.data_ptr() % 16:
             check_kv_cache_layout(self.spec, kv)  # the slow path names what differs (or passes size-1 dims)
+
+    def _check_kv_pair(self, kv: Any) -> None:
+        """A ``(k_cache, v_cache)`` pair: the full checks (a pair's V offset is per run, so nothing is cached)."""
+        check_kv_cache(self.spec, kv, self.plan.device, device_of="the plan")
+        if self.plan.num_pages is not None and kv[0].shape[0] != self.plan.num_pages:
+            fail(f"kv_cache: {kv[0].shape[0]} pages, but the plan was made for num_pages={self.plan.num_pages}")
+        check_kv_cache_layout(self.spec, kv)
 
     def _check_ragged_kv(self, q: torch.Tensor, kv: Any) -> None:
         if not isinstance(kv, (tuple, list)) or len(kv) != 2:
@@ -563,7 +574,10 @@ class SpecPlan:
         """The launch's Params bytes: the plan's, with this layer's fields written in."""
         if alibi_slopes is None and self.spec.alibi:
             alibi_slopes = self.kernel.default_slopes  # the spec's slopes, made once per kernel
+        pair = None
         if self.plan.kind == "paged":
+            if type(kv) is not torch.Tensor and is_kv_pair(kv):  # K's address; V at the pair's kv_stride_kv
+                pair, kv = kv_stride_kv(kv), kv[0]
             values = (q.data_ptr(), kv.data_ptr(), out.data_ptr(), _ptr(lse), _ptr(sinks), _ptr(alibi_slopes),
                       q.stride(0), kv.stride(0), kv.shape[0], scales[0], scales[1])
         else:
@@ -576,6 +590,9 @@ class SpecPlan:
         buf = bytearray(self._bytes)  # a copy per run: runs from two threads never mix their fields
         for write, offset, pick in self._writers:
             write(buf, offset, *pick(values))
+        if pair is not None:  # the plan packed a single tensor's K-to-V stride: a pair's is its own
+            for write, offset, pick in self.layout.writers(("kv_stride_kv",)):
+                write(buf, offset, *pick((pair,)))
         return bytes(buf)
 
     def _param_values(self, params: Mapping[str, Any]) -> tuple:

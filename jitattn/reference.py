@@ -15,7 +15,7 @@ log. A row that sees no key gets output 0 and lse ``-inf`` (``sink_h`` with sink
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -27,11 +27,20 @@ from jitattn.trace import ParamView
 from jitattn.variant import builtin_transforms, structural_mask
 
 
-def gather_kv(spec: AttentionSpec, kv_cache: torch.Tensor, block_table: torch.Tensor, b: int,
+def kv_pages(kv_cache: Any, ids: torch.Tensor) -> torch.Tensor:
+    """The pages ``ids`` (int64, any shape ``S``) of a cache given as one tensor or a ``(k_cache, v_cache)``
+    pair, as one tensor ``(*S, 2, ...)`` in the single-tensor layout (a copy)."""
+    if isinstance(kv_cache, (tuple, list)):
+        return torch.stack((kv_cache[0][ids], kv_cache[1][ids]), ids.dim())
+    return kv_cache[ids]
+
+
+def gather_kv(spec: AttentionSpec, kv_cache: Any, block_table: torch.Tensor, b: int,
               kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequence ``b``'s keys and values from the paged cache, each ``(kv_len, num_kv_heads, head_dim)``."""
+    """Sequence ``b``'s keys and values from the paged cache (one tensor or a ``(k_cache, v_cache)``
+    pair), each ``(kv_len, num_kv_heads, head_dim)``."""
     num_pages = -(-kv_len // spec.page_size)
-    pages = kv_cache[block_table[b, :num_pages].long()]  # (n, 2, P, H, D) or (n, 2, H, P, D)
+    pages = kv_pages(kv_cache, block_table[b, :num_pages].long())  # (n, 2, P, H, D) or (n, 2, H, P, D)
     if spec.kv_layout == "HND":
         pages = pages.transpose(2, 3)  # (n, 2, P, H, D)
     k = pages[:, 0].reshape(-1, spec.num_kv_heads, spec.head_dim_qk)[:kv_len]
@@ -110,7 +119,7 @@ def _softmax_out(s: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None
 def paged_attention(
     spec: AttentionSpec,
     q: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
@@ -134,6 +143,8 @@ def paged_attention(
         q: ``(total_q, num_qo_heads, head_dim_qk)``, queries of all sequences back to back.
         kv_cache: NHD ``(num_pages, 2, page_size, num_kv_heads, head_dim)`` or HND
             ``(num_pages, 2, num_kv_heads, page_size, head_dim)``; index 0 of dim 1 is K, 1 is V.
+            Or a ``(k_cache, v_cache)`` pair, each NHD ``(num_pages, page_size, num_kv_heads, head_dim)``
+            or HND ``(num_pages, num_kv_heads, page_size, head_dim)`` (the engines' separate caches).
         block_table: int ``(batch, max_pages_per_seq)``, page ids of each sequence in order.
         seq_lens: int ``(batch,)``, KV length of each sequence (new tokens included).
         query_start_loc: int ``(batch + 1,)``, cumulative query counts; sequence ``b``'s

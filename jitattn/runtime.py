@@ -36,7 +36,7 @@ import torch
 from jitattn import cuda_driver
 from jitattn.build import archs_for_capability
 from jitattn.cache import CacheEntry, KernelCache
-from jitattn.checks import check_kv_cache, check_paged_q, check_spec, fail
+from jitattn.checks import check_kv_cache, check_paged_q, check_spec, fail, kv_num_pages
 from jitattn.constants import template_constant
 from jitattn.dtypes import default_alibi_slopes
 from jitattn.planning import (ParamsLayout, Plan, SpecPlan, capturing, make_paged_plan,  # noqa: F401
@@ -410,7 +410,7 @@ class JitKernel:
         key = stream = None
         if validate is False and (max_query_len is None or type(max_query_len) is int) and not capturing():
             try:
-                key = (q.shape[0], kv_cache.shape[0], max_query_len, *map(_layout_key, (block_table, seq_lens,
+                key = (q.shape[0], kv_num_pages(kv_cache), max_query_len, *map(_layout_key, (block_table, seq_lens,
                                                                                          query_start_loc)),
                        *map(_layout_key, positions))
             except AttributeError:  # not tensors: the checks below say what is wrong
@@ -423,7 +423,7 @@ class JitKernel:
         check_paged_q(self.spec, q)  # q and the cache first: their sizes go into the plan
         check_kv_cache(self.spec, kv_cache, q.device)
         p = self.plan(block_table, seq_lens, query_start_loc, total_q=q.shape[0], max_query_len=max_query_len,
-                      num_pages=kv_cache.shape[0], query_positions=positions[0], functor_batch=positions[1],
+                      num_pages=kv_num_pages(kv_cache), query_positions=positions[0], functor_batch=positions[1],
                       position_offset=positions[2], mode="graph", validate=validate, shared_scratch=True)
         if key is not None:
             self._last_plans[stream] = (key, p._first)  # type: ignore[index]
@@ -649,7 +649,10 @@ def run(q: torch.Tensor, kv_cache: Any, plan: Plan, *, spec: AttentionSpec | Non
         q: ``(total_q, num_qo_heads, head_dim_qk)`` of the spec's q dtype, on the plan's device; heads
             and head_dim contiguous, rows 16-byte aligned (a row stride of a fused QKV is fine).
         kv_cache: the paged cache (the spec's layout and KV dtype; ``num_pages`` pages if the plan
-            was given it), or ``(k, v)`` for a ragged plan.
+            was given it): one tensor, or a ``(k_cache, v_cache)`` pair of two tensors with one shape
+            and the same strides (NHD ``(num_pages, page_size, H_kv, D)``, HND ``(num_pages, H_kv,
+            page_size, D)``; the kernels read V at K's address plus the pair's offset); or ``(k, v)``
+            for a ragged plan.
         plan: the step's plan.
         spec: which of the plan's specs this layer runs (default: the first); a spec not planned yet
             is planned now (allocating its scratch: plan every spec up front for CUDA graphs).

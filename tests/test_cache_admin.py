@@ -23,6 +23,7 @@ import pytest
 
 from jitattn import AttentionSpec
 from jitattn.cache import MANIFEST, KernelCache, key_lock, verify_entry
+from jitattn.append_kv_module import AppendKvModule
 from jitattn.merge_module import MergeModule
 from jitattn.models import model_specs
 from tests.test_cache import child_env, copy_of, fake_nvcc
@@ -30,11 +31,12 @@ from tests.test_cli import GEMMA, jitattn
 
 SMALL = AttentionSpec(8, 2, 64)
 GEMMA_MERGE = MergeModule("bfloat16")  # the merge_state module a model's warmup/export adds for its output dtype
+GEMMA_APPEND = AppendKvModule("bfloat16")  # and the append_kv module of its K/V and cache dtypes
 
 
 def gemma_kernels() -> list:
-    """What `--model gemma-2-9b.json` needs: its two layer kinds' specs and the bf16 merge_state module."""
-    return [*model_specs(GEMMA), GEMMA_MERGE]
+    """What `--model gemma-2-9b.json` needs: its two layer kinds' specs and the bf16 merge_state and append_kv modules."""
+    return [*model_specs(GEMMA), GEMMA_MERGE, GEMMA_APPEND]
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +194,7 @@ def test_export_ships_exactly_the_model_entries_and_import_makes_them_load_anywh
     out = tmp_path / "gemma-sm80.tar.gz"
     proc = jitattn("cache", "export", "--model", str(GEMMA), "--arch", "sm_80", "-o", str(out), cache=gemma)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith(f"exported 3 entries (3 specs x 1 archs: sm_80) to {out} (")
+    assert proc.stdout.startswith(f"exported 4 entries (4 specs x 1 archs: sm_80) to {out} (")
     cache = KernelCache(root=gemma, layers=())
     wanted = [cache.find(spec, "sm_80") for spec in gemma_kernels()]
     expected = {"jitattn-export.json"}
@@ -204,7 +206,8 @@ def test_export_ships_exactly_the_model_entries_and_import_makes_them_load_anywh
     assert names[0] == "jitattn-export.json" and set(names) == expected  # exactly: SMALL is not shipped
     with tarfile.open(out) as tar:
         listing = json.load(tar.extractfile("jitattn-export.json"))
-    assert sorted(e["needed_by"][0] for e in listing["entries"]) == ["gemma-2-9b/full_attention",
+    assert sorted(e["needed_by"][0] for e in listing["entries"]) == ["gemma-2-9b/append_kv",
+                                                                    "gemma-2-9b/full_attention",
                                                                     "gemma-2-9b/merge_state",
                                                                     "gemma-2-9b/sliding_attention"]
     again = tmp_path / "again.tar.gz"
@@ -214,9 +217,9 @@ def test_export_ships_exactly_the_model_entries_and_import_makes_them_load_anywh
     node = tmp_path / "node"
     imported = jitattn("cache", "import", str(out), cache=node)
     assert imported.returncode == 0, imported.stderr
-    assert imported.stdout.splitlines()[-1] == f"imported 3, already present 0, into {node}"
+    assert imported.stdout.splitlines()[-1] == f"imported 4, already present 0, into {node}"
     assert jitattn("cache", "import", str(out), cache=node).stdout.splitlines()[-1] == \
-        f"imported 0, already present 3, into {node}"
+        f"imported 0, already present 4, into {node}"
     assert not list((node / "v1" / "tmp").iterdir())
     unpacked = tmp_path / "layer"  # `tar -x` alone makes a layer too
     unpacked.mkdir()
@@ -253,7 +256,7 @@ def test_export_of_a_missing_kernel_fails_with_the_warmup_command(tmp_path, gemm
     proc = jitattn("cache", "export", "-m", str(GEMMA), "-a", "sm_80", "-a", "sm_90a", "-o", str(out), cache=gemma)
     assert proc.returncode == 1 and not out.exists() and not list(tmp_path.glob(".g.tar*"))
     err = proc.stderr
-    assert err.startswith(f"jitattn: error: 3 of 6 kernels are not cached (looked in {gemma}); nothing written:")
+    assert err.startswith(f"jitattn: error: 4 of 8 kernels are not cached (looked in {gemma}); nothing written:")
     for spec in gemma_kernels():
         assert f"  {spec.name} sm_90a (needed by gemma-2-9b/" in err
     assert err.rstrip().endswith(f"build them on a machine with nvcc, then export again:\n"

@@ -15,6 +15,7 @@ import pytest
 from jitattn import AttentionSpec, Param, Variant
 from jitattn.cache import KernelCache, MissingKernelError
 from jitattn.cli import default_jobs, parse_spec_arg
+from jitattn.append_kv_module import AppendKvModule
 from jitattn.merge_module import MergeModule
 from jitattn.models import model_specs
 from tests.test_cache import REAL_NVCC, compile_calls, fake_nvcc
@@ -43,19 +44,19 @@ def test_warmup_twice_second_run_all_cached_without_nvcc(tmp_path):
     first = jitattn("warmup", "--model", "examples/models/gemma-2-9b.json", "--arch", "sm_90a", cache=tmp_path / "c",
                     env=env)
     assert first.returncode == 0, first.stderr
-    assert summary(first).startswith("compiled 3, cached 0, failed 0 in ")  # 2 layer kinds + merge_state (bf16)
-    for spec in [*model_specs(GEMMA), MergeModule("bfloat16")]:
+    assert summary(first).startswith("compiled 4, cached 0, failed 0 in ")  # 2 layer kinds + merge_state + append_kv
+    for spec in [*model_specs(GEMMA), MergeModule("bfloat16"), AppendKvModule("bfloat16")]:
         assert spec.name in first.stdout
     assert "gemma-2-9b/sliding_attention" in first.stdout and "gemma-2-9b/full_attention" in first.stdout
-    assert "gemma-2-9b/merge_state" in first.stdout
-    assert len(compile_calls(log)) == 3 and all("sm_90a" in c for c in compile_calls(log))
-    assert "3 specs x 1 archs (sm_90a)" in first.stderr
+    assert "gemma-2-9b/merge_state" in first.stdout and "gemma-2-9b/append_kv" in first.stdout
+    assert len(compile_calls(log)) == 4 and all("sm_90a" in c for c in compile_calls(log))
+    assert "4 specs x 1 archs (sm_90a)" in first.stderr
 
     refusing, log2 = fake_nvcc(tmp_path, "no-compile")
     second = jitattn("warmup", "--model", str(GEMMA), "--arch", "90a", cache=tmp_path / "c",
                      env={"JITATTN_NVCC": str(refusing)})
     assert second.returncode == 0, second.stderr
-    assert summary(second).startswith("compiled 0, cached 3, failed 0 in ")
+    assert summary(second).startswith("compiled 0, cached 4, failed 0 in ")
     assert compile_calls(log2) == []
 
 
@@ -65,7 +66,7 @@ def test_warmup_cascade_adds_each_paged_specs_explicit_position_twin(tmp_path):
     proc = jitattn("warmup", "--model", str(GEMMA), "--cascade", "--arch", "sm_90a", cache=tmp_path / "c",
                    env={"JITATTN_NVCC": str(nvcc)})
     assert proc.returncode == 0, proc.stderr
-    assert summary(proc).startswith("compiled 5, cached 0, failed 0 in ")  # 2 kinds, their 2 twins, merge
+    assert summary(proc).startswith("compiled 6, cached 0, failed 0 in ")  # 2 kinds, their 2 twins, merge, append_kv
     for spec in model_specs(GEMMA):
         assert spec.replace(query_positions="explicit").name in proc.stdout
     assert "gemma-2-9b/sliding_attention (cascade)" in proc.stdout
@@ -87,10 +88,10 @@ def test_warmup_default_archs_jobs_and_dedup(tmp_path):
     proc = jitattn("warmup", "-m", str(GEMMA), "-m", str(GEMMA), "--spec", SMALL.canonical_json(), "-j", "1",
                    cache=tmp_path / "c", env={"JITATTN_ARCHS": "sm_80"})
     assert proc.returncode == 0, proc.stderr
-    assert summary(proc).startswith("compiled 4, cached 0, failed 0")  # the model twice: its 2 specs + merge once
-    assert "4 specs x 1 archs (sm_80), -j 1" in proc.stderr
+    assert summary(proc).startswith("compiled 5, cached 0, failed 0")  # the model twice: 2 specs + merge + append_kv
+    assert "5 specs x 1 archs (sm_80), -j 1" in proc.stderr
     rows = [ln for ln in proc.stdout.splitlines() if "sm_80" in ln]
-    assert len(rows) == 4
+    assert len(rows) == 5
     assert "gemma-2-9b/sliding_attention, gemma-2-9b/sliding_attention" in proc.stdout
     assert "--spec #1" in proc.stdout
 
@@ -127,7 +128,7 @@ def test_warmup_model_with_an_fp8_kv_cache(tmp_path):
     for spec in fp8:
         assert spec.name in proc.stdout
         assert KernelCache(root=tmp_path / "c", layers=()).find(spec, "sm_90a") is not None
-    assert len(compile_calls(log)) == 3  # 2 layer kinds + merge_state
+    assert len(compile_calls(log)) == 4  # 2 layer kinds + merge_state + append_kv (bf16 into fp8)
 
 
 @pytest.mark.slow

@@ -21,12 +21,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("settings", "variant"),                        # env vars; hooks and the structural mask (the visibility rule)
     ("spec",),                                      # the frozen description; canonical JSON; key
     ("dtypes", "render", "models"),                 # torch dtype tables; templates -> source; configs -> specs
-    ("checks", "build", "merge_module"),            # input checks; nvcc; the merge_state module
+    ("checks", "build", "merge_module", "append_kv_module"),  # input checks; nvcc; the merge_state / append_kv modules
     ("modules", "planning"),                        # the module protocol; plan / run (metadata -> packed Params)
     ("commands",),                                  # the warm-up command lines errors name
     ("cache",),                                     # the content-addressed store
     ("reference", "runtime"),                       # the oracle; load + launch (never the oracle)
     ("merge",),                                     # merge_state
+    ("kv_write",),                                  # append_kv (its kernel packs Params as merge's does)
     ("cascade",),                                   # shared prefixes
     ("backends.base",),
     ("backends.common",),

@@ -1,6 +1,6 @@
 """The module protocol: the cache, the build and the command line treat every module kind alike.
 
-A third kind, added as one row of ``jitattn.modules.KINDS`` (as an ``append_kv`` module will be),
+A third kind, added as one row of ``jitattn.modules.KINDS`` (as the ``append_kv`` module is),
 goes through parsing, rendering, keying, the cache, the missing-kernel error and the warm-up
 command without any other change.
 """
@@ -66,9 +66,9 @@ def test_every_kind_satisfies_the_protocol():
 
 
 def test_an_unknown_kind_is_named_with_the_known_ones():
-    with pytest.raises(ValueError, match=r"kind='append_kv': unknown module kind; expected one of "
-                                         r"\['attention', 'merge_state'\]"):
-        modules.from_json({"kind": "append_kv"})
+    with pytest.raises(ValueError, match=r"kind='rope_cache': unknown module kind; expected one of "
+                                         r"\['append_kv', 'attention', 'merge_state'\]"):
+        modules.from_json({"kind": "rope_cache"})
     with pytest.raises(TypeError, match=r"str is not a jitattn module kind"):
         modules.kind_of("not a module")
 

@@ -5,7 +5,8 @@ Checked against FlashInfer's documented Python API, 0.2.x through 0.6 (docs.flas
 paged_kv_indices, paged_kv_last_page_len, num_qo_heads, num_kv_heads, head_dim_qk, page_size,
 causal=, window_left=, logits_soft_cap=, sm_scale=, q_data_type=, kv_data_type=)`` then
 ``run(q, paged_kv_cache, return_lse=)``). Its cache tensor is jitattn's: NHD ``(pages, 2,
-page_size, H_kv, D)`` or HND ``(pages, 2, H_kv, page_size, D)``; its causal mask is bottom-right
+page_size, H_kv, D)`` or HND ``(pages, 2, H_kv, page_size, D)``, and its ``(k_cache, v_cache)`` tuple
+form is jitattn's pair (passed through as a tuple); its causal mask is bottom-right
 aligned and ``window_left`` is inclusive, as in jitattn; its lse is base 2 (converted here).
 
 Served: fp16/bf16, head dims 64, 128 and 256 (the set FlashInfer's FA2 kernels are built and
@@ -99,7 +100,8 @@ class FlashInferBackend(Backend):
                          spec.head_dim_qk, spec.page_size, causal=spec.causal, window_left=spec.window_left,
                          logits_soft_cap=spec.logits_soft_cap or None, sm_scale=spec.sm_scale,
                          q_data_type=dtype, kv_data_type=dtype)
-            o, lse = wrapper.run(q, kv_cache, return_lse=True)
+            paged_kv = tuple(kv_cache) if isinstance(kv_cache, (tuple, list)) else kv_cache
+            o, lse = wrapper.run(q, paged_kv, return_lse=True)
             return finish(o.to(torch_dtype(spec.o_dtype)), lse * math.log(2.0), out, return_lse)
 
         return flashinfer_paged_attention

@@ -128,15 +128,18 @@ def _dense_kv(spec: AttentionSpec, kv_cache: torch.Tensor, block_table: torch.Te
     import torch
 
     batch, max_pages = block_table.shape
-    ids = block_table.long().clamp(0, kv_cache.shape[0] - 1)  # unused entries may hold anything
-    pages = kv_cache[ids]  # (B, M, 2, P, H, D) or (B, M, 2, H, P, D)
+    from jitattn.checks import kv_num_pages
+    from jitattn.reference import kv_pages
+
+    ids = block_table.long().clamp(0, kv_num_pages(kv_cache) - 1)  # unused entries may hold anything
+    pages = kv_pages(kv_cache, ids)  # (B, M, 2, P, H, D) or (B, M, 2, H, P, D)
     if spec.kv_layout == "HND":
         pages = pages.transpose(3, 4)
     slots = max_pages * spec.page_size
     k = pages[:, :, 0].reshape(batch * slots, spec.num_kv_heads, spec.head_dim_qk)
     v = pages[:, :, 1].reshape(batch * slots, spec.num_kv_heads, spec.head_dim_vo)
-    kv_seq = torch.arange(batch, device=kv_cache.device).repeat_interleave(slots)
-    kv_pos = torch.arange(slots, device=kv_cache.device).repeat(batch)
+    kv_seq = torch.arange(batch, device=pages.device).repeat_interleave(slots)
+    kv_pos = torch.arange(slots, device=pages.device).repeat(batch)
     valid = kv_pos < seq_lens.long()[kv_seq]
     k = torch.where(valid[:, None, None], k, 0)  # unused slots may hold NaN; 0 * NaN would leak
     v = torch.where(valid[:, None, None], v, 0)

@@ -1,0 +1,280 @@
+"""append_kv: write the new tokens' K and V into a paged KV cache, as engines do every step.
+
+vLLM's ``reshape_and_cache_flash`` and FlashInfer's ``append_paged_kv_cache`` do this job; here it is
+:func:`append_kv`, with vLLM's addressing (``slot_mapping[t] = page_id * page_size + offset``, ``-1``
+skips a padded token) over every cache :func:`jitattn.paged_attention` reads: one tensor (NHD / HND)
+or a ``(k_cache, v_cache)`` pair.
+
+Two implementations with the same result (bit for bit):
+
+- a torch path (advanced-index assignment on the cache's ``(page, offset)`` view) that runs on any
+  device: the reference, and what CPU tensors use;
+- for CUDA tensors, a small kernel (``templates/append_kv.cu.j2``: one block per token, 16-byte
+  loads and stores, FP8 conversion in registers) that goes through jitattn's pipeline as the
+  ``merge_state`` module does (:mod:`jitattn.append_kv_module`): cached by content, built by
+  ``jitattn warmup --model``, shipped by ``jitattn cache export``.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any
+
+import torch
+
+from jitattn import append_kv_module as _am
+from jitattn.merge import params_packer
+from jitattn.runtime import LoadedOnce, cuda_device
+
+__all__ = ["append_kv"]
+
+_SRC = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_FP8 = torch.float8_e4m3fn
+_IMPLS = ("auto", "torch", "cuda")
+
+
+def _fail(message: str) -> None:
+    raise ValueError(message)
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to float32 (what the kernel and torch's float32 arithmetic see)."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def inverse_scale(scale: float) -> float:
+    """``float32(1 / float32(scale))``: an FP8 cache holds ``x * inverse_scale(scale)`` saturated to
+    e4m3 (a multiply, as torch's CUDA division by a scalar computes it)."""
+    return _f32(1.0 / _f32(scale))
+
+
+# ---- checks --------------------------------------------------------------------------------------
+def _check_rows(name: str, t: Any) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        _fail(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 3:
+        _fail(f"{name}: expected 3 dims (num_tokens, num_kv_heads, head_dim), got shape {tuple(t.shape)}")
+    if t.dtype not in _SRC:
+        _fail(f"{name}: dtype {t.dtype} not supported; expected torch.float16 or torch.bfloat16")
+    return t
+
+
+def _cache_views(kv_cache: Any, kv_layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the cache, each ``(num_pages, page_size, num_kv_heads, head_dim)`` (views, any strides)."""
+    if kv_layout not in ("NHD", "HND"):
+        _fail(f"kv_layout={kv_layout!r}: expected 'NHD' or 'HND'")
+    dims = "(num_pages, page_size, num_kv_heads, head_dim)" if kv_layout == "NHD" else \
+        "(num_pages, num_kv_heads, page_size, head_dim)"
+    if isinstance(kv_cache, (tuple, list)):
+        if len(kv_cache) != 2:
+            _fail(f"kv_cache: a pair is (k_cache, v_cache), got a {type(kv_cache).__name__} of {len(kv_cache)}")
+        for name, t in zip(("k_cache", "v_cache"), kv_cache):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                _fail(f"kv_cache ({name}): expected a 4-dim {kv_layout} tensor {dims}, got "
+                      f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        k, v = kv_cache
+        if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
+            _fail(f"kv_cache: k_cache and v_cache must share shape, dtype and device, got {tuple(k.shape)} "
+                  f"{k.dtype} {k.device} and {tuple(v.shape)} {v.dtype} {v.device}")
+    else:
+        if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+            full = "(num_pages, 2, page_size, num_kv_heads, head_dim)" if kv_layout == "NHD" else \
+                "(num_pages, 2, num_kv_heads, page_size, head_dim)"
+            _fail(f"kv_cache: expected a {kv_layout} tensor {full} or a (k_cache, v_cache) pair, got "
+                  f"{tuple(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache).__name__}")
+        k, v = kv_cache[:, 0], kv_cache[:, 1]
+    if kv_layout == "HND":
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    return k, v
+
+
+def _check_scale(name: str, value: Any, fp8: bool) -> float:
+    if type(value) is not float and not (isinstance(value, (int, float)) and not isinstance(value, bool)):
+        _fail(f"{name}: expected a Python float, got {type(value).__name__} (a tensor would need a device sync)")
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        _fail(f"{name}={value!r}: must be a positive finite float")
+    if not fp8 and value != 1.0:
+        _fail(f"{name}={value!r}: only an FP8 (float8_e4m3fn) cache is scaled; a 16-bit cache takes 1.0")
+    return value
+
+
+def check_append(k: Any, v: Any, kv_cache: Any, slot_mapping: Any, kv_layout: str, k_scale: Any, v_scale: Any
+                 ) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """The checks of :func:`append_kv` (no device sync). Returns the cache's K and V ``(page, offset,
+    head, dim)`` views and the two scales."""
+    k = _check_rows("k", k)
+    v = _check_rows("v", v)
+    if v.shape != k.shape or v.dtype != k.dtype or v.device != k.device:
+        _fail(f"v: shape {tuple(v.shape)}, {v.dtype} on {v.device}; must equal k's {tuple(k.shape)}, {k.dtype} "
+              f"on {k.device}")
+    kc, vc = _cache_views(kv_cache, kv_layout)
+    if kc.dtype not in (k.dtype, _FP8):
+        _fail(f"kv_cache: dtype {kc.dtype}; a cache for {k.dtype} K/V is {k.dtype} or torch.float8_e4m3fn")
+    if kc.device != k.device:
+        _fail(f"kv_cache: on {kc.device}, but k is on {k.device}; all tensors must be on one device")
+    if tuple(kc.shape[2:]) != tuple(k.shape[1:]):
+        _fail(f"kv_cache: {kc.shape[2]} heads of dim {kc.shape[3]} ({kv_layout}), but k has {k.shape[1]} of "
+              f"dim {k.shape[2]}")
+    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype != torch.int64 or slot_mapping.dim() != 1:
+        _fail(f"slot_mapping: expected an int64 (num_tokens,) tensor, got "
+              f"{(slot_mapping.dtype, tuple(slot_mapping.shape)) if isinstance(slot_mapping, torch.Tensor) else type(slot_mapping).__name__}")
+    if slot_mapping.shape[0] != k.shape[0]:
+        _fail(f"slot_mapping: {slot_mapping.shape[0]} slots for {k.shape[0]} tokens of k")
+    if slot_mapping.device != k.device:
+        _fail(f"slot_mapping: on {slot_mapping.device}, but k is on {k.device}")
+    num_slots = kc.shape[0] * kc.shape[1]
+    if slot_mapping.device.type == "cpu" and slot_mapping.numel():  # cheap here; on a GPU it would sync
+        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+        if lo < -1 or hi >= num_slots:
+            _fail(f"slot_mapping: values in [{lo}, {hi}]; allowed: -1 (skip) or 0 .. {num_slots - 1} "
+                  f"(num_pages * page_size = {kc.shape[0]} * {kc.shape[1]})")
+    fp8 = kc.dtype == _FP8
+    return kc, vc, _check_scale("k_scale", k_scale, fp8), _check_scale("v_scale", v_scale, fp8)
+
+
+# ---- the torch path ------------------------------------------------------------------------------
+def _to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    if dtype != _FP8:
+        return x
+    return (x.float() * inverse_scale(scale)).clamp_(-_am.E4M3_MAX, _am.E4M3_MAX).to(_FP8)
+
+
+def _append_torch(k, v, kc, vc, slot_mapping, k_scale, v_scale) -> None:
+    keep = (slot_mapping >= 0) & (slot_mapping < kc.shape[0] * kc.shape[1])
+    if not bool(keep.all()):  # a device sync on a GPU: the kernel path has none
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    page, offset = slot_mapping // kc.shape[1], slot_mapping % kc.shape[1]
+    kc[page, offset] = _to_cache(k, kc.dtype, k_scale)
+    vc[page, offset] = _to_cache(v, vc.dtype, v_scale)
+
+
+# ---- the CUDA kernel -----------------------------------------------------------------------------
+def kernel_reasons(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> list[str]:
+    """Why the kernel cannot take these tensors (empty: it can): it moves whole 16-byte chunks."""
+    vec = 16 if kc.dtype == _FP8 else 8
+    out = []
+    if k.device.type != "cuda":
+        out.append(f"the tensors are on {k.device}; the kernel needs CUDA tensors")
+    if k.shape[2] % vec:
+        out.append(f"head_dim={k.shape[2]} is not a multiple of {vec} (one 16-byte store of the cache)")
+    for name, t, step in (("k", k, 8), ("v", v, 8), ("k_cache", kc, 16 // kc.element_size()),
+                          ("v_cache", vc, 16 // kc.element_size())):
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
+            out.append(f"{name}: head_dim is not contiguous (strides {t.stride()})")
+        if t.data_ptr() % 16 or any(s % step for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
+            out.append(f"{name}: rows are not 16-byte aligned (data_ptr % 16 = {t.data_ptr() % 16}, strides "
+                       f"{t.stride()})")
+    return out
+
+
+class AppendKvKernel:
+    """The append_kv kernel of one (K/V dtype, cache dtype) pair, loaded on one CUDA device.
+
+    Raises:
+        MissingKernelError: not cached under JITATTN_DISABLE_JIT=1 (names the warm-up command).
+        jitattn.build.CompileError / BuildError: nvcc failed or cannot run.
+        RuntimeError: the cubin's Params size differs from the host's (a stale entry).
+    """
+
+    def __init__(self, module: _am.AppendKvModule, device: torch.device):
+        from jitattn.runtime import CubinModule, select_entry
+
+        self.module_spec, self.device = module, device
+        self.entry = select_entry(module, torch.cuda.get_device_capability(device))
+        self._module = CubinModule(str(self.entry.cubin), device.index, {"append_kv": _am.KERNEL_NAMES["append_kv"]},
+                                   sha256=self.entry.manifest["artifacts"].get(self.entry.cubin.name))
+        raw = self._module.read_global_int32(_am.KERNEL_NAMES["geometry"], len(_am.GEOMETRY))
+        self.geometry = dict(zip(_am.GEOMETRY, raw))
+        self._packer, self._order = params_packer(module)
+        if self.geometry["params_size"] != self._packer.size or self.geometry["threads"] != _am.THREADS:
+            raise RuntimeError(f"{self.entry.cubin}: geometry {self.geometry} does not match the host (Params "
+                               f"{self._packer.size} bytes, {_am.THREADS} threads); the cache entry is stale: "
+                               f"`jitattn cache prune` and warm up again")
+
+    def launch(self, k, v, kc, vc, slot_mapping, k_scale: float, v_scale: float) -> None:
+        """One launch on torch's current stream (checked inputs; :func:`kernel_reasons` empty)."""
+        fields = launch_fields(k, v, kc, vc, slot_mapping, k_scale, v_scale)
+        args = self._packer.pack(*(fields[n] for n in self._order))
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._module.launch("append_kv", (k.shape[0], 1, 1), _am.THREADS, 0, args, stream)
+
+
+def launch_fields(k, v, kc, vc, slot_mapping, k_scale: float, v_scale: float) -> dict[str, Any]:
+    """The ``AppendKvParams`` values by field name (``kc`` / ``vc``: ``(page, offset, head, dim)`` views)."""
+    return {
+        "k": k.data_ptr(), "v": v.data_ptr(), "k_cache": kc.data_ptr(), "v_cache": vc.data_ptr(),
+        "slot_mapping": slot_mapping.data_ptr(),
+        "k_stride_token": k.stride(0), "k_stride_head": k.stride(1),
+        "v_stride_token": v.stride(0), "v_stride_head": v.stride(1),
+        "k_cache_stride_page": kc.stride(0), "k_cache_stride_slot": kc.stride(1), "k_cache_stride_head": kc.stride(2),
+        "v_cache_stride_page": vc.stride(0), "v_cache_stride_slot": vc.stride(1), "v_cache_stride_head": vc.stride(2),
+        "num_slots": kc.shape[0] * kc.shape[1], "num_tokens": k.shape[0], "num_heads": k.shape[1],
+        "head_dim": k.shape[2], "page_size": kc.shape[1],
+        "k_inv_scale": inverse_scale(k_scale), "v_inv_scale": inverse_scale(v_scale),
+    }
+
+
+_KERNELS = LoadedOnce()
+
+
+def load_append_kv_kernel(dtype: torch.dtype | str, kv_dtype: torch.dtype | str,
+                          device: torch.device | str | int | None = None) -> AppendKvKernel:
+    """The :class:`AppendKvKernel` for ``dtype`` K/V into a ``kv_dtype`` cache on a CUDA ``device``
+    (loaded once per process, then reused).
+
+    Raises:
+        ValueError: unsupported dtypes or a non-CUDA device. MissingKernelError: not cached and
+            JITATTN_DISABLE_JIT=1.
+    """
+    module = _am.AppendKvModule(str(dtype), str(kv_dtype))
+    dev = cuda_device(device)
+    return _KERNELS.get((module, dev.index), lambda: AppendKvKernel(module, dev))
+
+
+# ---- the entry point -----------------------------------------------------------------------------
+def append_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: Any, slot_mapping: torch.Tensor, *,
+              k_scale: float = 1.0, v_scale: float = 1.0, kv_layout: str = "NHD", impl: str = "auto") -> None:
+    """Write new tokens' K and V into a paged cache, in place: token ``t`` goes to page
+    ``slot_mapping[t] // page_size``, offset ``slot_mapping[t] % page_size``.
+
+    Args:
+        k, v: ``(num_tokens, num_kv_heads, head_dim)``, float16 or bfloat16, one shape, dtype and device
+            (any strides; the CUDA kernel wants head_dim contiguous and 16-byte aligned rows).
+        kv_cache: what :func:`jitattn.paged_attention` reads: one tensor, NHD ``(num_pages, 2,
+            page_size, num_kv_heads, head_dim)`` or HND ``(num_pages, 2, num_kv_heads, page_size,
+            head_dim)``, or a ``(k_cache, v_cache)`` pair of ``(num_pages, page_size, num_kv_heads,
+            head_dim)`` (NHD) / ``(num_pages, num_kv_heads, page_size, head_dim)`` (HND) tensors; of
+            k's dtype or ``torch.float8_e4m3fn``.
+        slot_mapping: int64 ``(num_tokens,)``, ``page_id * page_size + offset`` (vLLM's); ``-1`` skips a
+            token (padding). Two tokens with one slot: which one lands is unspecified.
+        k_scale, v_scale: an FP8 cache holds ``K * float32(1 / k_scale)`` (and V likewise) computed in
+            fp32, rounded to nearest e4m3 and saturated to +-448 (NaN stays NaN); Python floats
+            (no device sync); 1.0 for a 16-bit cache.
+        kv_layout: ``"NHD"`` or ``"HND"``: the cache's layout (the spec's ``kv_layout``).
+        impl: ``"auto"`` (the CUDA kernel for CUDA tensors it can take, else torch), ``"torch"`` or
+            ``"cuda"``.
+
+    What is checked, before any write: every shape, dtype and device; the scales; for CPU tensors the
+    slot range (``-1`` or ``0 .. num_pages * page_size - 1``). Not checked for CUDA tensors (it would
+    be a device sync): the slot values; there the kernel skips any slot below 0 or past the cache, and
+    the torch path drops them (with a sync).
+
+    Raises:
+        ValueError: naming the argument, what was given and what is allowed; with ``impl="cuda"``,
+            also tensors the kernel cannot take (naming why).
+    """
+    kc, vc, k_scale, v_scale = check_append(k, v, kv_cache, slot_mapping, kv_layout, k_scale, v_scale)
+    if impl not in _IMPLS:
+        _fail(f"impl={impl!r}: expected one of {_IMPLS}")
+    if k.shape[0] == 0:
+        return
+    reasons = kernel_reasons(k, v, kc, vc) if impl != "torch" else ["impl='torch'"]
+    if impl == "cuda" and reasons:
+        _fail("impl='cuda': the kernel cannot take these tensors: " + "; ".join(reasons))
+    if reasons or (impl == "auto" and torch.compiler.is_compiling()):
+        _append_torch(k, v, kc, vc, slot_mapping, k_scale, v_scale)
+        return
+    load_append_kv_kernel(_SRC[k.dtype], str(kc.dtype).removeprefix("torch."), k.device).launch(
+        k, v, kc, vc, slot_mapping.contiguous(), k_scale, v_scale)

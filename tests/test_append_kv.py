@@ -1,0 +1,185 @@
+"""append_kv (issue 19, item 2) on the CPU: the torch path against plain per-token indexing (NHD, HND,
+pairs, -1 slots, FP8 scaling and saturation), the argument errors, the module description, and the
+CUDA module compiled by nvcc (slow)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import jitattn
+from jitattn.append_kv_module import KERNEL_NAMES, AppendKvModule
+from jitattn.cache import KernelCache
+from jitattn.cli import collect_targets, parse_spec_arg
+from jitattn.kv_write import append_kv, kernel_reasons, launch_fields
+
+H, D, PAGE, PAGES = 2, 32, 4, 5
+FP8 = torch.float8_e4m3fn
+
+
+def _cache(layout: str, dtype: torch.dtype, form: str):
+    """A NaN-free cache holding a known pattern, as one tensor or a pair."""
+    shape = (PAGES, 2, PAGE, H, D) if layout == "NHD" else (PAGES, 2, H, PAGE, D)
+    full = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).remainder(7).sub(3).reshape(shape).to(dtype)
+    if form == "single":
+        return full
+    if form == "views":
+        return full[:, 0], full[:, 1]
+    return full[:, 0].contiguous(), full[:, 1].contiguous()
+
+
+def _kv_views(cache, layout):
+    k, v = (cache[:, 0], cache[:, 1]) if isinstance(cache, torch.Tensor) else cache
+    return k, v
+
+
+def _expected(cache, layout, k, v, slots, k_scale=1.0, v_scale=1.0):
+    """Per token, plain indexing: the token's (page, offset) row of each head."""
+    kc, vc = (t.clone() for t in _kv_views(cache, layout))
+    for t, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        page, off = divmod(slot, PAGE)
+        for dst, src, scale in ((kc, k, k_scale), (vc, v, v_scale)):
+            row = src[t].float() * (1.0 / scale) if dst.dtype == FP8 else src[t]
+            if dst.dtype == FP8:
+                row = row.clamp(-448, 448)
+            if layout == "NHD":
+                dst[page, off] = row.to(dst.dtype)
+            else:
+                dst[page, :, off] = row.to(dst.dtype)
+    return kc, vc
+
+
+def _same(a, b):
+    assert torch.equal(a.view(torch.uint8) if a.dtype == FP8 else a, b.view(torch.uint8) if b.dtype == FP8 else b)
+
+
+@pytest.mark.parametrize("form", ["single", "views", "separate"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
+def test_torch_path_equals_plain_indexing(form, layout, cache_dtype):
+    g = torch.Generator().manual_seed(1)
+    n = 6
+    k = torch.randn(n, H, D, generator=g).to(torch.bfloat16)
+    v = torch.randn(n, H, D, generator=g).to(torch.bfloat16)
+    k[0, 0, 0], k[3, 1, 2] = 1e4, float("-inf")  # past e4m3's range either way: saturated
+    slots = torch.tensor([0, 5, -1, 19, 8, -1], dtype=torch.int64)  # page 0, 1, skip, last slot, page 2
+    scales = {"k_scale": 2.0 ** -7, "v_scale": 0.5} if cache_dtype == FP8 else {}  # k * 128 saturates often
+    cache = _cache(layout, cache_dtype, form)
+    want = _expected(cache, layout, k, v, slots, **scales)
+    append_kv(k, v, cache, slots, kv_layout=layout, impl="torch", **scales)
+    got = _kv_views(cache, layout)
+    _same(got[0], want[0])
+    _same(got[1], want[1])
+    if cache_dtype == FP8:
+        assert got[0].float().abs().max() == 448 and got[0].float().min() == -448  # saturated, not NaN
+        assert not torch.isnan(got[0].float()).any()
+
+
+def test_public_name_and_auto_on_cpu_uses_torch():
+    cache = _cache("NHD", torch.float16, "single")
+    k = torch.ones(1, H, D, dtype=torch.float16)
+    jitattn.append_kv(k, -k, cache, torch.tensor([7]))
+    assert torch.equal(cache[1, 0, 3], k[0]) and torch.equal(cache[1, 1, 3], -k[0])
+
+
+def test_strided_k_v_from_a_fused_projection():
+    qkv = torch.randn(3, 4 * H, D).to(torch.bfloat16)  # (tokens, q heads + k + v heads, D)
+    k, v = qkv[:, 2 * H:3 * H], qkv[:, 3 * H:]
+    cache = _cache("HND", torch.bfloat16, "separate")
+    slots = torch.tensor([1, 2, 3])
+    want = _expected(cache, "HND", k, v, slots)
+    append_kv(k, v, cache, slots, kv_layout="HND")
+    _same(cache[0], want[0])
+    _same(cache[1], want[1])
+
+
+def _errors():
+    k = torch.zeros(2, H, D, dtype=torch.bfloat16)
+    c = _cache("NHD", torch.bfloat16, "single")
+    s = torch.tensor([0, 1])
+    yield dict(k=k.float()), "k: dtype torch.float32 not supported"
+    yield dict(v=k[:1]), "v: shape .* must equal k's"
+    yield dict(k=k[0], v=k[0]), "k: expected 3 dims"
+    yield dict(kv_cache=c[:, :1]), "kv_cache: expected a NHD tensor"
+    yield dict(kv_cache=(c[:, 0],)), "a pair is \\(k_cache, v_cache\\)"
+    yield dict(kv_cache=c.half()), "kv_cache: dtype torch.float16; a cache for torch.bfloat16"
+    yield dict(kv_cache=c[..., :16]), "kv_cache: 2 heads of dim 16"
+    yield dict(slot_mapping=s.int()), "slot_mapping: expected an int64"
+    yield dict(slot_mapping=s[:1]), "slot_mapping: 1 slots for 2 tokens"
+    yield dict(slot_mapping=torch.tensor([0, PAGES * PAGE])), "slot_mapping: values in \\[0, 20\\]; allowed: -1"
+    yield dict(slot_mapping=torch.tensor([-2, 0])), "allowed: -1 \\(skip\\)"
+    yield dict(k_scale=0.5), "k_scale=0.5: only an FP8"
+    yield dict(kv_cache=c.to(FP8), v_scale=-1.0), "v_scale=-1.0: must be a positive finite float"
+    yield dict(kv_cache=c.to(FP8), k_scale=torch.tensor(1.0)), "k_scale: expected a Python float"
+    yield dict(kv_layout="THD"), "kv_layout='THD'"
+    yield dict(impl="triton"), "impl='triton'"
+    yield dict(impl="cuda"), "impl='cuda': the kernel cannot take these tensors: the tensors are on cpu"
+
+
+@pytest.mark.parametrize("case", list(_errors()), ids=lambda c: c[1][:40])
+def test_argument_errors_name_the_argument(case):
+    over, match = case
+    k = torch.zeros(2, H, D, dtype=torch.bfloat16)
+    args = dict(k=k, v=k, kv_cache=_cache("NHD", torch.bfloat16, "single"), slot_mapping=torch.tensor([0, 1]))
+    args.update(over)
+    before = args["kv_cache"].clone() if isinstance(args["kv_cache"], torch.Tensor) else None
+    with pytest.raises(ValueError, match=match):
+        append_kv(args.pop("k"), args.pop("v"), args.pop("kv_cache") if before is None else args["kv_cache"],
+                  args.pop("slot_mapping"), **{k2: v2 for k2, v2 in args.items() if k2 != "kv_cache"})
+    if before is not None:
+        _same(args["kv_cache"], before)  # nothing written
+
+
+def test_the_kernel_takes_aligned_rows_only_and_packs_the_strides():
+    k = torch.zeros(3, H, D, dtype=torch.bfloat16)
+    cache = _cache("HND", FP8, "single")
+    kc, vc = cache[:, 0].transpose(1, 2), cache[:, 1].transpose(1, 2)
+    assert kernel_reasons(k, k, kc, vc) == ["the tensors are on cpu; the kernel needs CUDA tensors"]
+    odd = torch.zeros(3, H, 24, dtype=torch.bfloat16)
+    assert any("head_dim=24 is not a multiple of 16" in r for r in kernel_reasons(odd, odd, kc[..., :24], vc[..., :24]))
+    f = launch_fields(k, k, kc, vc, torch.zeros(3, dtype=torch.int64), 0.5, 1.0)
+    assert (f["k_cache_stride_page"], f["k_cache_stride_slot"], f["k_cache_stride_head"]) == (2 * H * PAGE * D, D,
+                                                                                              PAGE * D)
+    assert f["v_cache"] - f["k_cache"] == H * PAGE * D and f["num_slots"] == PAGES * PAGE
+    assert f["k_inv_scale"] == 2.0 and f["v_inv_scale"] == 1.0
+
+
+# ---- the CUDA module --------------------------------------------------------------------------------
+def test_module_description_round_trips_and_is_a_warmup_spec():
+    m = AppendKvModule("bf16", "fp8")
+    assert m == AppendKvModule(torch.bfloat16, torch.float8_e4m3fn) and AppendKvModule("bf16").kv_dtype == "bfloat16"
+    assert json.loads(m.canonical_json()) == {"dtype": "bfloat16", "kind": "append_kv", "kv_dtype": "float8_e4m3fn"}
+    assert AppendKvModule.from_json(m.canonical_json()) == m and parse_spec_arg(m.canonical_json()) == [m]
+    assert m.name.startswith("append_kv_bf16_fp8_")
+    with pytest.raises(ValueError, match="kv_dtype='float16': append_kv takes kv_dtype in \\('bfloat16'"):
+        AppendKvModule("bfloat16", "float16")
+    text = m.render().text
+    assert f"{KERNEL_NAMES['append_kv']}(const __grid_constant__" in text and "__NV_SATFINITE" in text
+    assert "__NV_SATFINITE" not in AppendKvModule("float16").render().text  # a 16-bit cache is a copy
+
+
+def test_model_warmup_and_export_collect_the_append_kv_module(tmp_path):
+    config = {"model_type": "llama", "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "num_hidden_layers": 2, "torch_dtype": "bfloat16"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    targets = collect_targets([path], [], dtype=None, page_size=16, kv_layout="NHD", kv_dtype="float8_e4m3fn")
+    modules = [t.spec for t in targets]
+    assert AppendKvModule("bfloat16", "float8_e4m3fn") in modules
+    assert [t.sources for t in targets if t.spec == AppendKvModule("bfloat16", "float8_e4m3fn")] == [["config/append_kv"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_nvcc_builds_the_append_kv_module(tmp_path, arch):
+    """One compile per arch: the FP8 module (the conversion path; the 16-bit one is a plain copy)."""
+    cache = KernelCache(root=tmp_path / "c", layers=())
+    module = AppendKvModule("bfloat16", "float8_e4m3fn")
+    entry, built = cache.get_or_build(module, arch)
+    assert built and entry.cubin.read_bytes()[:4] == b"\x7fELF"
+    assert KERNEL_NAMES["append_kv"].encode() in entry.cubin.read_bytes()
+    assert "0 bytes spill stores" in entry.manifest["compiler_log"]
