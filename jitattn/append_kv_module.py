@@ -16,12 +16,11 @@ This module imports neither torch nor jinja2 at import time.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from jitattn.render import CTYPES, Field, RenderedSource, params_layout
+from jitattn.utility_module import UtilityModule
 
 #: The dtype of the new K and V rows.
 SRC_DTYPES = ("float16", "bfloat16")
@@ -77,7 +76,7 @@ def normalize_dtype(value: Any, field: str, allowed: tuple[str, ...]) -> str:
 
 
 @dataclass(frozen=True)
-class AppendKvModule:
+class AppendKvModule(UtilityModule):
     """The compiled append_kv kernel for new K/V of ``dtype`` written into a cache of ``kv_dtype``
     (``dtype`` itself, the default, or ``"float8_e4m3fn"``).
 
@@ -85,6 +84,8 @@ class AppendKvModule:
         ValueError: a dtype outside :data:`SRC_DTYPES`, or a ``kv_dtype`` that is neither ``dtype``
             nor ``float8_e4m3fn``.
     """
+
+    KIND = KIND  # the "kind" of its JSON (a class attribute, not a dataclass field)
 
     dtype: str
     kv_dtype: str | None = None
@@ -95,41 +96,7 @@ class AppendKvModule:
         object.__setattr__(self, "dtype", src)
         object.__setattr__(self, "kv_dtype", dst)
 
-    # ---- the module protocol (jitattn.modules.KernelModule) ----------------------------------------
-    def to_json(self) -> dict[str, Any]:
-        return {"kind": KIND, "dtype": self.dtype, "kv_dtype": self.kv_dtype}
-
-    def canonical_json(self) -> str:
-        """Sorted keys, no whitespace: the text the cache key hashes and ``jitattn warmup --spec`` takes."""
-        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any] | str) -> "AppendKvModule":
-        """Inverse of :meth:`to_json`.
-
-        Raises:
-            ValueError: not an append_kv module's JSON, or an unknown field or dtype.
-        """
-        if isinstance(data, str):
-            data = json.loads(data)
-        data = dict(data)
-        if data.pop("kind", None) != KIND:
-            raise ValueError(f"AppendKvModule.from_json: expected \"kind\": \"{KIND}\", got {data!r}")
-        if "dtype" not in data or set(data) - {"dtype", "kv_dtype"}:
-            raise ValueError(f"AppendKvModule.from_json: expected the fields 'dtype' and 'kv_dtype', got {sorted(data)}")
-        return cls(data["dtype"], data.get("kv_dtype"))
-
-    @property
-    def key(self) -> str:
-        """Content hash of the canonical JSON (hex sha256, first 16 chars)."""
-        return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
-
-    @property
-    def name(self) -> str:
-        """Readable, filesystem-safe name: ``append_kv_bf16_fp8_<key8>``."""
-        short = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "fp8"}
-        return f"append_kv_{short[self.dtype]}_{short[self.kv_dtype]}_{self.key[:8]}"
-
+    # ---- the module protocol (jitattn.modules.KernelModule): JSON, key and name from UtilityModule ----
     def describe(self) -> str:
         return f"append_kv utility module, {self.dtype} K/V into a {self.kv_dtype} cache"
 

@@ -18,12 +18,11 @@ warm the cache with it.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from jitattn.render import CTYPES, Field, RenderedSource, params_layout
+from jitattn.utility_module import UtilityModule
 
 #: Element types of the attention output the module is built for.
 MERGE_DTYPES = ("float16", "bfloat16", "float32")
@@ -88,7 +87,7 @@ def normalize_merge_dtype(value: Any, field: str = "dtype") -> str:
 
 
 @dataclass(frozen=True)
-class MergeModule:
+class MergeModule(UtilityModule):
     """The compiled merge kernels for one element type (``float16``, ``bfloat16`` or ``float32``).
 
     Hashable and comparable; stands where the cache, the build and ``jitattn warmup`` take an
@@ -98,47 +97,14 @@ class MergeModule:
         ValueError: ``dtype`` is not one of :data:`MERGE_DTYPES`.
     """
 
+    KIND = KIND  # the "kind" of its JSON (a class attribute, not a dataclass field)
+
     dtype: str
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_merge_dtype(self.dtype))
 
-    # ---- the module protocol (jitattn.modules.KernelModule) ----------------------------------------
-    def to_json(self) -> dict[str, Any]:
-        return {"kind": KIND, "dtype": self.dtype}
-
-    def canonical_json(self) -> str:
-        """Sorted keys, no whitespace: the text the cache key hashes and ``jitattn warmup --spec`` takes."""
-        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any] | str) -> "MergeModule":
-        """Inverse of :meth:`to_json`.
-
-        Raises:
-            ValueError: not a merge module's JSON, or an unknown field or dtype.
-        """
-        if isinstance(data, str):
-            data = json.loads(data)
-        data = dict(data)
-        if data.pop("kind", None) != KIND:
-            raise ValueError(f"MergeModule.from_json: expected \"kind\": \"{KIND}\", got {data!r}")
-        unknown = set(data) - {"dtype"}
-        if unknown or "dtype" not in data:
-            raise ValueError(f"MergeModule.from_json: expected exactly the field 'dtype', got {sorted(data)}")
-        return cls(data["dtype"])
-
-    @property
-    def key(self) -> str:
-        """Content hash of the canonical JSON (hex sha256, first 16 chars)."""
-        return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
-
-    @property
-    def name(self) -> str:
-        """Readable, filesystem-safe name: ``merge_state_bf16_<key8>``."""
-        short = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}[self.dtype]
-        return f"merge_state_{short}_{self.key[:8]}"
-
+    # ---- the module protocol (jitattn.modules.KernelModule): JSON, key and name from UtilityModule ----
     def describe(self) -> str:
         return f"merge_state utility module, {self.dtype} values, fp32 lse"
 

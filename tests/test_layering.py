@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "jitattn"
 
 # Lowest first. Same layer: no arrows either way.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("trace", "cuda_driver", "_version", "archs", "constants"),  # no jitattn imports (constants: read from templates/)
+    ("trace", "cuda_driver", "_version", "archs", "constants", "utility_module"),  # no jitattn imports
     ("settings", "variant"),                        # env vars; hooks and the structural mask (the visibility rule)
     ("spec",),                                      # the frozen description; canonical JSON; key
     ("dtypes", "render", "models"),                 # torch dtype tables; templates -> source; configs -> specs
