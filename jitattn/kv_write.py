@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from jitattn import append_kv_module as _am
+from jitattn.checks import fail
 from jitattn.merge import params_packer
 from jitattn.runtime import LoadedOnce, cuda_device
 
@@ -33,9 +34,6 @@ _SRC = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _FP8 = torch.float8_e4m3fn
 _IMPLS = ("auto", "torch", "cuda")
 
-
-def _fail(message: str) -> None:
-    raise ValueError(message)
 
 
 def _f32(x: float) -> float:
@@ -52,36 +50,36 @@ def inverse_scale(scale: float) -> float:
 # ---- checks --------------------------------------------------------------------------------------
 def _check_rows(name: str, t: Any) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
-        _fail(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        fail(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dim() != 3:
-        _fail(f"{name}: expected 3 dims (num_tokens, num_kv_heads, head_dim), got shape {tuple(t.shape)}")
+        fail(f"{name}: expected 3 dims (num_tokens, num_kv_heads, head_dim), got shape {tuple(t.shape)}")
     if t.dtype not in _SRC:
-        _fail(f"{name}: dtype {t.dtype} not supported; expected torch.float16 or torch.bfloat16")
+        fail(f"{name}: dtype {t.dtype} not supported; expected torch.float16 or torch.bfloat16")
     return t
 
 
 def _cache_views(kv_cache: Any, kv_layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the cache, each ``(num_pages, page_size, num_kv_heads, head_dim)`` (views, any strides)."""
     if kv_layout not in ("NHD", "HND"):
-        _fail(f"kv_layout={kv_layout!r}: expected 'NHD' or 'HND'")
+        fail(f"kv_layout={kv_layout!r}: expected 'NHD' or 'HND'")
     dims = "(num_pages, page_size, num_kv_heads, head_dim)" if kv_layout == "NHD" else \
         "(num_pages, num_kv_heads, page_size, head_dim)"
     if isinstance(kv_cache, (tuple, list)):
         if len(kv_cache) != 2:
-            _fail(f"kv_cache: a pair is (k_cache, v_cache), got a {type(kv_cache).__name__} of {len(kv_cache)}")
+            fail(f"kv_cache: a pair is (k_cache, v_cache), got a {type(kv_cache).__name__} of {len(kv_cache)}")
         for name, t in zip(("k_cache", "v_cache"), kv_cache):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
-                _fail(f"kv_cache ({name}): expected a 4-dim {kv_layout} tensor {dims}, got "
+                fail(f"kv_cache ({name}): expected a 4-dim {kv_layout} tensor {dims}, got "
                       f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
         k, v = kv_cache
         if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
-            _fail(f"kv_cache: k_cache and v_cache must share shape, dtype and device, got {tuple(k.shape)} "
+            fail(f"kv_cache: k_cache and v_cache must share shape, dtype and device, got {tuple(k.shape)} "
                   f"{k.dtype} {k.device} and {tuple(v.shape)} {v.dtype} {v.device}")
     else:
         if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
             full = "(num_pages, 2, page_size, num_kv_heads, head_dim)" if kv_layout == "NHD" else \
                 "(num_pages, 2, num_kv_heads, page_size, head_dim)"
-            _fail(f"kv_cache: expected a {kv_layout} tensor {full} or a (k_cache, v_cache) pair, got "
+            fail(f"kv_cache: expected a {kv_layout} tensor {full} or a (k_cache, v_cache) pair, got "
                   f"{tuple(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache).__name__}")
         k, v = kv_cache[:, 0], kv_cache[:, 1]
     if kv_layout == "HND":
@@ -91,12 +89,12 @@ def _cache_views(kv_cache: Any, kv_layout: str) -> tuple[torch.Tensor, torch.Ten
 
 def _check_scale(name: str, value: Any, fp8: bool) -> float:
     if type(value) is not float and not (isinstance(value, (int, float)) and not isinstance(value, bool)):
-        _fail(f"{name}: expected a Python float, got {type(value).__name__} (a tensor would need a device sync)")
+        fail(f"{name}: expected a Python float, got {type(value).__name__} (a tensor would need a device sync)")
     value = float(value)
     if not (math.isfinite(value) and value > 0):
-        _fail(f"{name}={value!r}: must be a positive finite float")
+        fail(f"{name}={value!r}: must be a positive finite float")
     if not fp8 and value != 1.0:
-        _fail(f"{name}={value!r}: only an FP8 (float8_e4m3fn) cache is scaled; a 16-bit cache takes 1.0")
+        fail(f"{name}={value!r}: only an FP8 (float8_e4m3fn) cache is scaled; a 16-bit cache takes 1.0")
     return value
 
 
@@ -107,28 +105,28 @@ def check_append(k: Any, v: Any, kv_cache: Any, slot_mapping: Any, kv_layout: st
     k = _check_rows("k", k)
     v = _check_rows("v", v)
     if v.shape != k.shape or v.dtype != k.dtype or v.device != k.device:
-        _fail(f"v: shape {tuple(v.shape)}, {v.dtype} on {v.device}; must equal k's {tuple(k.shape)}, {k.dtype} "
+        fail(f"v: shape {tuple(v.shape)}, {v.dtype} on {v.device}; must equal k's {tuple(k.shape)}, {k.dtype} "
               f"on {k.device}")
     kc, vc = _cache_views(kv_cache, kv_layout)
     if kc.dtype not in (k.dtype, _FP8):
-        _fail(f"kv_cache: dtype {kc.dtype}; a cache for {k.dtype} K/V is {k.dtype} or torch.float8_e4m3fn")
+        fail(f"kv_cache: dtype {kc.dtype}; a cache for {k.dtype} K/V is {k.dtype} or torch.float8_e4m3fn")
     if kc.device != k.device:
-        _fail(f"kv_cache: on {kc.device}, but k is on {k.device}; all tensors must be on one device")
+        fail(f"kv_cache: on {kc.device}, but k is on {k.device}; all tensors must be on one device")
     if tuple(kc.shape[2:]) != tuple(k.shape[1:]):
-        _fail(f"kv_cache: {kc.shape[2]} heads of dim {kc.shape[3]} ({kv_layout}), but k has {k.shape[1]} of "
+        fail(f"kv_cache: {kc.shape[2]} heads of dim {kc.shape[3]} ({kv_layout}), but k has {k.shape[1]} of "
               f"dim {k.shape[2]}")
     if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype != torch.int64 or slot_mapping.dim() != 1:
-        _fail(f"slot_mapping: expected an int64 (num_tokens,) tensor, got "
+        fail(f"slot_mapping: expected an int64 (num_tokens,) tensor, got "
               f"{(slot_mapping.dtype, tuple(slot_mapping.shape)) if isinstance(slot_mapping, torch.Tensor) else type(slot_mapping).__name__}")
     if slot_mapping.shape[0] != k.shape[0]:
-        _fail(f"slot_mapping: {slot_mapping.shape[0]} slots for {k.shape[0]} tokens of k")
+        fail(f"slot_mapping: {slot_mapping.shape[0]} slots for {k.shape[0]} tokens of k")
     if slot_mapping.device != k.device:
-        _fail(f"slot_mapping: on {slot_mapping.device}, but k is on {k.device}")
+        fail(f"slot_mapping: on {slot_mapping.device}, but k is on {k.device}")
     num_slots = kc.shape[0] * kc.shape[1]
     if slot_mapping.device.type == "cpu" and slot_mapping.numel():  # cheap here; on a GPU it would sync
         lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
         if lo < -1 or hi >= num_slots:
-            _fail(f"slot_mapping: values in [{lo}, {hi}]; allowed: -1 (skip) or 0 .. {num_slots - 1} "
+            fail(f"slot_mapping: values in [{lo}, {hi}]; allowed: -1 (skip) or 0 .. {num_slots - 1} "
                   f"(num_pages * page_size = {kc.shape[0]} * {kc.shape[1]})")
     fp8 = kc.dtype == _FP8
     return kc, vc, _check_scale("k_scale", k_scale, fp8), _check_scale("v_scale", v_scale, fp8)
@@ -267,12 +265,12 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: Any, slot_mapping: tor
     """
     kc, vc, k_scale, v_scale = check_append(k, v, kv_cache, slot_mapping, kv_layout, k_scale, v_scale)
     if impl not in _IMPLS:
-        _fail(f"impl={impl!r}: expected one of {_IMPLS}")
+        fail(f"impl={impl!r}: expected one of {_IMPLS}")
     if k.shape[0] == 0:
         return
     reasons = kernel_reasons(k, v, kc, vc) if impl != "torch" else ["impl='torch'"]
     if impl == "cuda" and reasons:
-        _fail("impl='cuda': the kernel cannot take these tensors: " + "; ".join(reasons))
+        fail("impl='cuda': the kernel cannot take these tensors: " + "; ".join(reasons))
     if reasons or (impl == "auto" and torch.compiler.is_compiling()):
         _append_torch(k, v, kc, vc, slot_mapping, k_scale, v_scale)
         return

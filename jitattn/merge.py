@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from jitattn import merge_module as _mm
+from jitattn.checks import fail
 from jitattn.runtime import LoadedOnce, cuda_device
 
 __all__ = ["merge_state", "merge_state_in_place", "merge_states"]
@@ -55,24 +56,20 @@ _NEG_INF = float("-inf")
 
 
 # ---- checks --------------------------------------------------------------------------------------
-def _fail(message: str) -> None:
-    raise ValueError(message)
-
-
 def _tensor(name: str, t: Any) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
-        _fail(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        fail(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     return t
 
 
 def _check_values(name: str, v: Any, ndim: int, layout: str) -> torch.Tensor:
     v = _tensor(name, v)
     if v.dim() != ndim:
-        _fail(f"{name}: expected {ndim} dims {layout}, got shape {tuple(v.shape)}")
+        fail(f"{name}: expected {ndim} dims {layout}, got shape {tuple(v.shape)}")
     if v.dtype not in _DTYPES:
-        _fail(f"{name}: dtype {v.dtype} not supported; expected torch.float16, torch.bfloat16 or torch.float32")
+        fail(f"{name}: dtype {v.dtype} not supported; expected torch.float16, torch.bfloat16 or torch.float32")
     if v.shape[-1] > 1 and v.stride(-1) != 1:
-        _fail(f"{name}: the last (head_dim) dimension must be contiguous (stride 1), got strides {v.stride()}; "
+        fail(f"{name}: the last (head_dim) dimension must be contiguous (stride 1), got strides {v.stride()}; "
               f"call .contiguous() first")
     return v
 
@@ -80,21 +77,21 @@ def _check_values(name: str, v: Any, ndim: int, layout: str) -> torch.Tensor:
 def _check_lse(name: str, s: Any, shape: tuple[int, ...], layout: str, device: torch.device) -> torch.Tensor:
     s = _tensor(name, s)
     if s.dtype != torch.float32:
-        _fail(f"{name}: lse must be torch.float32 (natural log), got {s.dtype}")
+        fail(f"{name}: lse must be torch.float32 (natural log), got {s.dtype}")
     if tuple(s.shape) != shape:
-        _fail(f"{name}: expected shape {shape} {layout}, got {tuple(s.shape)}")
+        fail(f"{name}: expected shape {shape} {layout}, got {tuple(s.shape)}")
     if s.device != device:
-        _fail(f"{name}: on {s.device}, but the values are on {device}; all tensors must be on one device")
+        fail(f"{name}: on {s.device}, but the values are on {device}; all tensors must be on one device")
     return s
 
 
 def _check_same(name: str, other: torch.Tensor, first: str, ref: torch.Tensor) -> None:
     if tuple(other.shape) != tuple(ref.shape):
-        _fail(f"{name}: shape {tuple(other.shape)} differs from {first}'s {tuple(ref.shape)}")
+        fail(f"{name}: shape {tuple(other.shape)} differs from {first}'s {tuple(ref.shape)}")
     if other.dtype != ref.dtype:
-        _fail(f"{name}: dtype {other.dtype} differs from {first}'s {ref.dtype}; both states must share a dtype")
+        fail(f"{name}: dtype {other.dtype} differs from {first}'s {ref.dtype}; both states must share a dtype")
     if other.device != ref.device:
-        _fail(f"{name}: on {other.device}, but {first} is on {ref.device}; all tensors must be on one device")
+        fail(f"{name}: on {other.device}, but {first} is on {ref.device}; all tensors must be on one device")
 
 
 def _check_pair(v_a: Any, s_a: Any, v_b: Any, s_b: Any, names: tuple[str, str, str, str]
@@ -111,9 +108,9 @@ def _check_pair(v_a: Any, s_a: Any, v_b: Any, s_b: Any, names: tuple[str, str, s
 
 def _check_impl(impl: Any, device: torch.device) -> None:
     if impl not in _IMPLS:
-        _fail(f"impl={impl!r}: expected one of {_IMPLS}")
+        fail(f"impl={impl!r}: expected one of {_IMPLS}")
     if impl == "cuda" and device.type != "cuda":
-        _fail(f"impl='cuda': the tensors are on {device}; the CUDA kernel needs CUDA tensors (use impl='torch' "
+        fail(f"impl='cuda': the tensors are on {device}; the CUDA kernel needs CUDA tensors (use impl='torch' "
               f"or 'auto')")
 
 
@@ -267,7 +264,7 @@ def load_merge_kernel(dtype: torch.dtype | str, device: torch.device | str | int
     """
     name = _DTYPES.get(dtype) if isinstance(dtype, torch.dtype) else _mm.normalize_merge_dtype(dtype)
     if name is None:
-        _fail(f"dtype={dtype}: expected torch.float16, torch.bfloat16 or torch.float32")
+        fail(f"dtype={dtype}: expected torch.float16, torch.bfloat16 or torch.float32")
     dev = cuda_device(device)
     return _KERNELS.get((name, dev.index), lambda: MergeKernel(name, dev))
 
@@ -331,16 +328,16 @@ def merge_state_in_place(v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor
     v, s, v_other, s_other = _check_pair(v, s, v_other, s_other, ("v", "s", "v_other", "s_other"))
     for name, t in (("v", v), ("s", s)):
         if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
-            _fail(f"{name}: a broadcast view (stride 0 in shape {tuple(t.shape)}, strides {t.stride()}) cannot be "
+            fail(f"{name}: a broadcast view (stride 0 in shape {tuple(t.shape)}, strides {t.stride()}) cannot be "
                   f"written in place; pass a tensor that owns each element")
     if mask is not None:
         mask = _tensor("mask", mask)
         if mask.dtype != torch.bool:
-            _fail(f"mask: dtype {mask.dtype}; expected torch.bool (True: merge this row)")
+            fail(f"mask: dtype {mask.dtype}; expected torch.bool (True: merge this row)")
         if tuple(mask.shape) != (v.shape[0],):
-            _fail(f"mask: expected shape ({v.shape[0]},) (seq,), got {tuple(mask.shape)}")
+            fail(f"mask: expected shape ({v.shape[0]},) (seq,), got {tuple(mask.shape)}")
         if mask.device != v.device:
-            _fail(f"mask: on {mask.device}, but v is on {v.device}; all tensors must be on one device")
+            fail(f"mask: on {mask.device}, but v is on {v.device}; all tensors must be on one device")
     _check_impl(impl, v.device)
     if _use_kernel(impl, (v, s, v_other, s_other)):
         load_merge_kernel(v.dtype, v.device).launch("merge_state", v_a=v, s_a=s, v_b=v_other, s_b=s_other, v_out=v,
