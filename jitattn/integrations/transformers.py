@@ -2,8 +2,10 @@
 
 Usage::
 
-    import jitattn.integrations.transformers  # registers "jitattn" with transformers
+    from jitattn.integrations.transformers import PagedCache  # registers "jitattn" with transformers
     model = AutoModelForCausalLM.from_config(config, attn_implementation="jitattn", dtype=torch.bfloat16)
+    cache = PagedCache(model.config, max_batch_size=8, max_cache_len=4096)  # optional: see below
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)
 
 Importing this module registers :func:`attention_forward` in transformers' ``AttentionInterface``
 and a padding-mask builder in its ``AttentionMaskInterface`` (both under the name ``"jitattn"``;
@@ -23,12 +25,23 @@ plain attention, else ``reference``), logged once per layer kind, and the call g
 Packing the dense ``(B, H, N, D)`` tensors into jitattn's paged call: queries become
 ``(B*N, H, D)`` rows; the keys and values (the cache's full ``(B, H_kv, L, D)`` states) are copied
 into one paged cache of ``ceil(L / PAGE_SIZE)`` pages per sequence. That copy is one extra read
-and write of the layer's KV per call, on every decode step too: this integration is for running
-models whose attention variant no stock kernel serves, not a paged-KV serving engine.
+and write of the layer's KV per call, on every decode step too.
 
-Padding: with no padding transformers passes no mask and the packing has no host sync. With a
-2D padding mask each sequence's valid keys must form one contiguous run (left or right padding,
-as ``generate`` makes); they are gathered on the host (a device sync), padded query rows get
+With a :class:`PagedCache` (``past_key_values=`` / ``cache=`` of ``generate`` or ``forward``) there is
+no copy: each layer keeps an NHD paged cache, a block table and per-sequence lengths. The cache's
+``update`` only records the step's new K/V and returns them; this attention function recognises
+them (by identity), writes them into the pages with one :func:`jitattn.append_kv` (slots from the
+sequence lengths; padded tokens, known from the mask, get slot -1 and are not stored) and runs the
+paged call on the pages, the step's tokens as the queries. Left or right padding is handled this way
+(each sequence's pages hold only its real tokens; with padding, finding the valid query rows is
+a device sync). Sliding-window layers keep every page (the kernel applies the window; memory is
+that of a full layer). Not supported with it: beam search, cropping / assisted decoding,
+``torch.compile`` of the step (``is_compileable`` is False), and attention implementations other
+than this one (the cache raises at the next ``update`` when its K/V were not read here).
+
+Padding (copying path): with no padding transformers passes no mask and the packing has no host
+sync. With a 2D padding mask each sequence's valid keys must form one contiguous run (left or right
+padding, as ``generate`` makes); they are gathered on the host (a device sync), padded query rows get
 output 0. Not supported (raise): a mask with holes, dropout in training, ``output_attentions``
 weights (None is returned), sliding-window static caches (their ring buffer breaks positions), and
 masks beyond causal / sliding / padding (e.g. Gemma-3's bidirectional image-token masks, packed
@@ -89,6 +102,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       s_aux: torch.Tensor | None = None, is_causal: bool | None = None, **kwargs: Any
                       ) -> tuple[torch.Tensor, None]:
     """transformers' attention hook: query ``(B, H, N, D)``, key/value ``(B, H_kv, L, D)`` -> ``(B, N, H, D)``.
+
+    When key/value are the new states a :class:`PagedLayer` just recorded (``L == N``), they are
+    appended to its pages and the pages are read; otherwise key/value are the whole history and are
+    copied into a paged cache for the call.
 
     Raises:
         NotImplementedError: dropout while training; a padding mask with holes; a mask longer than
