@@ -261,7 +261,7 @@ class PagedLayer(_cache_layer_base()):
 
     is_compileable = False
     is_croppable = False
-    is_sliding = False
+    is_sliding = False  # every layer keeps all its positions: full-length masks for all
 
     def __init__(self, max_batch_size: int, max_cache_len: int, page_size: int,
                  dtype: torch.dtype | None = None, device: torch.device | None = None):
@@ -389,7 +389,9 @@ class PagedCache(_cache_base()):
     with a model loaded with ``attn_implementation="jitattn"``: each step every layer writes its new
     tokens once (:func:`jitattn.append_kv`) and the kernels read the pages; nothing of the history is
     copied. Left / right padding from ``generate``'s attention mask is handled (padded tokens are not
-    stored, so each sequence's pages hold only its real tokens).
+    stored, so each sequence's pages hold only its real tokens). A checkpoint whose generation config
+    names a ``cache_implementation`` (Gemma-2's ``"hybrid"``) needs
+    ``model.generation_config.cache_implementation = None`` first: ``generate`` refuses both.
 
     Args:
         config: the model's config (its text config's ``num_hidden_layers`` layers).
