@@ -2,8 +2,10 @@
 
 Usage::
 
-    import jitattn.integrations.transformers  # registers "jitattn" with transformers
+    from jitattn.integrations.transformers import PagedCache  # registers "jitattn" with transformers
     model = AutoModelForCausalLM.from_config(config, attn_implementation="jitattn", dtype=torch.bfloat16)
+    cache = PagedCache(model.config, max_batch_size=8, max_cache_len=4096)  # optional: see below
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)
 
 Importing this module registers :func:`attention_forward` in transformers' ``AttentionInterface``
 and a padding-mask builder in its ``AttentionMaskInterface`` (both under the name ``"jitattn"``;
@@ -23,12 +25,23 @@ plain attention, else ``reference``), logged once per layer kind, and the call g
 Packing the dense ``(B, H, N, D)`` tensors into jitattn's paged call: queries become
 ``(B*N, H, D)`` rows; the keys and values (the cache's full ``(B, H_kv, L, D)`` states) are copied
 into one paged cache of ``ceil(L / PAGE_SIZE)`` pages per sequence. That copy is one extra read
-and write of the layer's KV per call, on every decode step too: this integration is for running
-models whose attention variant no stock kernel serves, not a paged-KV serving engine.
+and write of the layer's KV per call, on every decode step too.
 
-Padding: with no padding transformers passes no mask and the packing has no host sync. With a
-2D padding mask each sequence's valid keys must form one contiguous run (left or right padding,
-as ``generate`` makes); they are gathered on the host (a device sync), padded query rows get
+With a :class:`PagedCache` (``past_key_values=`` / ``cache=`` of ``generate`` or ``forward``) there is
+no copy: each layer keeps an NHD paged cache, a block table and per-sequence lengths. The cache's
+``update`` only records the step's new K/V and returns them; this attention function recognises
+them (by identity), writes them into the pages with one :func:`jitattn.append_kv` (slots from the
+sequence lengths; padded tokens, known from the mask, get slot -1 and are not stored) and runs the
+paged call on the pages, the step's tokens as the queries. Left or right padding is handled this way
+(each sequence's pages hold only its real tokens; with padding, finding the valid query rows is
+a device sync). Sliding-window layers keep every page (the kernel applies the window; memory is
+that of a full layer). Not supported with it: beam search, cropping / assisted decoding,
+``torch.compile`` of the step (``is_compileable`` is False), and attention implementations other
+than this one (the cache raises at the next ``update`` when its K/V were not read here).
+
+Padding (copying path): with no padding transformers passes no mask and the packing has no host
+sync. With a 2D padding mask each sequence's valid keys must form one contiguous run (left or right
+padding, as ``generate`` makes); they are gathered on the host (a device sync), padded query rows get
 output 0. Not supported (raise): a mask with holes, dropout in training, ``output_attentions``
 weights (None is returned), sliding-window static caches (their ring buffer breaks positions), and
 masks beyond causal / sliding / padding (e.g. Gemma-3's bidirectional image-token masks, packed
@@ -43,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from jitattn.backends import DeviceInfo
+from jitattn.kv_write import append_kv
 from jitattn.ops import register_spec, spec_from_json
 from jitattn.selector import select
 from jitattn.spec import AttentionSpec
@@ -89,6 +103,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       ) -> tuple[torch.Tensor, None]:
     """transformers' attention hook: query ``(B, H, N, D)``, key/value ``(B, H_kv, L, D)`` -> ``(B, N, H, D)``.
 
+    When key/value are the new states a :class:`PagedLayer` just recorded (``L == N``), they are
+    appended to its pages and the pages are read; otherwise key/value are the whole history and are
+    copied into a paged cache for the call.
+
     Raises:
         NotImplementedError: dropout while training; a padding mask with holes; a mask longer than
             the keys in a way jitattn cannot align.
@@ -99,15 +117,21 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if dropout and module.training:
         raise NotImplementedError(f"jitattn: attention dropout={dropout} in training is not supported")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    paged = _PENDING.get(id(key))
+    page_size = paged.page_size if paged is not None and paged.pending_key is key else PAGE_SIZE
     text = _spec_text(query.shape[1], key.shape[1], query.shape[-1], query.dtype, scaling, softcap,
-                      sliding_window, bool(causal), s_aux is not None)
+                      sliding_window, bool(causal), s_aux is not None, page_size)
     batch, _, n, _ = query.shape
     backend = _backend(text, query.device, "decode" if n == 1 else "prefill")
     if attention_mask is not None and attention_mask.dim() != 2:
         raise NotImplementedError(f"jitattn: expected no mask or a 2D padding mask (from the 'jitattn' mask "
                                   f"hook), got shape {tuple(attention_mask.shape)}")
-    packed = _pack_dense(query, key, value) if attention_mask is None else _pack_padded(query, key, value,
-                                                                                       attention_mask)
+    if paged is not None and paged.pending_key is key:  # a PagedCache layer: append the new tokens, read the pages
+        packed = paged.append_and_pack(query, key, value, attention_mask)
+    elif attention_mask is None:
+        packed = _pack_dense(query, key, value)
+    else:
+        packed = _pack_padded(query, key, value, attention_mask)
     q, kv_cache, block_table, seq_lens, qsl, rows = packed
     sinks = s_aux.float().contiguous() if s_aux is not None else None
     out, _ = torch.ops.jitattn.paged_attention(q, kv_cache, block_table, seq_lens, qsl, text, backend, sinks, None,
@@ -121,12 +145,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
 @torch.compiler.assume_constant_result
 def _spec_text(num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, scaling: float | None,
-               softcap: float | None, sliding_window: int | None, causal: bool, sinks: bool) -> str:
+               softcap: float | None, sliding_window: int | None, causal: bool, sinks: bool,
+               page_size: int = PAGE_SIZE) -> str:
     if dtype not in _DTYPES:
         raise ValueError(f"jitattn: the model runs in {dtype}; jitattn's kernels take float16 or bfloat16: load the "
                          f"model with dtype=torch.bfloat16 (or float16)")
     spec = AttentionSpec(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim,
-                         q_dtype=_DTYPES[dtype], page_size=PAGE_SIZE, causal=causal,
+                         q_dtype=_DTYPES[dtype], page_size=page_size, causal=causal,
                          window_left=sliding_window - 1 if sliding_window else -1,
                          logits_soft_cap=float(softcap or 0.0), sm_scale=scaling, sinks=sinks)
     return register_spec(spec)
@@ -208,6 +233,203 @@ def _valid_runs(mask: torch.Tensor) -> list[tuple[int, int]]:
                                       f"{e - s - idx.numel()} masked inside); only left or right padding is supported")
         runs.append((s, e))
     return runs
+
+
+# ---- a paged KV cache for generate -----------------------------------------------------------------
+#: id(new key states) -> the PagedLayer whose update returned them, until the attention function reads them.
+_PENDING: dict[int, "PagedLayer"] = {}
+
+
+def _cache_layer_base():
+    from transformers.cache_utils import CacheLayerMixin
+
+    return CacheLayerMixin
+
+
+class PagedLayer(_cache_layer_base()):
+    """One layer of a :class:`PagedCache`: an NHD paged cache ``(num_pages, 2, page_size, H_kv, D)``, the
+    block table ``(max_batch_size, pages_per_seq)`` int32 (sequence ``b`` owns pages ``b * pages_per_seq``
+    onwards), and ``seq_lens`` int32 ``(max_batch_size,)``: the tokens stored per sequence (padding
+    tokens are not stored, so a left-padded row holds fewer than :meth:`get_seq_length`).
+
+    ``update`` only records the new key / value states and returns them; the attention function
+    (``attn_implementation="jitattn"``) recognises them, writes them into the pages with
+    :func:`jitattn.append_kv` (skipping padded tokens, which it knows from the mask) and runs the paged
+    call over the pages. Allocated on the first ``update`` (heads, head dim, dtype, device from the
+    key states). Sliding-window layers keep every page (the kernel applies the window).
+    """
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False  # every layer keeps all its positions: full-length masks for all
+
+    def __init__(self, max_batch_size: int, max_cache_len: int, page_size: int,
+                 dtype: torch.dtype | None = None, device: torch.device | None = None):
+        super().__init__()
+        self.max_batch_size, self.max_cache_len, self.page_size = max_batch_size, max_cache_len, page_size
+        self.pages_per_seq = -(-max_cache_len // page_size)
+        self.dtype, self.device = dtype, device
+        self.cumulative_length = 0  # positions seen, padding included (what generate counts)
+        self.kv_cache: torch.Tensor | None = None
+        self.block_table: torch.Tensor | None = None
+        self.seq_lens: torch.Tensor | None = None
+        self.pending_key: torch.Tensor | None = None
+        self.pending_value: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        _, heads, _, dim = key_states.shape
+        if self.dtype is not None and key_states.dtype != self.dtype:
+            raise ValueError(f"PagedCache: dtype={self.dtype}, but the model's key states are {key_states.dtype}")
+        if self.device is not None and key_states.device != torch.device(self.device):
+            raise ValueError(f"PagedCache: device={self.device}, but the model's key states are on "
+                             f"{key_states.device}")
+        if value_states.shape[-1] != dim:
+            raise ValueError(f"PagedCache: value head dim {value_states.shape[-1]} != key head dim {dim}; the "
+                             f"paged layout keeps K and V of one head dim")
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.kv_cache = torch.zeros(self.max_batch_size * self.pages_per_seq, 2, self.page_size, heads, dim,
+                                    dtype=self.dtype, device=self.device)
+        self.keys, self.values = self.kv_cache[:, 0], self.kv_cache[:, 1]
+        self.block_table = torch.arange(self.max_batch_size * self.pages_per_seq, dtype=torch.int32,
+                                        device=self.device).view(self.max_batch_size, self.pages_per_seq)
+        self.seq_lens = torch.zeros(self.max_batch_size, dtype=torch.int32, device=self.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record the new ``(B, H_kv, N, D)`` key / value states; return them (the attention function
+        appends them to the pages). Raises ValueError past ``max_batch_size`` or ``max_cache_len``."""
+        batch, _, n, _ = key_states.shape
+        if batch > self.max_batch_size:
+            raise ValueError(f"PagedCache: batch of {batch} sequences, but max_batch_size={self.max_batch_size}")
+        if self.cumulative_length + n > self.max_cache_len:
+            raise ValueError(f"PagedCache: {self.cumulative_length} cached + {n} new tokens exceed "
+                             f"max_cache_len={self.max_cache_len}")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.cumulative_length += n
+        self.pending_key, self.pending_value = key_states, value_states
+        _PENDING[id(key_states)] = self
+        return key_states, value_states
+
+    def append_and_pack(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        mask: torch.Tensor | None):
+        """Append the pending tokens (one :func:`jitattn.append_kv`) and return the paged call's inputs
+        ``(q, kv_cache, block_table, seq_lens, query_start_loc, rows)`` (``rows``: the valid query rows
+        of the ``B * N`` ones when ``mask`` marks padding, else None)."""
+        _PENDING.pop(id(key), None)
+        self.pending_key = self.pending_value = None
+        batch, heads, n, dim = query.shape
+        dev = query.device
+        past = self.seq_lens[:batch].long().unsqueeze(1)
+        if mask is None:
+            valid = None
+            pos = past + torch.arange(n, device=dev)
+        else:
+            if mask.dim() != 2 or mask.shape[0] != batch or mask.shape[1] < n:
+                raise NotImplementedError(f"jitattn: PagedCache expects a (batch, kv_length) padding mask, got "
+                                          f"{tuple(mask.shape)} for {batch} sequences of {n} new tokens")
+            valid = mask[:, -n:].to(device=dev, dtype=torch.bool)
+            pos = past + valid.long().cumsum(1) - 1  # padded tokens are not stored
+        page = (pos // self.page_size).clamp_(0, self.pages_per_seq - 1)
+        slots = self.block_table[:batch].long().gather(1, page) * self.page_size + pos % self.page_size
+        if valid is not None:
+            slots = torch.where(valid, slots, torch.full_like(slots, -1))
+        append_kv(key.transpose(1, 2).reshape(batch * n, key.shape[1], dim),
+                  value.transpose(1, 2).reshape(batch * n, value.shape[1], dim), self.kv_cache,
+                  slots.reshape(-1))
+        added = n if valid is None else valid.sum(1, dtype=torch.int32)
+        self.seq_lens[:batch] += added
+        q = query.transpose(1, 2).reshape(batch * n, heads, dim)
+        if valid is None:
+            qsl = torch.arange(0, batch * n + 1, n, dtype=torch.int32, device=dev)
+            rows = None
+        else:
+            rows = torch.nonzero(valid.reshape(-1)).flatten()
+            q = q[rows]
+            qsl = F.pad(added.cumsum(0, dtype=torch.int32), (1, 0))
+        return q, self.kv_cache, self.block_table[:batch], self.seq_lens[:batch], qsl, rows
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        super().reset()
+        if self.seq_lens is not None:
+            self.seq_lens.zero_()
+        self.pending_key = self.pending_value = None
+
+    def _unsupported(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("PagedCache: beam search, cropping and batch reordering are not supported "
+                                  "(greedy or sampled generate only)")
+
+    reorder_cache = crop = batch_repeat_interleave = batch_select_indices = _unsupported
+
+
+def _cache_base():
+    from transformers.cache_utils import Cache
+
+    return Cache
+
+
+class PagedCache(_cache_base()):
+    """A transformers ``Cache`` that keeps each layer's K/V in jitattn's paged layout (:class:`PagedLayer`).
+
+    Usage::
+
+        cache = PagedCache(model.config, max_batch_size=8, max_cache_len=4096)
+        model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)
+
+    with a model loaded with ``attn_implementation="jitattn"``: each step every layer writes its new
+    tokens once (:func:`jitattn.append_kv`) and the kernels read the pages; nothing of the history is
+    copied. Left / right padding from ``generate``'s attention mask is handled (padded tokens are not
+    stored, so each sequence's pages hold only its real tokens). A checkpoint whose generation config
+    names a ``cache_implementation`` (Gemma-2's ``"hybrid"``) needs
+    ``model.generation_config.cache_implementation = None`` first: ``generate`` refuses both.
+
+    Args:
+        config: the model's config (its text config's ``num_hidden_layers`` layers).
+        max_batch_size: the most sequences one ``generate`` call may bring.
+        max_cache_len: the most positions (prompt, padding and new tokens) a sequence may reach.
+        page_size: tokens per page (part of the spec: one kernel per value).
+        dtype, device: when given, checked against the model's key states (else taken from them);
+            ``torch.float16`` or ``torch.bfloat16``.
+
+    Raises:
+        ValueError: a bad size or dtype here; in ``update``, a batch over ``max_batch_size`` or a
+            length over ``max_cache_len``.
+        RuntimeError: a layer's new K/V were not read by jitattn's attention function (the model does
+            not run ``attn_implementation="jitattn"``).
+    """
+
+    def __init__(self, config: Any, max_batch_size: int, max_cache_len: int, *, page_size: int = PAGE_SIZE,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+        for name, value in (("max_batch_size", max_batch_size), ("max_cache_len", max_cache_len),
+                            ("page_size", page_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"PagedCache: {name}={value!r}; expected a positive int")
+        if dtype is not None and dtype not in _DTYPES:
+            raise ValueError(f"PagedCache: dtype={dtype}; jitattn's kernels take torch.float16 or torch.bfloat16")
+        text = config.get_text_config(decoder=True)
+        layers = [PagedLayer(max_batch_size, max_cache_len, page_size, dtype,
+                             torch.device(device) if device is not None else None)
+                  for _ in range(text.num_hidden_layers)]
+        super().__init__(layers=layers)
+        self.max_batch_size, self.max_cache_len, self.page_size = max_batch_size, max_cache_len, page_size
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        for i, layer in enumerate(self.layers):
+            if layer.pending_key is not None:
+                raise RuntimeError(f"PagedCache: layer {i}'s new K/V were not read by jitattn's attention function; "
+                                   f"load the model with attn_implementation=\"{NAME}\" to use a PagedCache")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 register()
