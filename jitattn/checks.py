@@ -401,16 +401,20 @@ def check_kv_cache_layout(spec: AttentionSpec, kv_cache: torch.Tensor) -> None:
     if is_kv_pair(kv_cache):
         _check_kv_pair_layout(spec, kv_cache)
         return
-    inner = kv_cache_shape(spec, 1)[1:]
+    _check_pages(kv_cache, kv_cache_shape(spec, 1)[1:], "kv_cache", "dims 1-4")
+
+
+def _check_pages(t: torch.Tensor, inner: tuple[int, ...], label: str, dims: str) -> None:
+    """Each page of ``t`` (inner dims ``inner``) contiguous, every page 16-byte aligned; pages may be strided."""
     want = tuple(math.prod(inner[i + 1:]) for i in range(len(inner)))
-    got = kv_cache.stride()[1:]
+    got = t.stride()[1:]
     # The stride of a size-1 dim never moves an address, so torch may report anything there.
     if any(g != w for g, w, n in zip(got, want, inner) if n > 1):
-        fail(f"kv_cache: dims 1-4 must be contiguous (strides {want}), got {got}; "
+        fail(f"{label}: {dims} must be contiguous (strides {want}), got {got}; "
              f"pages may be strided, nothing inside a page may")
-    if kv_cache.stride(0) % (16 // kv_cache.element_size()) or kv_cache.data_ptr() % 16:
-        fail(f"kv_cache: pages must start 16-byte aligned (stride(0)={kv_cache.stride(0)} elements, "
-             f"data_ptr % 16 = {kv_cache.data_ptr() % 16})")
+    if t.stride(0) % (16 // t.element_size()) or t.data_ptr() % 16:
+        fail(f"{label}: pages must start 16-byte aligned (stride(0)={t.stride(0)} elements, "
+             f"data_ptr % 16 = {t.data_ptr() % 16})")
 
 
 def _check_kv_pair_layout(spec: AttentionSpec, kv_cache: Sequence[torch.Tensor]) -> None:
@@ -418,15 +422,8 @@ def _check_kv_pair_layout(spec: AttentionSpec, kv_cache: Sequence[torch.Tensor])
     must share their strides: pages strided alike, each page contiguous, 16-byte aligned."""
     k, v = kv_cache
     inner = kv_pair_shape(spec, 1)[1:]
-    want = tuple(math.prod(inner[i + 1:]) for i in range(len(inner)))
     for name, t in (("k_cache", k), ("v_cache", v)):
-        got = t.stride()[1:]
-        if any(g != w for g, w, n in zip(got, want, inner) if n > 1):
-            fail(f"kv_cache ({name}): dims 1-3 must be contiguous (strides {want}), got {got}; "
-                 f"pages may be strided, nothing inside a page may")
-        if t.stride(0) % (16 // t.element_size()) or t.data_ptr() % 16:
-            fail(f"kv_cache ({name}): pages must start 16-byte aligned (stride(0)={t.stride(0)} elements, "
-                 f"data_ptr % 16 = {t.data_ptr() % 16})")
+        _check_pages(t, inner, f"kv_cache ({name})", "dims 1-3")
     if k.shape[0] > 1 and k.stride(0) != v.stride(0):
         fail(f"kv_cache: k_cache's page stride is {k.stride(0)} elements and v_cache's {v.stride(0)}; the kernels "
              f"take a pair whose two tensors have the same strides (V read at K's address + a fixed offset): "
