@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jitattn.render import CTYPES, Field, RenderedSource, params_layout
+from jitattn.spec import canonical_dtype
 from jitattn.utility_module import UtilityModule
 
 #: The dtype of the new K and V rows.
@@ -34,11 +35,6 @@ THREADS = 128
 GEOMETRY = ("threads", "params_size", "vec_elems")
 #: e4m3's largest finite magnitude: FP8 writes saturate to +-E4M3_MAX.
 E4M3_MAX = 448.0
-
-_ALIASES = {"float16": "float16", "fp16": "float16", "half": "float16", "torch.float16": "float16",
-            "bfloat16": "bfloat16", "bf16": "bfloat16", "torch.bfloat16": "bfloat16",
-            "float8_e4m3fn": "float8_e4m3fn", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
-            "torch.float8_e4m3fn": "float8_e4m3fn"}
 
 #: The ``Params`` struct. Strides are in elements; ``{s}`` is the source type, ``{c}`` the cache's.
 FIELDS: tuple[Field, ...] = (
@@ -69,7 +65,7 @@ FIELDS: tuple[Field, ...] = (
 
 def normalize_dtype(value: Any, field: str, allowed: tuple[str, ...]) -> str:
     """``"bf16"``, ``torch.bfloat16`` or ``"bfloat16"`` -> ``"bfloat16"``; ValueError if not in ``allowed``."""
-    name = _ALIASES.get(str(value))
+    name = canonical_dtype(value)
     if name not in allowed:
         raise ValueError(f"{field}={value!r}: append_kv takes {field} in {allowed} (or the matching torch dtype)")
     return name

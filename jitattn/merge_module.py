@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jitattn.render import CTYPES, Field, RenderedSource, params_layout
+from jitattn.spec import canonical_dtype
 from jitattn.utility_module import UtilityModule
 
 #: Element types of the attention output the module is built for.
@@ -39,10 +40,6 @@ KERNEL_NAMES = {
 THREADS = 128
 #: Geometry values the host reads from the cubin, in order.
 GEOMETRY = ("threads", "params_size", "vec_elems")
-
-_DTYPE_ALIASES = {"float16": "float16", "fp16": "float16", "half": "float16", "torch.float16": "float16",
-                  "bfloat16": "bfloat16", "bf16": "bfloat16", "torch.bfloat16": "bfloat16",
-                  "float32": "float32", "fp32": "float32", "float": "float32", "torch.float32": "float32"}
 
 #: The ``Params`` struct of the merge kernels. Strides are in elements; ``{t}`` is the element type.
 FIELDS: tuple[Field, ...] = (
@@ -79,8 +76,8 @@ FIELDS: tuple[Field, ...] = (
 
 def normalize_merge_dtype(value: Any, field: str = "dtype") -> str:
     """``"bf16"``, ``torch.bfloat16`` or ``"bfloat16"`` -> ``"bfloat16"``; ValueError if not a merge dtype."""
-    name = _DTYPE_ALIASES.get(str(value))
-    if name is None:
+    name = canonical_dtype(value)
+    if name not in MERGE_DTYPES:
         raise ValueError(f"{field}={value!r}: merge_state takes values of dtype {MERGE_DTYPES} "
                          f"(or the matching torch dtype)")
     return name

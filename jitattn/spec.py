@@ -51,12 +51,21 @@ _DTYPE_ALIASES = {
     "bfloat16": "bfloat16", "bf16": "bfloat16", "torch.bfloat16": "bfloat16",
     "float8_e4m3fn": "float8_e4m3fn", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "e4m3": "float8_e4m3fn",
     "torch.float8_e4m3fn": "float8_e4m3fn",
+    "float32": "float32", "fp32": "float32", "float": "float32", "torch.float32": "float32",
 }
+
+
+def canonical_dtype(value: Any) -> str | None:
+    """The canonical name of a dtype given as a string or a torch dtype (``"bf16"`` -> ``"bfloat16"``), or None.
+
+    The one alias table of jitattn: specs and the utility modules (merge_state, append_kv) read it.
+    """
+    return _DTYPE_ALIASES.get(str(value))
 
 
 def normalize_dtype(value: Any, *, field: str, allowed: tuple[str, ...]) -> str:
     """Map a dtype given as a string or a torch dtype to its canonical name, or raise ValueError."""
-    name = _DTYPE_ALIASES.get(str(value))
+    name = canonical_dtype(value)
     if name is None or name not in allowed:
         raise ValueError(f"{field}={value!r}: expected one of {allowed} (or the matching torch dtype)")
     return name
