@@ -54,6 +54,16 @@ RAGGED_LAYER_FIELDS = ("q", "k", "v", "o", "lse", "sinks", "alibi_slopes", "q_st
                        "k_stride_token", "k_stride_head", "v_stride_token", "v_stride_head", "total_kv")
 
 
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """``(first, end)``: the bytes from ``t``'s first element to just past its last (torch strides are
+    never negative); ``(0, 0)`` for an empty tensor."""
+    if t.numel() == 0:
+        return 0, 0
+    start = t.data_ptr()
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * t.element_size()
+
+
 @functools.lru_cache(maxsize=1)
 def _cuda_available() -> bool:
     return torch.cuda.is_available()  # asked once: a process does not gain or lose CUDA
@@ -414,6 +424,11 @@ class SpecPlan:
             c.writers, c.kv_inner, c.kv_strides, c.kv_align, c.dtypes, c.softmax)
         self._q_shape = (plan.total_q, spec.num_qo_heads, spec.head_dim_qk)
         self._out_shape = (plan.total_q, spec.num_qo_heads, spec.head_dim_vo)
+        # byte sizes the out-overlap check adds to data pointers (q's row and a page are contiguous)
+        self._q_item, self._kv_item = self._dtypes[0].itemsize, self._dtypes[1].itemsize
+        self._out_bytes = math.prod(self._out_shape) * self._dtypes[2].itemsize
+        self._q_last_row = (plan.total_q - 1, spec.num_qo_heads * spec.head_dim_qk * self._q_item)
+        self._page_bytes = math.prod(self._kv_inner or ()) * self._kv_item
         fields = self._plan_fields(plan, kernel, shared_scratch, c.kv_stride_kv)
         self._bytes = bytes(self.layout.pack(fields))  # the plan's Params; each run patches a copy
 
@@ -525,6 +540,36 @@ class SpecPlan:
                                     out.is_contiguous() and out.data_ptr() % 16 == 0):
             check_out(self.spec, out, plan.total_q, plan.device, device_of="the plan")
             check_out_layout(out)
+        if out is not None and plan.total_q:
+            self._check_out_apart(q, kv, out)
+
+    def _check_out_apart(self, q: torch.Tensor, kv: Any, out: torch.Tensor) -> None:
+        """``out`` shares no byte with q or the cache (or k, v): the kernels read them while writing out.
+
+        Compares byte spans, first element to last, from data pointers and strides (torch has no public
+        overlap check; a storage walk would cost more): two views of one buffer that interleave are
+        refused too, views of disjoint parts pass. The checks before it made q's rows, out and a page
+        contiguous, so the common case (one cache tensor) is a few integer operations.
+        """
+        start = out.data_ptr()
+        end = start + self._out_bytes
+        if self.plan.kind == "paged" and type(kv) is torch.Tensor:  # the per-layer hot path
+            q0, k0 = q.data_ptr(), kv.data_ptr()
+            rows, row_bytes = self._q_last_row
+            q1 = q0 + rows * q.stride(0) * self._q_item + row_bytes
+            k1 = k0 + (kv.shape[0] - 1) * kv.stride(0) * self._kv_item + self._page_bytes
+            if not ((q0 < end and start < q1) or (k0 < end and start < k1)):
+                return
+            spans = {"q": (q0, q1), "kv_cache": (k0, k1)}
+        elif self.plan.kind == "paged":
+            spans = {"q": byte_span(q), "k_cache": byte_span(kv[0]), "v_cache": byte_span(kv[1])}
+        else:
+            spans = {"q": byte_span(q), "k": byte_span(kv[0]), "v": byte_span(kv[1])}
+        for name, (a, b) in spans.items():
+            if a < end and start < b:
+                fail(f"out: overlaps {name} in memory (out's bytes {start:#x}-{end:#x}, {name}'s {a:#x}-{b:#x}); "
+                     f"the kernels read {name} while they write out, so the result would be wrong: pass an out of "
+                     f"its own, e.g. torch.empty_like(out)")
 
     def _explain_q(self, q: Any) -> None:
         """The slow path of q's check: passes a tensor subclass that fits, else names what differs."""

@@ -657,7 +657,7 @@ def run(q: torch.Tensor, kv_cache: Any, plan: Plan, *, spec: AttentionSpec | Non
         spec: which of the plan's specs this layer runs (default: the first); a spec not planned yet
             is planned now (allocating its scratch: plan every spec up front for CUDA graphs).
         out: optional contiguous, 16-byte aligned ``(total_q, num_qo_heads, head_dim_vo)`` of
-            ``spec.o_dtype``, written in place and returned.
+            ``spec.o_dtype``, written in place and returned; it may share no byte with q or the cache.
         return_lse: also return the float32 lse ``(total_q, num_qo_heads)`` (natural log).
         sinks, alibi_slopes, params, k_scale, v_scale: this layer's, as :func:`paged_attention`.
 
@@ -666,7 +666,8 @@ def run(q: torch.Tensor, kv_cache: Any, plan: Plan, *, spec: AttentionSpec | Non
 
     Raises:
         ValueError: a tensor that does not fit the plan or the spec (shape, dtype, device, strides,
-            page count), a spec of another layout, naming the argument; before any launch.
+            page count), an ``out`` that overlaps q or the cache in memory, a spec of another layout,
+            naming the argument; before any launch.
     """
     if not isinstance(plan, Plan):
         fail(f"plan: expected a Plan from jitattn.plan / plan_ragged, got {type(plan).__name__}")

@@ -233,3 +233,34 @@ def test_a_plan_names_query_start_loc_that_is_not_a_tensor_before_loading_a_kern
     with pytest.raises(ValueError, match=r"query_start_loc: expected a torch.Tensor, got list"):
         runtime.plan_ragged(AttentionSpec(8, 2, 64, kv_storage="ragged"), [0, 1], torch.tensor([0, 30]))
     assert not kernels
+
+
+def test_an_out_that_overlaps_an_input_is_refused_before_any_launch(kernels):  # noqa: F811
+    """out=q, out inside the cache's pages (one tensor or a pair), out inside ragged k: each a ValueError
+    naming what it overlaps, on run and the one-call path; out and q in disjoint halves of one buffer run."""
+    t = lc._paged(SPEC, [1, 5, 1], [30, 40, 17])
+    md = (t["block_table"], t["seq_lens"], t["query_start_loc"])
+    plan = runtime.plan(SPEC, *md)
+    q, kv = t["q"], t["kv_cache"]
+    rows = 7 * 8 * 64
+    with pytest.raises(ValueError, match=r"out: overlaps q in memory .*pass an out of its own"):
+        runtime.run(q, kv, plan, out=q)
+    with pytest.raises(ValueError, match=r"out: overlaps q in memory"):
+        runtime.paged_attention(SPEC, q, kv, *md, out=q)
+    in_pages = kv.view(-1)[1024:1024 + rows].view(7, 8, 64)  # inside page 0's K and V
+    with pytest.raises(ValueError, match=r"out: overlaps kv_cache in memory"):
+        runtime.run(q, kv, plan, out=in_pages)
+    k_cache, v_cache = torch.zeros(2, *kv[:, 0].shape, dtype=torch.bfloat16)  # a pair of separate tensors
+    with pytest.raises(ValueError, match=r"out: overlaps v_cache in memory"):
+        runtime.run(q, (k_cache, v_cache), plan, out=v_cache.view(-1)[:rows].view(7, 8, 64))
+    spec = AttentionSpec(8, 2, 64, kv_storage="ragged")
+    r = lc._ragged(spec, [1, 9], [20, 37])
+    ragged = runtime.plan_ragged(spec, r["query_start_loc"], r["kv_start_loc"])
+    with pytest.raises(ValueError, match=r"out: overlaps k in memory"):
+        runtime.run(r["q"], (r["k"], r["v"]), ragged, out=r["k"].view(-1)[:10 * 8 * 64].view(10, 8, 64))
+    assert _launched(kernels) == 0
+    halves = torch.empty(2, 7, 8, 64, dtype=torch.bfloat16)  # q and out side by side in one buffer
+    out = halves[1]
+    assert runtime.run(halves[0], kv, plan, out=out) is out
+    runtime.run(q, (kv[:, 0], kv[:, 1]), plan, out=torch.empty(7, 8, 64, dtype=torch.bfloat16))
+    assert _launched(kernels) == 4
