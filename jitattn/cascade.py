@@ -390,7 +390,7 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: Any, level
         attention: the paged-attention function to run the passes with (default: the jit kernels,
             :func:`jitattn.paged_attention`; :func:`jitattn.reference.paged_attention` runs it in torch).
         out: optional contiguous ``(total_q, num_qo_heads, head_dim_vo)`` of ``spec.o_dtype`` on q's
-            device: written in place and returned.
+            device: written in place and returned (so it may not require grad, unless under ``torch.no_grad()``).
         mode: what :func:`cascade_pays` assumes ("eager" / "graph"; None: graph while the current
             stream captures, else eager).
 
@@ -401,7 +401,7 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: Any, level
         ValueError: a spec the split cannot preserve (explicit positions already, ragged K/V, no softmax,
             an output hook, a CUDA-string hook reading ``qo_len`` / ``kv_len``), bad levels (their
             shapes always; their values with ``validate=True``), bad ``chunks``, a ``plan`` for another
-            layout, or an argument the plain call refuses (before any launch).
+            layout, an ``out`` that requires grad, or an argument the plain call refuses (before any launch).
     """
     _check_cascade_spec(spec, "cascade_attention(spec, q, kv_cache, levels, ...)")
     check_flag("return_lse", return_lse)
@@ -414,6 +414,10 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: Any, level
     total_q = q.shape[0]
     if out is not None:
         check_out(spec, out, total_q, q.device)
+        if out.requires_grad and torch.is_grad_enabled():  # out.copy_(result) at the end would raise
+            fail("out: requires_grad=True; cascade_attention writes its result into out in place, which autograd "
+                 "refuses for a tensor that requires grad: pass out.detach() (or no out), or call it under "
+                 "torch.no_grad()")
     _check_levels(levels, q.device)
     if validate:
         check_kv_cache(spec, kv_cache, q.device)

@@ -365,3 +365,19 @@ def test_a_cascade_over_a_padded_q_leaves_the_padding_out():
     padded = torch.cat([b.q, torch.zeros(3, *b.q.shape[1:], dtype=b.q.dtype)])
     got = cascade_attention(spec, padded, b.kv_cache, b.levels, use_cascade=True, attention=reference.paged_attention)
     assert got.shape[0] == b.q.shape[0] + 3 and torch.equal(got[: b.q.shape[0]], want)
+
+
+def test_an_out_that_requires_grad_is_refused_before_any_launch(kernels):  # noqa: F811
+    """Writing the result into out in place is what autograd refuses for a tensor that requires grad: the
+    call names out up front (no launch); under torch.no_grad() the same out is written."""
+    spec = AttentionSpec(8, 2, 32, page_size=4)
+    b = random_cascade_batch(spec, [12], [3], [5, 0, 9], [1, 1, 2], seed=2)
+    plan = plan_cascade(spec, b.levels, b.q.shape[0], num_sms=132, chunks=[2, 1], mode="eager")
+    out = torch.empty(b.q.shape[0], 8, 32, dtype=b.q.dtype, requires_grad=True)
+    for kw in ({"plan": plan}, {"use_cascade": False, "attention": reference.paged_attention}):
+        with pytest.raises(ValueError, match=r"out: requires_grad=True; cascade_attention writes its result into "
+                                             r"out in place"):
+            cascade_attention(spec, b.q, b.kv_cache, b.levels, out=out, **kw)
+    assert sum(len(m.launches) for _, m in kernels.values()) == 0
+    with torch.no_grad():
+        assert cascade_attention(spec, b.q, b.kv_cache, b.levels, out=out, plan=plan) is out
