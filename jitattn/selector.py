@@ -17,6 +17,9 @@ others refuse it), head dims, features (windows, soft-cap, sinks, ALiBi, custom 
 the phase, and two call requirements: the lse (``need_lse``) and CUDA-graph capture
 (``cuda_graph``).
 
+A backend on the CPU needs torch installed (:func:`import_reasons`): without it every backend is
+passed over with that reason (a named GPU is planned for another machine and not judged so).
+
 Nothing falls back silently:
 
 - ``JITATTN_BACKEND=NAME`` (or ``select(..., backend=NAME)``) forces a backend; if it cannot
@@ -31,8 +34,11 @@ Nothing falls back silently:
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -132,7 +138,10 @@ def select(spec: AttentionSpec, device: DeviceInfo | str | Any = None, phase: st
     check_phase(phase)
     req = Requirements(need_lse=need_lse, cuda_graph=cuda_graph)
     forced = backend or settings.forced_backend()
+    missing = import_reasons(device)
     verdicts = [(b, tuple(b.reasons(spec, device, phase, req))) for b in registered_backends()]
+    # a backend that would serve but cannot run here says why (the others' reasons already bar it)
+    verdicts = [(b, r or tuple(f"{b.name}: {m}" for m in missing)) for b, r in verdicts]
     if forced:
         chosen = _forced(forced, verdicts, spec, device, phase, "backend" if backend else "JITATTN_BACKEND")
     else:
@@ -146,6 +155,30 @@ def select(spec: AttentionSpec, device: DeviceInfo | str | Any = None, phase: st
     selection = Selection(spec, device, phase, req, chosen, bool(forced), passed, forced_by)
     _log_once(selection)
     return selection
+
+
+def import_reasons(device: DeviceInfo) -> tuple[str, ...]:
+    """What this machine lacks to run any backend on ``device``: ``("torch is not installed ...",)`` for
+    the CPU when ``import torch`` would fail, else ``()``.
+
+    Every backend's call takes torch tensors. A CPU is always this machine; a named GPU (``h100``,
+    ``sm_90``) may be a serving node that a build box without torch plans for, so it is not judged
+    here (a real CUDA device was found through torch, which is then installed).
+    """
+    if device.type != "cpu" or _torch_installed():
+        return ()
+    return ("torch is not installed (its calls take torch tensors; pip install 'jitattn[torch]')",)
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_installed() -> bool:
+    """Whether ``import torch`` would find torch, without importing it (a process neither gains nor loses it)."""
+    if "torch" in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def select_cached(spec: AttentionSpec, device: DeviceInfo, phase: str = "mixed", *,

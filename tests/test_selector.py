@@ -4,6 +4,7 @@ third-party registration and entry points, and the ``jitattn select`` table."""
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import logging
 from pathlib import Path
 
@@ -359,3 +360,30 @@ def test_explain_names_what_forced_the_backend():
     assert sel.forced_by == "JITATTN_BACKEND" and "(forced by JITATTN_BACKEND=reference)" in sel.explain()
     auto = select(GEMMA2, "h100")
     assert auto.forced_by == "" and "(by priority)" in auto.explain()
+
+
+# ---- backends this machine cannot import ----------------------------------------------------------------
+def test_without_torch_the_cpu_backends_are_passed_over_with_the_reason(monkeypatch):
+    """Every backend's call takes torch tensors: on the CPU without torch none serves, and each that
+    would have says so; a named GPU (planned for another machine) is not judged by this machine's imports."""
+    monkeypatch.setattr(selector, "_torch_installed", lambda: False)
+    with pytest.raises(NoBackendError) as err:
+        select(PLAIN, "cpu", "decode")
+    reasons = {r.backend: r.reasons for r in err.value.rejections}
+    want = "torch is not installed (its calls take torch tensors; pip install 'jitattn[torch]')"
+    assert reasons["sdpa"] == (f"sdpa: {want}",) and reasons["reference"] == (f"reference: {want}",)
+    assert reasons["jit"] == ("jit: runs on CUDA devices only, device is cpu",)  # its own reason is enough
+    assert select(PLAIN, "h100", "decode").name == "jit"
+
+
+def test_select_device_cpu_without_torch_names_no_backend(tmp_path):
+    """`jitattn select --device cpu` on a machine without torch (a meta-path finder blocks it)."""
+    from tests.test_cli import _without, jitattn
+
+    proc = jitattn("select", "--model", str(MODELS / "llama-3-8b.json"), "--device", "cpu", "--json",
+                   cache=tmp_path / "c", env=_without(tmp_path, "torch"))
+    assert proc.returncode == 1, proc.stderr
+    [kind] = json.loads(proc.stdout)["layer_kinds"]
+    assert kind["backend"] is None
+    assert "sdpa: torch is not installed (its calls take torch tensors; pip install 'jitattn[torch]')" in \
+        kind["passed_over"]
