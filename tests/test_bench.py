@@ -626,6 +626,29 @@ def test_list_in_a_fresh_process(tmp_path):
     assert [ln.split()[0] for ln in proc.stdout.splitlines()] == [c.name for c in cases.all_cases()]
 
 
+def test_an_installed_wheel_lists_the_same_cases(tmp_path):
+    """The wheel's files laid out as pyproject.toml's hatch build section says (the packages, then each
+    force-include), away from the checkout: `--list` there names every case the checkout does, the
+    example-model ones included (they were missing: the configs lived only in examples/models)."""
+    tomllib = pytest.importorskip("tomllib")
+    import shutil
+
+    wheel = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["hatch"]["build"]["targets"]["wheel"]
+    site = tmp_path / "site-packages"
+    skip = shutil.ignore_patterns("__pycache__")
+    for package in wheel["packages"]:
+        shutil.copytree(REPO / package, site / package, ignore=skip)
+    for src, dst in wheel.get("force-include", {}).items():
+        shutil.copytree(REPO / src, site / dst, ignore=skip)
+    env = {**_clean_env(tmp_path / "cache"), "PYTHONPATH": str(site)}
+    proc = subprocess.run([sys.executable, "-m", "jitattn", "bench", "--list"], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    listed = [ln.split()[0] for ln in proc.stdout.splitlines()]
+    assert listed == [c.name for c in cases.all_cases()]
+    assert any(name.startswith("decode-llama-3-8b-") for name in listed)
+
+
 # torch made unimportable in a fresh process: `import torch` raises ImportError, as on a box without it.
 NO_TORCH = "import sys; sys.modules['torch'] = None; from jitattn.cli import app; app(sys.argv[1:], prog_name='jitattn')"
 

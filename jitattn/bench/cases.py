@@ -3,7 +3,7 @@
 A case is a spec and a batch (``q_lens[b]`` queries against ``kv_lens[b]`` keys). The catalogue:
 DESIGN.md's six anchor-table cases, the fast-decode targets, the mixed batch, the paged-vs-ragged
 pair, the shared-prefix (cascade) batches, the host-cost probes, then a decode and a prefill case
-for every layer kind of every model config in examples/models (or the configs given).
+for every layer kind of every example model config (:data:`MODEL_CONFIG_DIRS`; or the configs given).
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ from pathlib import Path
 from jitattn.spec import AttentionSpec
 
 REPO = Path(__file__).resolve().parents[2]
-#: Model configs whose layer kinds are benchmarked by default (absent from an installed wheel).
-EXAMPLE_MODELS = REPO / "examples" / "models"
+#: The example model configs whose layer kinds are benchmarked by default: ``jitattn/model_configs`` in
+#: an installed wheel (pyproject.toml force-includes examples/models there), ``examples/models`` in a
+#: checkout; the wheel's copy wins, as with the templates (:func:`jitattn.render.template_dir`).
+MODEL_CONFIG_DIRS = (Path(__file__).resolve().parents[1] / "model_configs", REPO / "examples" / "models")
 #: H200 L2 is 60 MB: a decode case reads at least twice that, so it measures HBM, not L2.
 MIN_DECODE_BYTES = 128 * 10**6
 #: Model decode batches start at 64 sequences and double (up to this) until they read MIN_DECODE_BYTES.
@@ -199,14 +201,20 @@ def model_cases(config: str | os.PathLike) -> list[BenchCase]:
     return out
 
 
+def model_config_dir() -> Path | None:
+    """The first of :data:`MODEL_CONFIG_DIRS` that exists (None: neither, a broken install)."""
+    return next((d for d in MODEL_CONFIG_DIRS if d.is_dir()), None)
+
+
 def example_model_configs() -> list[Path]:
-    """The configs in examples/models (empty when jitattn runs from an installed wheel)."""
-    return sorted(EXAMPLE_MODELS.glob("*.json")) if EXAMPLE_MODELS.is_dir() else []
+    """The example model configs (:data:`MODEL_CONFIG_DIRS`), sorted by name."""
+    found = model_config_dir()
+    return sorted(found.glob("*.json")) if found is not None else []
 
 
 def all_cases(models: list[Path] | None = None) -> list[BenchCase]:
     """DESIGN.md's six, the decode targets, mixed, ragged, cascade and host cases, then every layer kind
-    of every model (default: examples/models)."""
+    of every model (default: :func:`example_model_configs`)."""
     out = design_cases() + decode_target_cases() + mixed_cases() + ragged_cases() + cascade_cases() + host_cases()
     for config in example_model_configs() if models is None else models:
         out += model_cases(config)
