@@ -43,7 +43,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("bench.report",),
     ("bench.harness",),
     ("bench.anchors", "bench.warm_load"),
-    ("bench.compile_figures", "bench.host"),
+    ("bench.compile_figures", "bench.host", "bench.generate"),
     ("bench.run",),
     ("bench",),
     ("cli",),

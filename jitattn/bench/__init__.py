@@ -13,12 +13,14 @@ as a "failed" row with the error. Nothing an anchor does stops the run.
 
 Units: prefill in TFLOP/s with 4 x head_dim FLOPs per visible (query, key) pair per query head;
 decode in TB/s of K and V bytes the case must read (keys inside the window only); host cases in
-microseconds per eager call. Times in ms.
+microseconds per eager call; generate cases in attention microseconds per decode step of a small
+transformers model (needs transformers). Times in ms.
 
 The package: :mod:`~jitattn.bench.cases` (the catalogue), :mod:`~jitattn.bench.harness` (timing),
 :mod:`~jitattn.bench.anchors` (SDPA, Flex, FlashInfer on :mod:`jitattn.backends`),
 :mod:`~jitattn.bench.run` (jitattn's runners and one case end to end), :mod:`~jitattn.bench.host`
-(the host-cost case), :mod:`~jitattn.bench.compile_figures` and :mod:`~jitattn.bench.warm_load`
+(the host-cost case), :mod:`~jitattn.bench.generate` (the transformers decode-step case),
+:mod:`~jitattn.bench.compile_figures` and :mod:`~jitattn.bench.warm_load`
 (compile and load costs), :mod:`~jitattn.bench.report` (tables, JSON, BENCHMARKS.md). The command
 line is ``jitattn bench`` (:mod:`jitattn.cli`); ``--list``, ``--from-json`` and ``--help`` need no
 torch, ``--compile-only`` without a GPU measures the nvcc figures only.

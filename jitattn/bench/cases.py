@@ -2,7 +2,8 @@
 
 A case is a spec and a batch (``q_lens[b]`` queries against ``kv_lens[b]`` keys). The catalogue:
 DESIGN.md's six anchor-table cases, the fast-decode targets, the mixed batch, the paged-vs-ragged
-pair, the shared-prefix (cascade) batches, the host-cost probes, then a decode and a prefill case
+pair, the shared-prefix (cascade) batches, the host-cost probes, the ``generate`` decode steps of small
+transformers models (:class:`GenerateSetup`), then a decode and a prefill case
 for every layer kind of every example model config (:data:`MODEL_CONFIG_DIRS`; or the configs given).
 """
 
@@ -32,6 +33,8 @@ ANCHORS = ("sdpa", "flex", "flashinfer")
 KV_ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 #: Back-to-back eager calls per trial of a host case (issue 18's probe: synchronised only at the end).
 HOST_CALLS = 2000
+#: The generate cases' models (issue 19): a Llama-3-8B layer shape and a Gemma-2-9B one (example configs).
+GENERATE_MODELS = ("llama-3-8b", "gemma-2-9b")
 
 
 class BenchUsageError(SystemExit):
@@ -40,6 +43,29 @@ class BenchUsageError(SystemExit):
     A SystemExit, so a script calling :func:`jitattn.bench.main` stops without a traceback;
     ``jitattn bench`` prints it as ``jitattn: error: ...`` and exits 2 (a usage error).
     """
+
+
+@dataclass(frozen=True)
+class GenerateSetup:
+    """A ``generate`` decode-step case (:mod:`jitattn.bench.generate`): a small random-weight transformers
+    model of an example config's attention, ``batch`` prompts of ``context`` tokens prefilled, then
+    ``warmup`` decode steps and ``steps`` timed ones.
+
+    Attributes:
+        model: the example config's file stem (:func:`model_config_path`).
+        layers, hidden_size: the small model's (heads, head dims, windows and soft-caps are the config's).
+        window: a sliding window to use instead of the config's (None: the config's; the CPU tests
+            shrink it so that their short sequences cross it).
+    """
+
+    model: str
+    batch: int = 8
+    context: int = 4096
+    layers: int = 4
+    hidden_size: int = 512
+    warmup: int = 4
+    steps: int = 32
+    window: int | None = None
 
 
 @dataclass
@@ -59,6 +85,8 @@ class BenchCase:
     cascade: tuple[int, int, int] | None = None
     # A host-cost case: microseconds per eager call of each way to call attention (issue #18), not GPU rates.
     host: bool = False
+    # phase "generate": attention us per decode step of a small transformers model, three ways (issue #19)
+    generate: GenerateSetup | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -76,6 +104,10 @@ class BenchCase:
         shape = (f"{len(self.q_lens)} x ({self.q_lens[0]} q, {self.kv_lens[0]} kv)"
                  if len(set(self.q_lens)) == 1 and len(set(self.kv_lens)) == 1 else f"{len(self.q_lens)} sequences")
         kind = f"host us per call, {self.phase}" if self.host else self.phase
+        if self.generate is not None:
+            g = self.generate
+            kind = (f"generate: attention us per decode step, {g.model} at {g.layers} layers, {g.steps} steps "
+                    f"after {g.warmup}")
         return f"{kind}, {shape}, {self.spec.describe()}"
 
 
@@ -154,6 +186,27 @@ def host_cases() -> list[BenchCase]:
                       host=True)]
 
 
+def generate_case(setup: GenerateSetup) -> BenchCase:
+    """The case of ``setup``: ``generate-<model>-b<batch>x<context>``; its spec is the config's first
+    layer kind's (Gemma-2: the sliding one; every kind runs).
+
+    Raises:
+        OSError / ValueError: the config is missing or invalid.
+    """
+    from jitattn.models import load_model_config
+
+    spec = load_model_config(model_config_path(setup.model)).layer_kinds[0].spec
+    if setup.window and spec.window_left >= 0:
+        spec = spec.replace(window_left=setup.window - 1)
+    n, b = setup.context, setup.batch
+    return BenchCase(f"generate-{setup.model}-b{b}x{n}", spec, [1] * b, [n] * b, "generate", generate=setup)
+
+
+def generate_cases() -> list[BenchCase]:
+    """Issue 19's decode-step cases: batch 8, 4096-token context, each of :data:`GENERATE_MODELS` found."""
+    return [generate_case(GenerateSetup(m)) for m in GENERATE_MODELS if model_config_path(m).is_file()]
+
+
 def visible_decode_keys(spec: AttentionSpec, kv_len: int) -> int:
     """Keys a decode query (at position ``kv_len - 1``) can see: every key, or the ``window_left + 1`` last."""
     return kv_len if spec.window_left < 0 else min(kv_len, spec.window_left + 1)
@@ -206,6 +259,11 @@ def model_config_dir() -> Path | None:
     return next((d for d in MODEL_CONFIG_DIRS if d.is_dir()), None)
 
 
+def model_config_path(stem: str) -> Path:
+    """The example config ``<stem>.json`` (it may not exist: the caller checks)."""
+    return (model_config_dir() or MODEL_CONFIG_DIRS[0]) / f"{stem}.json"
+
+
 def example_model_configs() -> list[Path]:
     """The example model configs (:data:`MODEL_CONFIG_DIRS`), sorted by name."""
     found = model_config_dir()
@@ -213,9 +271,10 @@ def example_model_configs() -> list[Path]:
 
 
 def all_cases(models: list[Path] | None = None) -> list[BenchCase]:
-    """DESIGN.md's six, the decode targets, mixed, ragged, cascade and host cases, then every layer kind
+    """DESIGN.md's six, the decode targets, mixed, ragged, cascade, host and generate cases, then every layer kind
     of every model (default: :func:`example_model_configs`)."""
-    out = design_cases() + decode_target_cases() + mixed_cases() + ragged_cases() + cascade_cases() + host_cases()
+    out = (design_cases() + decode_target_cases() + mixed_cases() + ragged_cases() + cascade_cases() + host_cases()
+           + generate_cases())
     for config in example_model_configs() if models is None else models:
         out += model_cases(config)
     return out

@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 MAX_REL_ERR = 2e-2
 #: The unit of host-cost rows (:mod:`jitattn.bench.host`): lower is better, unlike TFLOP/s and TB/s.
 HOST_UNIT = "us/call"
+#: The unit of generate rows (:mod:`jitattn.bench.generate`): attention microseconds per decode step.
+STEP_UNIT = "attn us/step"
+#: Units where a lower rate is better (times); the ratio column is then best / this.
+LOWER_IS_BETTER = (HOST_UNIT, STEP_UNIT)
 
 
 @dataclass
@@ -85,7 +89,8 @@ REL_ERR_HEADER = f"rel err (prefill > {FULL_CHECK_MAX_SEQS} seqs: 1st seq only)"
 def best_anchor_rates(results: list[Result]) -> dict[str, float]:
     """Per case, the best rate among anchors that ran and were not WRONG (nan when none).
 
-    The best is the highest TFLOP/s or TB/s, and the lowest us/call of a host case.
+    The best is the highest TFLOP/s or TB/s, and the lowest time (:data:`LOWER_IS_BETTER`: us/call of a
+    host case, attention us per step of a generate case).
     """
     best: dict[str, float] = {}
     for r in results:
@@ -94,17 +99,17 @@ def best_anchor_rates(results: list[Result]) -> dict[str, float]:
         best.setdefault(r.case, math.nan)
         if not ok:
             continue
-        better = r.rate < best[r.case] if r.unit == HOST_UNIT else r.rate > best[r.case]
+        better = r.rate < best[r.case] if r.unit in LOWER_IS_BETTER else r.rate > best[r.case]
         if math.isnan(best[r.case]) or better:
             best[r.case] = r.rate
     return best
 
 
 def _ratio(r: Result, best: float) -> float:
-    """How many times better than the best anchor (> 1: better): rate / best, or best / time for us/call."""
+    """How many times better than the best anchor (> 1: better): rate / best, or best / time for times."""
     if math.isnan(best):
         return math.nan
-    return best / r.rate if r.unit == HOST_UNIT else r.rate / best
+    return best / r.rate if r.unit in LOWER_IS_BETTER else r.rate / best
 
 
 def format_table(results: list[Result]) -> str:

@@ -27,7 +27,7 @@ from jitattn.bench.anchors import anchor_builders, import_flashinfer, needs_dens
 from jitattn.bench.cases import ANCHORS, REPO, BenchCase
 from jitattn.bench.compile_figures import device_arch, run_compile_figures
 from jitattn.bench.harness import Runner, build_runners, run_impl
-from jitattn.bench.report import HOST_UNIT, CompileFigure, Result, one_line, write_json
+from jitattn.bench.report import HOST_UNIT, STEP_UNIT, CompileFigure, Result, one_line, write_json
 from jitattn.reference import torch_dtype
 from jitattn.spec import AttentionSpec
 from jitattn.testing import PagedBatch, random_paged_batch
@@ -171,6 +171,10 @@ def run_case(case: BenchCase, *, seed: int = 0, check: bool = True, anchors: tup
         return run_host_case(case, seed=seed, check=check, anchors=anchors)
     if case.phase == "cascade":
         return run_cascade_case(case, seed=seed, check=check)
+    if case.generate is not None:
+        from jitattn.bench.generate import run_generate_case
+
+        return run_generate_case(case, seed=seed, check=check, anchors=anchors)
     batch = random_paged_batch(case.spec, case.q_lens, case.kv_lens, device="cuda", seed=seed)
     work, unit = case_work(case, batch)
     ref = reference_rows(case, batch) if check else None
@@ -193,7 +197,7 @@ def run_case_safely(case: BenchCase, **kwargs: Any) -> list[Result]:
     try:
         return run_case(case, **kwargs)
     except Exception as exc:  # noqa: BLE001
-        unit = HOST_UNIT if case.host else "TB/s" if case.is_decode else "TFLOP/s"
+        unit = HOST_UNIT if case.host else STEP_UNIT if case.generate else "TB/s" if case.is_decode else "TFLOP/s"
         return [Result.not_run(case.name, "(case)", unit, "failed", one_line(exc))]
     finally:
         torch.cuda.empty_cache()
