@@ -42,6 +42,8 @@ def test_the_generate_cases_are_issue_19s():
     assert gemma.spec.logits_soft_cap == 50.0 and gemma.spec.window_left == 4095
     assert llama.describe().startswith("generate: attention us per decode step, llama-3-8b at 4 layers, 32 steps "
                                        "after 4, 8 x (1 q, 4096 kv)")
+    assert report.case_json(gemma)["generate"] == {"model": "gemma-2-9b", "batch": 8, "context": 4096, "layers": 4,
+                                                   "hidden_size": 512, "warmup": 4, "steps": 32, "window": None}
     config = generate.small_config(gemma.generate)  # the real attention, the rest shrunk
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (16, 8, 256)
     assert (config.attn_logit_softcapping, config.sliding_window, config.num_hidden_layers) == (50.0, 4096, 4)

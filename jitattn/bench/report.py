@@ -154,9 +154,12 @@ def _json_safe(x: Any) -> Any:
 
 
 def case_json(case: "BenchCase") -> dict[str, Any]:
-    return {"name": case.name, "phase": case.phase, "spec": case.spec.to_json(), "spec_name": case.spec.name,
-            "batch": len(case.q_lens), "q_lens": sorted(set(case.q_lens)), "kv_lens": sorted(set(case.kv_lens)),
-            "check_seqs": case.check_seqs, "describe": case.describe()}
+    out = {"name": case.name, "phase": case.phase, "spec": case.spec.to_json(), "spec_name": case.spec.name,
+           "batch": len(case.q_lens), "q_lens": sorted(set(case.q_lens)), "kv_lens": sorted(set(case.kv_lens)),
+           "check_seqs": case.check_seqs, "describe": case.describe()}
+    if case.generate is not None:  # the small model and the steps a generate case ran
+        out["generate"] = asdict(case.generate)
+    return out
 
 
 def write_json(path: str | os.PathLike, env: dict[str, Any], cases: list["BenchCase"], results: list[Result],
