@@ -231,8 +231,9 @@ def run_generate_case(case: BenchCase, *, seed: int = 0, check: bool = True, anc
                       device: str = "cuda") -> list[Result]:
     """The three ways of the module doc on one small model and one batch; a row each, in :data:`IMPLS` order.
 
-    ``sdpa`` runs when it is among ``anchors``. Nothing raises: a missing transformers is one skipped
-    row, a failing implementation a failed row.
+    ``sdpa`` runs when it is among ``anchors``. A missing transformers is one skipped row, a failing
+    implementation a failed row; a failure building the model or the reference raises (the run's
+    :func:`jitattn.bench.run.run_case_safely` makes it a row).
     """
     setup = case.generate
     try:
