@@ -11,8 +11,8 @@ sequence run with fixed random tokens, the same for every implementation:
   the kernels read the pages);
 - ``jitattn-copying``: the same model with transformers' default ``DynamicCache``: every call copies
   the layer's whole history into a fresh paged cache (today's integration without a PagedCache);
-- ``sdpa``: ``attn_implementation="sdpa"`` with a ``DynamicCache``, where transformers serves the
-  model with it (not Gemma-2: its soft-cap; a "skipped" row says so).
+- ``sdpa``: ``attn_implementation="sdpa"`` with a ``DynamicCache``, where it serves the model: not
+  with a soft-cap (Gemma-2), which torch SDPA has no form of (:func:`sdpa_problem`; a "skipped" row).
 
 Attention time per step: on each layer, a CUDA event when the cache's ``update`` is called (the
 ``DynamicCache`` concatenates the history there; the ``PagedCache`` only records the new K/V) and one
@@ -265,10 +265,22 @@ def run_generate_case(case: BenchCase, *, seed: int = 0, check: bool = True, anc
     return results
 
 
+def sdpa_problem(config: Any) -> str | None:
+    """Why ``attn_implementation="sdpa"`` does not serve the model (None when it does): a soft-cap, which
+    torch SDPA has no form of; some transformers releases refuse the model, others drop the cap silently."""
+    cap = getattr(config.get_text_config(decoder=True), "attn_logit_softcapping", None)
+    if cap:
+        return f"torch SDPA has no soft-cap (attn_logit_softcapping={cap:g}): transformers' sdpa would drop it"
+    return None
+
+
 def _time_one(case: BenchCase, impl: str, attn: str, cache_kind: str, base: torch.nn.Module, config: Any,
               state: dict, setup: GenerateSetup, prompt: torch.Tensor, tokens: torch.Tensor,
               ref: torch.Tensor | None) -> Result:
-    """One implementation's row (skipped when transformers refuses the attention, failed when it raises)."""
+    """One implementation's row (skipped when the attention cannot serve the model, failed when it raises)."""
+    problem = sdpa_problem(config) if attn == "sdpa" else None
+    if problem:
+        return Result.not_run(case.name, impl, STEP_UNIT, "skipped", problem)
     try:
         model = base if attn == "jitattn" else build_model(config, attn, torch.bfloat16, str(prompt.device), state)
     except ValueError as exc:  # transformers: this model does not support that attention implementation
