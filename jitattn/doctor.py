@@ -15,7 +15,8 @@ with GPUs, for each GPU any arch of :func:`jitattn.archs.archs_for_capability` (
 best one cached); without one (a build box checking what it ships), each requested arch (``--arch``, default
 ``JITATTN_ARCHS``). Lookups are the ones a ``JITATTN_DISABLE_JIT=1`` process makes (an entry any
 nvcc built serves), and never write. :func:`diagnose` returns a :class:`Report`; its ``ok`` is
-the exit code's answer, its ``warmup_command`` the command that fills the gap.
+the exit code's answer (false for a model that cannot be served and for a corrupt entry in any layer,
+``--model`` given or not), its ``warmup_command`` the command that fills the gap.
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ class ModelReport:
 
 @dataclass(frozen=True)
 class Report:
-    """What :func:`diagnose` found. ``ok``: every model can be served here with JITATTN_DISABLE_JIT=1."""
+    """What :func:`diagnose` found. ``ok``: every model can be served here with JITATTN_DISABLE_JIT=1 and
+    the cache holds no corrupt entry."""
 
     nvcc: Nvcc
     driver: Driver
@@ -115,8 +117,14 @@ class Report:
     notes: tuple[str, ...] = field(default=())
 
     @property
+    def corrupt(self) -> tuple[str, ...]:
+        """Every layer's corrupt entries (``"<path>: <problem>"``): never loaded, so never served."""
+        return tuple(c for layer in self.layers for c in layer.corrupt)
+
+    @property
     def ok(self) -> bool:
-        return all(m.ok for m in self.models)
+        """Every model is served, and no entry of any layer is corrupt (with or without ``--model``)."""
+        return all(m.ok for m in self.models) and not self.corrupt
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)

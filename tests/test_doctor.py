@@ -130,6 +130,22 @@ def test_cli_doctor_exit_codes_json_and_the_fill_command(tmp_path):
     assert data["torch"]["version"]  # installed in the test venv
 
 
+def test_cli_doctor_without_a_model_fails_on_a_corrupt_entry_and_names_it(tmp_path):
+    """No --model: the cache itself is the health check, so a corrupt entry fails it (exit 1, as a gap does)."""
+    root = tmp_path / "c"
+    cache = KernelCache(root=root, layers=())
+    good, bad = (publish_fake(cache, m, "sm_90a") for m in model_modules(LLAMA_8B))
+    assert jitattn("doctor", cache=root).returncode == 0  # every entry verifies
+    flip_cubin(bad)
+    proc = jitattn("doctor", cache=root)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"corrupt, not loaded: {bad.path}: artifact kernel.sm_90a.cubin does not match its sha256" in proc.stdout
+    assert "NOT OK: 1 cache entry is corrupt" in proc.stdout and str(good.path) not in proc.stdout
+    data = json.loads(jitattn("doctor", "--json", cache=root).stdout)
+    assert data["ok"] is False and data["layers"][0]["corrupt"][0].startswith(f"{bad.path}: ")
+    assert bad.path.exists()  # reported, never moved
+
+
 def test_cli_doctor_without_torch_says_so(tmp_path):
     from tests.test_cli import _without
 
