@@ -328,18 +328,18 @@ class ParamView(Mapping):
         object.__setattr__(self, "_values", dict(values))
 
     def __getattr__(self, name: str) -> Any:
-        try:
-            return self._values[name]
-        except KeyError:
-            raise AttributeError(f"params has no {name!r}; declared: {sorted(self._values)} "
-                                 f"(declare it in Variant(params=(Param({name!r}, ...),)))") from None
+        return self._get(name, AttributeError)
 
     def __getitem__(self, name: str) -> Any:
+        return self._get(name, KeyError)
+
+    def _get(self, name: str, error: type[LookupError] | type[AttributeError]) -> Any:
+        """The parameter ``name``, or ``error`` (AttributeError for ``params.name``) naming the declared ones."""
         try:
             return self._values[name]
         except KeyError:
-            raise KeyError(f"params has no {name!r}; declared: {sorted(self._values)} "
-                           f"(declare it in Variant(params=(Param({name!r}, ...),)))") from None
+            raise error(f"params has no {name!r}; declared: {sorted(self._values)} "
+                        f"(declare it in Variant(params=(Param({name!r}, ...),)))") from None
 
     def __iter__(self):
         return iter(self._values)
