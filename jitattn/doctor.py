@@ -38,13 +38,19 @@ from jitattn.models import load_model_config
 
 @dataclass(frozen=True)
 class Nvcc:
+    """The nvcc builds would run: ``path`` (as :func:`jitattn.settings.nvcc` resolves it), its ``version``
+    banner, or None with ``error`` saying why it cannot run."""
+
     path: str
-    version: str | None  # None: it cannot run (``error`` says why)
+    version: str | None
     error: str = ""
 
 
 @dataclass(frozen=True)
 class Gpu:
+    """One GPU as the driver reports it: its device ``index``, product ``name`` and compute
+    ``capability`` ``(major, minor)``; :attr:`archs` are the jitattn archs it runs, best first."""
+
     index: int
     name: str
     capability: tuple[int, int]
@@ -56,26 +62,36 @@ class Gpu:
 
 @dataclass(frozen=True)
 class Driver:
-    version: str | None  # "13.0"; None: no driver (``error`` says why)
+    """The NVIDIA driver: the CUDA ``version`` it supports (``"13.0"``) and its ``gpus``, or None with
+    ``error`` saying why there is none."""
+
+    version: str | None
     gpus: tuple[Gpu, ...] = ()
     error: str = ""
 
 
 @dataclass(frozen=True)
 class Torch:
-    version: str | None  # None: not installed
-    cuda: str | None = None  # the CUDA torch was built with (None: a CPU build)
+    """torch's ``version`` (None: not installed), the ``cuda`` it was built with (None: a CPU build) and
+    whether it sees a GPU (``cuda_available``)."""
+
+    version: str | None
+    cuda: str | None = None
     cuda_available: bool = False
 
 
 @dataclass(frozen=True)
 class Layer:
+    """One cache layer: its ``root``, ``kind`` (``"writable"``: the root; ``"read-only"``: a
+    ``JITATTN_CACHE_PATH`` layer), whether it ``exists`` and is ``writable``, its number of ``entries``
+    and the ``corrupt`` ones (``"<path>: <problem>"``, checked and left in place)."""
+
     root: str
-    kind: str  # "writable" | "read-only"
+    kind: str
     exists: bool
     writable: bool
     entries: int
-    corrupt: tuple[str, ...] = ()  # "<path>: <problem>"
+    corrupt: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -91,6 +107,9 @@ class Kernel:
 
 @dataclass(frozen=True)
 class ModelReport:
+    """One ``--model``: its ``config`` path, the model's ``name``, the ``tensor_parallel_size`` its specs
+    are one rank of, and each kernel it needs; ``ok`` when every one is served."""
+
     config: str
     name: str
     tensor_parallel_size: int
