@@ -109,6 +109,17 @@ def test_doctor_leaves_a_corrupt_entry_of_the_writable_root_in_place(tmp_path, m
     assert entry.path.exists() and not (tmp_path / "c" / "v1" / "quarantine").exists()
 
 
+def test_doctor_with_every_model_served_still_fails_on_a_corrupt_entry(tmp_path, monkeypatch):
+    no_gpu(monkeypatch)
+    cache = KernelCache(root=tmp_path / "c", layers=())
+    for module in model_modules(LLAMA_8B):
+        publish_fake(cache, module, "sm_90a")
+    flip_cubin(publish_fake(cache, model_modules(LLAMA_8B)[0], "sm_80"))  # an arch this check does not ask for
+    report = diagnose([LLAMA_8B], ["sm_90a"], cache=cache)
+    assert report.models[0].ok and not report.ok and len(report.corrupt) == 1
+    assert report.warmup_command is None  # nothing is missing: the corrupt entry is the whole finding
+
+
 def test_cli_doctor_exit_codes_json_and_the_fill_command(tmp_path):
     root = tmp_path / "c"
     cache = KernelCache(root=root, layers=())
