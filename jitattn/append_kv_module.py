@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from jitattn.render import CTYPES, Field, RenderedSource, params_layout
+from jitattn.render import CTYPES, Field, RenderedSource, render_fixed, typed_fields
 from jitattn.spec import canonical_dtype
 from jitattn.utility_module import UtilityModule
 
@@ -104,9 +104,7 @@ class AppendKvModule(UtilityModule):
     @property
     def fields(self) -> tuple[Field, ...]:
         """The ``Params`` members with this module's element types, 8-byte members first."""
-        types = {"s": CTYPES[self.dtype], "c": "unsigned char" if self.fp8 else CTYPES[self.kv_dtype]}
-        fields = [Field(f.name, f.kind, f.cuda_type.format(**types), f.doc) for f in FIELDS]
-        return tuple(sorted(fields, key=lambda f: -f.size))
+        return typed_fields(FIELDS, s=CTYPES[self.dtype], c="unsigned char" if self.fp8 else CTYPES[self.kv_dtype])
 
     @property
     def vec_elems(self) -> int:
@@ -119,11 +117,5 @@ class AppendKvModule(UtilityModule):
         Raises:
             FileNotFoundError: the templates are missing.
         """
-        from jitattn import render as _render
-
-        fields = self.fields
-        _, size = params_layout(fields)
-        text = _render.template(TEMPLATE_NAME).render(
-            module=self, src=CTYPES[self.dtype], fp8=self.fp8, fields=fields, params_size=size, names=KERNEL_NAMES,
-            threads=THREADS, vec_elems=self.vec_elems, e4m3_max=E4M3_MAX)
-        return RenderedSource(text, fields, size, dict(KERNEL_NAMES))
+        return render_fixed(TEMPLATE_NAME, self.fields, KERNEL_NAMES, module=self, src=CTYPES[self.dtype], fp8=self.fp8,
+                            threads=THREADS, vec_elems=self.vec_elems, e4m3_max=E4M3_MAX)

@@ -739,8 +739,9 @@ def doctor(
     layers, and which kernels each model needs are cached for which arch.
 
     Exit code 0 when every model's kernels are cached for an arch this node runs (without a GPU: for
-    every --arch, default JITATTN_ARCHS), 1 otherwise, printing the `jitattn warmup` command that
-    fills the gap: a health check for a deployment. Never compiles, never writes.
+    every --arch, default JITATTN_ARCHS) and no cache entry is corrupt, 1 otherwise, printing the
+    `jitattn warmup` command that fills the gap or the corrupt entries: a health check for a
+    deployment. Never compiles, never writes.
     """
     from jitattn import doctor as _doctor
 
@@ -798,7 +799,7 @@ def _print_report(report, out: Console) -> None:
         _say(out, f"note: {note}")
     if not report.models:
         _say(out, "no --model given: only the node and the cache were checked")
-    elif report.ok:
+    elif all(m.ok for m in report.models):
         _say(out, "ok: this node can serve every model with JITATTN_DISABLE_JIT=1")
     else:
         missing = sum(not k.served for m in report.models for k in m.kernels)
@@ -806,6 +807,10 @@ def _print_report(report, out: Console) -> None:
         _say(out, f"NOT OK: {what} missing; JITATTN_DISABLE_JIT=1 would fail on them. "
                   f"Fill the cache on a build box with:\n  {report.warmup_command}\nthen ship it "
                   f"(jitattn cache export / import).")
+    if report.corrupt:
+        what = "1 cache entry is" if len(report.corrupt) == 1 else f"{len(report.corrupt)} cache entries are"
+        _say(out, f"NOT OK: {what} corrupt (listed above; never loaded). `jitattn cache verify` moves those of "
+                  f"the writable root to quarantine; rebuild or re-ship those of a read-only layer.")
 
 
 # ---- bench -------------------------------------------------------------------------------------

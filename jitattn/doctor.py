@@ -15,7 +15,8 @@ with GPUs, for each GPU any arch of :func:`jitattn.archs.archs_for_capability` (
 best one cached); without one (a build box checking what it ships), each requested arch (``--arch``, default
 ``JITATTN_ARCHS``). Lookups are the ones a ``JITATTN_DISABLE_JIT=1`` process makes (an entry any
 nvcc built serves), and never write. :func:`diagnose` returns a :class:`Report`; its ``ok`` is
-the exit code's answer, its ``warmup_command`` the command that fills the gap.
+the exit code's answer (false for a model that cannot be served and for a corrupt entry in any layer,
+``--model`` given or not), its ``warmup_command`` the command that fills the gap.
 """
 
 from __future__ import annotations
@@ -37,13 +38,19 @@ from jitattn.models import load_model_config
 
 @dataclass(frozen=True)
 class Nvcc:
+    """The nvcc builds would run: ``path`` (as :func:`jitattn.settings.nvcc` resolves it), its ``version``
+    banner, or None with ``error`` saying why it cannot run."""
+
     path: str
-    version: str | None  # None: it cannot run (``error`` says why)
+    version: str | None
     error: str = ""
 
 
 @dataclass(frozen=True)
 class Gpu:
+    """One GPU as the driver reports it: its device ``index``, product ``name`` and compute
+    ``capability`` ``(major, minor)``; :attr:`archs` are the jitattn archs it runs, best first."""
+
     index: int
     name: str
     capability: tuple[int, int]
@@ -55,26 +62,36 @@ class Gpu:
 
 @dataclass(frozen=True)
 class Driver:
-    version: str | None  # "13.0"; None: no driver (``error`` says why)
+    """The NVIDIA driver: the CUDA ``version`` it supports (``"13.0"``) and its ``gpus``, or None with
+    ``error`` saying why there is none."""
+
+    version: str | None
     gpus: tuple[Gpu, ...] = ()
     error: str = ""
 
 
 @dataclass(frozen=True)
 class Torch:
-    version: str | None  # None: not installed
-    cuda: str | None = None  # the CUDA torch was built with (None: a CPU build)
+    """torch's ``version`` (None: not installed), the ``cuda`` it was built with (None: a CPU build) and
+    whether it sees a GPU (``cuda_available``)."""
+
+    version: str | None
+    cuda: str | None = None
     cuda_available: bool = False
 
 
 @dataclass(frozen=True)
 class Layer:
+    """One cache layer: its ``root``, ``kind`` (``"writable"``: the root; ``"read-only"``: a
+    ``JITATTN_CACHE_PATH`` layer), whether it ``exists`` and is ``writable``, its number of ``entries``
+    and the ``corrupt`` ones (``"<path>: <problem>"``, checked and left in place)."""
+
     root: str
-    kind: str  # "writable" | "read-only"
+    kind: str
     exists: bool
     writable: bool
     entries: int
-    corrupt: tuple[str, ...] = ()  # "<path>: <problem>"
+    corrupt: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -90,6 +107,9 @@ class Kernel:
 
 @dataclass(frozen=True)
 class ModelReport:
+    """One ``--model``: its ``config`` path, the model's ``name``, the ``tensor_parallel_size`` its specs
+    are one rank of, and each kernel it needs; ``ok`` when every one is served."""
+
     config: str
     name: str
     tensor_parallel_size: int
@@ -102,7 +122,8 @@ class ModelReport:
 
 @dataclass(frozen=True)
 class Report:
-    """What :func:`diagnose` found. ``ok``: every model can be served here with JITATTN_DISABLE_JIT=1."""
+    """What :func:`diagnose` found. ``ok``: every model can be served here with JITATTN_DISABLE_JIT=1 and
+    the cache holds no corrupt entry."""
 
     nvcc: Nvcc
     driver: Driver
@@ -115,8 +136,14 @@ class Report:
     notes: tuple[str, ...] = field(default=())
 
     @property
+    def corrupt(self) -> tuple[str, ...]:
+        """Every layer's corrupt entries (``"<path>: <problem>"``): never loaded, so never served."""
+        return tuple(c for layer in self.layers for c in layer.corrupt)
+
+    @property
     def ok(self) -> bool:
-        return all(m.ok for m in self.models)
+        """Every model is served, and no entry of any layer is corrupt (with or without ``--model``)."""
+        return all(m.ok for m in self.models) and not self.corrupt
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from jitattn.render import CTYPES, Field, RenderedSource, params_layout
+from jitattn.render import CTYPES, Field, RenderedSource, render_fixed, typed_fields
 from jitattn.spec import canonical_dtype
 from jitattn.utility_module import UtilityModule
 
@@ -109,8 +109,7 @@ class MergeModule(UtilityModule):
     @property
     def fields(self) -> tuple[Field, ...]:
         """The ``Params`` members with this dtype's element type, 8-byte members first."""
-        fields = [Field(f.name, f.kind, f.cuda_type.format(t=CTYPES[self.dtype]), f.doc) for f in FIELDS]
-        return tuple(sorted(fields, key=lambda f: -f.size))
+        return typed_fields(FIELDS, t=CTYPES[self.dtype])
 
     def render(self) -> RenderedSource:
         """The CUDA source of this module (``templates/merge.cu.j2``), as :func:`jitattn.render.render`
@@ -119,10 +118,5 @@ class MergeModule(UtilityModule):
         Raises:
             FileNotFoundError: the templates are missing.
         """
-        from jitattn import render as _render
-
-        fields = self.fields
-        _, size = params_layout(fields)
-        text = _render.template(TEMPLATE_NAME).render(module=self, dtype=CTYPES[self.dtype], fields=fields,
-                                                       params_size=size, names=KERNEL_NAMES, threads=THREADS)
-        return RenderedSource(text, fields, size, dict(KERNEL_NAMES))
+        return render_fixed(TEMPLATE_NAME, self.fields, KERNEL_NAMES, module=self, dtype=CTYPES[self.dtype],
+                            threads=THREADS)

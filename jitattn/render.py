@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any, Iterable
 
 from jitattn.spec import AttentionSpec
 from jitattn.variant import builtin_symbols, builtin_transforms, structural_mask, trace_hook
@@ -106,6 +107,25 @@ def params_fields(spec: AttentionSpec) -> tuple[Field, ...]:
             extra.append(Field(f"{p.name}__numel", "i32", "int", f"elements of {p.name}"))
     fields = base + extra
     return tuple(sorted(fields, key=lambda f: -f.size))  # stable: declared order within a size
+
+
+def typed_fields(fields: Iterable[Field], **types: str) -> tuple[Field, ...]:
+    """A fixed module's ``Params`` members (``merge_state``, ``append_kv``) with their element-type
+    placeholders (``{t}``, ``{s}``...) filled from ``types``, 8-byte members first (so the layout has no holes)."""
+    typed = [Field(f.name, f.kind, f.cuda_type.format(**types), f.doc) for f in fields]
+    return tuple(sorted(typed, key=lambda f: -f.size))  # stable: declared order within a size
+
+
+def render_fixed(template_name: str, fields: tuple[Field, ...], names: dict[str, str], **values: Any) -> RenderedSource:
+    """A fixed module's source: ``template_name`` rendered with its ``Params`` members (``fields``,
+    ``params_size``), its kernel entry points (``names``) and the template's other ``values``.
+
+    Raises:
+        FileNotFoundError: the templates are missing.
+    """
+    _, size = params_layout(fields)
+    text = template(template_name).render(fields=fields, params_size=size, names=names, **values)
+    return RenderedSource(text, fields, size, dict(names))
 
 
 def params_layout(fields: tuple[Field, ...]) -> tuple[list[tuple[Field, int]], int]:

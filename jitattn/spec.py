@@ -357,21 +357,25 @@ class AttentionSpec:
                  {"float16": "f16", "bfloat16": "bf16"}[self.q_dtype], *storage]
         if self.kv_dtype == "float8_e4m3fn":
             parts.insert(3, "kvf8")
-        if self.causal:
-            parts.append("causal")
-        if self.window_left >= 0 or self.window_right >= 0:
-            parts.append(f"w{self.window_left}_{self.window_right}")
-        if self.logits_soft_cap:
-            parts.append(f"cap{self.logits_soft_cap:g}")
-        if self.alibi:
-            parts.append("alibi")
-        if self.sinks:
-            parts.append("sinks")
-        if self.variant:
-            parts.append(self.variant.name)
-        if self.explicit_positions:
-            parts.append("qpos")
+        parts += [token for token, _ in self._features()]
         return "_".join(parts) + "_" + self.key[:8]
+
+    def _features(self) -> list[tuple[str, str]]:
+        """The features beyond plain attention it has, in a fixed order: (token in :attr:`name`, words in
+        :meth:`describe`)."""
+        window = [f"{side}={getattr(self, side)}" for side in ("window_left", "window_right")
+                  if getattr(self, side) >= 0]
+        variant = self.variant.name if self.variant else ""
+        table = [
+            (self.causal, "causal", "causal"),
+            (window, f"w{self.window_left}_{self.window_right}", ", ".join(window)),
+            (self.logits_soft_cap, f"cap{self.logits_soft_cap:g}", f"soft_cap={self.logits_soft_cap:g}"),
+            (self.alibi, "alibi", "alibi"),
+            (self.sinks, "sinks", "sinks"),
+            (self.variant, variant, f"variant={variant}"),
+            (self.explicit_positions, "qpos", "explicit query positions"),
+        ]
+        return [(token, words) for present, token, words in table if present]
 
     def replace(self, **changes: Any) -> "AttentionSpec":
         """A copy with some fields changed (validated again).
@@ -393,23 +397,7 @@ class AttentionSpec:
 
     def describe(self) -> str:
         """One line for tables and logs."""
-        feats = []
-        if self.causal:
-            feats.append("causal")
-        if self.window_left >= 0:
-            feats.append(f"window_left={self.window_left}")
-        if self.window_right >= 0:
-            feats.append(f"window_right={self.window_right}")
-        if self.logits_soft_cap:
-            feats.append(f"soft_cap={self.logits_soft_cap:g}")
-        if self.alibi:
-            feats.append("alibi")
-        if self.sinks:
-            feats.append("sinks")
-        if self.variant:
-            feats.append(f"variant={self.variant.name}")
-        if self.explicit_positions:
-            feats.append("explicit query positions")
+        feats = [words for _, words in self._features()]
         dims = f"{self.head_dim_qk}" + (f"/{self.head_dim_vo}" if self.head_dim_vo != self.head_dim_qk else "")
         storage = "ragged K/V" if self.ragged else f"{self.kv_layout} p{self.page_size}"
         dtypes = self.q_dtype + (f" (KV {self.kv_dtype})" if self.kv_dtype != self.q_dtype else "")

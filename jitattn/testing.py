@@ -21,8 +21,26 @@ from jitattn.spec import AttentionSpec
 from jitattn.variant import visible_key_range
 
 
+@dataclass(kw_only=True)
+class CallInputs:
+    """What a batch passes by keyword besides its tensors (both batch kinds take the same ones).
+
+    Attributes:
+        sinks: float32 ``(num_qo_heads,)`` for a spec with sinks, else None.
+        alibi_slopes: float32 ``(num_qo_heads,)``, or None (the standard slopes for an ALiBi spec).
+        params: the variant's parameter tensors by name.
+    """
+
+    sinks: torch.Tensor | None = None
+    alibi_slopes: torch.Tensor | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"sinks": self.sinks, "alibi_slopes": self.alibi_slopes, "params": self.params}
+
+
 @dataclass
-class PagedBatch:
+class PagedBatch(CallInputs):
     """One batch in the kernels' input format (shapes in :func:`jitattn.reference.paged_attention`)."""
 
     spec: AttentionSpec
@@ -33,16 +51,13 @@ class PagedBatch:
     query_start_loc: torch.Tensor
     q_lens: list[int]
     kv_lens: list[int]
-    sinks: torch.Tensor | None = None
-    alibi_slopes: torch.Tensor | None = None
-    params: dict[str, Any] = field(default_factory=dict)
     scales: dict[str, float] = field(default_factory=dict)  # k_scale / v_scale of an FP8 cache
 
     def args(self) -> tuple[torch.Tensor, ...]:
         return (self.q, self.kv_cache, self.block_table, self.seq_lens, self.query_start_loc)
 
     def kwargs(self) -> dict[str, Any]:
-        return {"sinks": self.sinks, "alibi_slopes": self.alibi_slopes, "params": self.params, **self.scales}
+        return {**super().kwargs(), **self.scales}
 
     @property
     def kv_bytes_read(self) -> int:
@@ -188,7 +203,7 @@ def random_paged_batch(spec: AttentionSpec, q_lens: Sequence[int], kv_lens: Sequ
 
 
 @dataclass
-class RaggedBatch:
+class RaggedBatch(CallInputs):
     """One ragged batch in the kernels' input format (shapes in :func:`jitattn.reference.ragged_attention`)."""
 
     spec: AttentionSpec
@@ -199,15 +214,9 @@ class RaggedBatch:
     kv_start_loc: torch.Tensor
     q_lens: list[int]
     kv_lens: list[int]
-    sinks: torch.Tensor | None = None
-    alibi_slopes: torch.Tensor | None = None
-    params: dict[str, Any] = field(default_factory=dict)
 
     def args(self) -> tuple[torch.Tensor, ...]:
         return (self.q, self.k, self.v, self.query_start_loc, self.kv_start_loc)
-
-    def kwargs(self) -> dict[str, Any]:
-        return {"sinks": self.sinks, "alibi_slopes": self.alibi_slopes, "params": self.params}
 
     def to_paged(self, page_size: int = 16, kv_layout: str = "NHD", seed: int = 0) -> PagedBatch:
         """The same batch through the paged cache (a paged spec with the same features; needs

@@ -82,6 +82,18 @@ _CAST = {"torch.float32": "float", "torch.float16": "float", "torch.bfloat16": "
 _CAST_METHODS = {"float": "float", "int": "int", "long": "int", "bool": "bool"}
 
 
+def _binary(build: Callable[..., "Sym"], arg: str) -> tuple[Callable[..., "Sym"], Callable[..., "Sym"]]:
+    """The two methods of one binary operator (``__add__``, ``__radd__``): ``build(self, other, arg,
+    reverse)`` with the traced value on the left, then on the right."""
+    def forward(self: "Sym", other: Any) -> "Sym":
+        return build(self, other, arg, False)
+
+    def reflected(self: "Sym", other: Any) -> "Sym":
+        return build(self, other, arg, True)
+
+    return forward, reflected
+
+
 class Sym:
     """A traced scalar: a C++ expression ``expr`` of C type ``ctype`` (``int``, ``float`` or ``bool``)."""
 
@@ -95,40 +107,37 @@ class Sym:
     def __repr__(self) -> str:
         return f"Sym({self.expr!r}, {self.ctype})"
 
-    # ---- arithmetic --------------------------------------------------------------------------------
+    # ---- arithmetic ---------------------------------------------------------------------------------
+    def _operands(self, other: Any, reverse: bool) -> tuple["Sym", "Sym"]:
+        """(left, right) of a binary operator: ``self`` on the left, or on the right for ``__radd__`` & co."""
+        b = _literal(other)
+        return (b, self) if reverse else (self, b)
+
     def _arith(self, other: Any, op: str, reverse: bool = False) -> "Sym":
-        a, b = (self, _literal(other)) if not reverse else (_literal(other), self)
+        """``(a op b)`` in the promoted type."""
+        a, b = self._operands(other, reverse)
         t = _promote(a.ctype, b.ctype)
         return Sym(f"({_as(a, t)} {op} {_as(b, t)})", t)
 
-    def __add__(self, o): return self._arith(o, "+")
-    def __radd__(self, o): return self._arith(o, "+", True)
-    def __sub__(self, o): return self._arith(o, "-")
-    def __rsub__(self, o): return self._arith(o, "-", True)
-    def __mul__(self, o): return self._arith(o, "*")
-    def __rmul__(self, o): return self._arith(o, "*", True)
-
-    def __truediv__(self, o, reverse: bool = False) -> "Sym":
-        a, b = (self, _literal(o)) if not reverse else (_literal(o), self)
-        return Sym(f"({_as(a, 'float')} / {_as(b, 'float')})", "float")
-
-    def __rtruediv__(self, o): return self.__truediv__(o, reverse=True)
-
-    def _floor_op(self, other: Any, fn: str, reverse: bool) -> "Sym":
-        a, b = (self, _literal(other)) if not reverse else (_literal(other), self)
+    def _call(self, other: Any, fn: str, reverse: bool = False) -> "Sym":
+        """``fn(a, b)`` in the promoted type (``jitattn::floor_div`` / ``floor_mod``: Python's floor semantics)."""
+        a, b = self._operands(other, reverse)
         t = _promote(a.ctype, b.ctype)
-        return Sym(f"jitattn::{fn}({_as(a, t)}, {_as(b, t)})", t)
+        return Sym(f"{fn}({_as(a, t)}, {_as(b, t)})", t)
 
-    def __floordiv__(self, o): return self._floor_op(o, "floor_div", False)
-    def __rfloordiv__(self, o): return self._floor_op(o, "floor_div", True)
-    def __mod__(self, o): return self._floor_op(o, "floor_mod", False)
-    def __rmod__(self, o): return self._floor_op(o, "floor_mod", True)
+    def _float_op(self, other: Any, form: str, reverse: bool = False) -> "Sym":
+        """``form`` (``"({} / {})"``, ``"powf({}, {})"``) on both operands as floats: true division and powers
+        are float whatever the operands, as in Python."""
+        a, b = self._operands(other, reverse)
+        return Sym(form.format(_as(a, "float"), _as(b, "float")), "float")
 
-    def __pow__(self, o, reverse: bool = False) -> "Sym":
-        a, b = (self, _literal(o)) if not reverse else (_literal(o), self)
-        return Sym(f"powf({_as(a, 'float')}, {_as(b, 'float')})", "float")
-
-    def __rpow__(self, o): return self.__pow__(o, reverse=True)
+    __add__, __radd__ = _binary(_arith, "+")
+    __sub__, __rsub__ = _binary(_arith, "-")
+    __mul__, __rmul__ = _binary(_arith, "*")
+    __truediv__, __rtruediv__ = _binary(_float_op, "({} / {})")
+    __floordiv__, __rfloordiv__ = _binary(_call, "jitattn::floor_div")
+    __mod__, __rmod__ = _binary(_call, "jitattn::floor_mod")
+    __pow__, __rpow__ = _binary(_float_op, "powf({}, {})")
 
     def __neg__(self) -> "Sym":
         t = _promote(self.ctype)
@@ -155,17 +164,14 @@ class Sym:
     __hash__ = None  # type: ignore[assignment]
 
     def _logic(self, other: Any, op: str, reverse: bool = False) -> "Sym":
-        a, b = (self, _literal(other)) if not reverse else (_literal(other), self)
+        a, b = self._operands(other, reverse)
         if a.ctype != "bool" or b.ctype != "bool":
             raise TraceError(f"`{op.strip()}` needs two booleans (masks); for integers use arithmetic")
         return Sym(f"({a.expr} {op} {b.expr})", "bool")
 
-    def __and__(self, o): return self._logic(o, "&&")
-    def __rand__(self, o): return self._logic(o, "&&", True)
-    def __or__(self, o): return self._logic(o, "||")
-    def __ror__(self, o): return self._logic(o, "||", True)
-    def __xor__(self, o): return self._logic(o, "!=")
-    def __rxor__(self, o): return self._logic(o, "!=", True)
+    __and__, __rand__ = _binary(_logic, "&&")
+    __or__, __ror__ = _binary(_logic, "||")
+    __xor__, __rxor__ = _binary(_logic, "!=")
 
     def __invert__(self) -> "Sym":
         if self.ctype != "bool":
@@ -322,18 +328,18 @@ class ParamView(Mapping):
         object.__setattr__(self, "_values", dict(values))
 
     def __getattr__(self, name: str) -> Any:
-        try:
-            return self._values[name]
-        except KeyError:
-            raise AttributeError(f"params has no {name!r}; declared: {sorted(self._values)} "
-                                 f"(declare it in Variant(params=(Param({name!r}, ...),)))") from None
+        return self._get(name, AttributeError)
 
     def __getitem__(self, name: str) -> Any:
+        return self._get(name, KeyError)
+
+    def _get(self, name: str, error: type[LookupError] | type[AttributeError]) -> Any:
+        """The parameter ``name``, or ``error`` (AttributeError for ``params.name``) naming the declared ones."""
         try:
             return self._values[name]
         except KeyError:
-            raise KeyError(f"params has no {name!r}; declared: {sorted(self._values)} "
-                           f"(declare it in Variant(params=(Param({name!r}, ...),)))") from None
+            raise error(f"params has no {name!r}; declared: {sorted(self._values)} "
+                        f"(declare it in Variant(params=(Param({name!r}, ...),)))") from None
 
     def __iter__(self):
         return iter(self._values)

@@ -109,6 +109,17 @@ def test_doctor_leaves_a_corrupt_entry_of_the_writable_root_in_place(tmp_path, m
     assert entry.path.exists() and not (tmp_path / "c" / "v1" / "quarantine").exists()
 
 
+def test_doctor_with_every_model_served_still_fails_on_a_corrupt_entry(tmp_path, monkeypatch):
+    no_gpu(monkeypatch)
+    cache = KernelCache(root=tmp_path / "c", layers=())
+    for module in model_modules(LLAMA_8B):
+        publish_fake(cache, module, "sm_90a")
+    flip_cubin(publish_fake(cache, model_modules(LLAMA_8B)[0], "sm_80"))  # an arch this check does not ask for
+    report = diagnose([LLAMA_8B], ["sm_90a"], cache=cache)
+    assert report.models[0].ok and not report.ok and len(report.corrupt) == 1
+    assert report.warmup_command is None  # nothing is missing: the corrupt entry is the whole finding
+
+
 def test_cli_doctor_exit_codes_json_and_the_fill_command(tmp_path):
     root = tmp_path / "c"
     cache = KernelCache(root=root, layers=())
@@ -128,6 +139,22 @@ def test_cli_doctor_exit_codes_json_and_the_fill_command(tmp_path):
     assert data["ok"] is True and data["models"][0]["tensor_parallel_size"] == 8
     assert data["nvcc"]["path"] and data["layers"][0]["entries"] == 2
     assert data["torch"]["version"]  # installed in the test venv
+
+
+def test_cli_doctor_without_a_model_fails_on_a_corrupt_entry_and_names_it(tmp_path):
+    """No --model: the cache itself is the health check, so a corrupt entry fails it (exit 1, as a gap does)."""
+    root = tmp_path / "c"
+    cache = KernelCache(root=root, layers=())
+    good, bad = (publish_fake(cache, m, "sm_90a") for m in model_modules(LLAMA_8B))
+    assert jitattn("doctor", cache=root).returncode == 0  # every entry verifies
+    flip_cubin(bad)
+    proc = jitattn("doctor", cache=root)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"corrupt, not loaded: {bad.path}: artifact kernel.sm_90a.cubin does not match its sha256" in proc.stdout
+    assert "NOT OK: 1 cache entry is corrupt" in proc.stdout and str(good.path) not in proc.stdout
+    data = json.loads(jitattn("doctor", "--json", cache=root).stdout)
+    assert data["ok"] is False and data["layers"][0]["corrupt"][0].startswith(f"{bad.path}: ")
+    assert bad.path.exists()  # reported, never moved
 
 
 def test_cli_doctor_without_torch_says_so(tmp_path):

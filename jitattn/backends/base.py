@@ -335,8 +335,34 @@ def cuda_reasons(name: str, device: DeviceInfo, *, min_capability: tuple[int, in
     return []
 
 
-def variant_reasons(name: str, spec: AttentionSpec, why: str) -> list[str]:
-    """The reason a backend without user functors gives for a spec with a variant."""
-    if spec.variant is None:
-        return []
-    return [f"{name}: custom functors (variant {spec.variant.name!r}) not supported ({why})"]
+def _window_words(spec: AttentionSpec) -> str | None:
+    sides = [f"{side}={getattr(spec, side)}" for side in ("window_left", "window_right") if getattr(spec, side) >= 0]
+    return f"sliding window ({', '.join(sides)}) not supported" if sides else None
+
+
+#: How a reason names each spec feature a backend may lack (None: the spec does not have it). A ragged
+#: spec is the adapter's gap, not its library's, so it reads "not served by this adapter".
+FEATURE_WORDS: dict[str, Callable[[AttentionSpec], "str | None"]] = {
+    "window": _window_words,
+    "window_right": lambda s: f"window_right={s.window_right} not supported" if s.window_right >= 0 else None,
+    "logits_soft_cap": lambda s: f"logits_soft_cap={s.logits_soft_cap:g} not supported" if s.logits_soft_cap else None,
+    "sinks": lambda s: "sinks not supported" if s.sinks else None,
+    "alibi": lambda s: "ALiBi not supported" if s.alibi else None,
+    "variant": lambda s: f"custom functors (variant {s.variant.name!r}) not supported"
+               if s.variant is not None else None,
+    "ragged": lambda s: "ragged K/V (kv_storage='ragged') not served by this adapter" if s.ragged else None,
+}
+
+
+def unsupported_reasons(name: str, spec: AttentionSpec, **why: str) -> list[str]:
+    """One reason per feature named in ``why`` that ``spec`` has, in the order given:
+    ``"{name}: {the feature, with its values} not supported ({why})"``.
+
+    ``why`` maps a key of :data:`FEATURE_WORDS` (``window`` for either side, ``window_right``,
+    ``logits_soft_cap``, ``sinks``, ``alibi``, ``variant``, ``ragged``) to the backend's reason in a clause.
+
+    Raises:
+        KeyError: a feature that :data:`FEATURE_WORDS` does not know (a backend's mistake).
+    """
+    return [f"{name}: {words} ({reason})" for feature, reason in why.items()
+            if (words := FEATURE_WORDS[feature](spec))]

@@ -29,7 +29,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from jitattn.backends.base import (Backend, DeviceInfo, PagedAttentionFn, cuda_reasons, dtype_reasons,
-                                   variant_reasons)
+                                   unsupported_reasons)
 from jitattn.spec import AttentionSpec
 
 if TYPE_CHECKING:  # torch loads in build(): the reasons serve `jitattn select` on a box without torch
@@ -52,8 +52,6 @@ def flashinfer_import_error() -> str | None:
 class FlashInferBackend(Backend):
     name = "flashinfer"
     priority = 80
-    graph_safe = False
-    supports_lse = True
     description = "FlashInfer batch prefill over the paged cache (hd 64/128/256, window, soft-cap)"
 
     def spec_reasons(self, spec: AttentionSpec, device: DeviceInfo, phase: str) -> list[str]:
@@ -62,19 +60,16 @@ class FlashInferBackend(Backend):
         if err:
             return [f"{n}: not installed (import flashinfer failed: {err})"]
         out = cuda_reasons(n, device, min_capability=(8, 0))
-        if spec.ragged:
-            out.append(f"{n}: ragged K/V (kv_storage='ragged') not served by this adapter (it wraps "
-                       f"BatchPrefillWithPagedKVCacheWrapper; the ragged wrapper is not wired in)")
+        out += unsupported_reasons(n, spec, ragged="it wraps BatchPrefillWithPagedKVCacheWrapper; the ragged "
+                                                   "wrapper is not wired in")
         if spec.head_dim_qk not in HEAD_DIMS:
             out.append(f"{n}: head_dim={spec.head_dim_qk} not supported (FlashInfer's kernels take "
                        f"{', '.join(map(str, HEAD_DIMS))})")
-        if spec.window_right >= 0:
-            out.append(f"{n}: window_right={spec.window_right} not supported (FlashInfer has only window_left)")
-        if spec.sinks:
-            out.append(f"{n}: sinks not supported (BatchPrefillWithPagedKVCacheWrapper has no sink term)")
-        if spec.alibi:
+        out += unsupported_reasons(n, spec, window_right="FlashInfer has only window_left",
+                                   sinks="BatchPrefillWithPagedKVCacheWrapper has no sink term")
+        if spec.alibi:  # the adapter's gap, not FlashInfer's
             out.append(f"{n}: ALiBi not supported by this adapter (it does not pass slopes to FlashInfer)")
-        out += variant_reasons(n, spec, "FlashInfer's JIT variants use their own C++ contract")
+        out += unsupported_reasons(n, spec, variant="FlashInfer's JIT variants use their own C++ contract")
         return out + dtype_reasons(n, spec)
 
     def build(self, spec: AttentionSpec, device: DeviceInfo) -> PagedAttentionFn:

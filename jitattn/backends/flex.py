@@ -22,7 +22,8 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-from jitattn.backends.base import Backend, DeviceInfo, PagedAttentionFn, cuda_reasons, dtype_reasons
+from jitattn.backends.base import (Backend, DeviceInfo, PagedAttentionFn, cuda_reasons, dtype_reasons,
+                                   unsupported_reasons)
 from jitattn.backends.reference import missing_torch_functors
 from jitattn.spec import AttentionSpec
 from jitattn.trace import ParamView
@@ -45,8 +46,6 @@ def flex_import_error() -> str | None:
 class FlexBackend(Backend):
     name = "flex"
     priority = 60
-    graph_safe = False
-    supports_lse = True
     description = "torch FlexAttention (windows, soft-cap, ALiBi, torch functors; no sinks)"
 
     def spec_reasons(self, spec: AttentionSpec, device: DeviceInfo, phase: str) -> list[str]:
@@ -56,11 +55,8 @@ class FlexBackend(Backend):
         if err:
             out.append(f"{n}: torch.nn.attention.flex_attention unavailable ({err}); needs torch >= 2.5")
         out += cuda_reasons(n, device, min_capability=(8, 0))  # what its Triton kernels are tuned and tested for
-        if spec.sinks:
-            out.append(f"{n}: sinks not supported (FlexAttention's softmax has no sink term in the denominator)")
-        if spec.ragged:
-            out.append(f"{n}: ragged K/V (kv_storage='ragged') not served by this adapter (it feeds FlexAttention "
-                       f"from the paged cache)")
+        out += unsupported_reasons(n, spec, sinks="FlexAttention's softmax has no sink term in the denominator",
+                                   ragged="it feeds FlexAttention from the paged cache")
         out += _variant_reasons(n, spec)
         return out + dtype_reasons(n, spec)
 

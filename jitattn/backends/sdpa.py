@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any, Callable
 
-from jitattn.backends.base import Backend, DeviceInfo, PagedAttentionFn, dtype_reasons, variant_reasons
+from jitattn.backends.base import Backend, DeviceInfo, PagedAttentionFn, dtype_reasons, unsupported_reasons
 from jitattn.spec import AttentionSpec
 
 if TYPE_CHECKING:  # torch loads in build(): the reasons serve `jitattn select` on a box without torch
@@ -30,24 +30,17 @@ if TYPE_CHECKING:  # torch loads in build(): the reasons serve `jitattn select` 
 class SdpaBackend(Backend):
     name = "sdpa"
     priority = 40
-    graph_safe = False
     supports_lse = False
     description = "torch scaled_dot_product_attention over gathered K/V (plain causal/bidirectional)"
 
     def spec_reasons(self, spec: AttentionSpec, device: DeviceInfo, phase: str) -> list[str]:
         n = self.name
-        out = []
-        windows = [f"{w}={getattr(spec, w)}" for w in ("window_left", "window_right") if getattr(spec, w) >= 0]
-        if windows:
-            out.append(f"{n}: sliding window ({', '.join(windows)}) not supported (torch SDPA has no window; "
-                       f"a dense mask would take it off its flash path)")
-        if spec.logits_soft_cap:
-            out.append(f"{n}: logits_soft_cap={spec.logits_soft_cap:g} not supported (torch SDPA has no soft-cap)")
-        if spec.sinks:
-            out.append(f"{n}: sinks not supported (torch SDPA has no sink term in the softmax denominator)")
-        if spec.alibi:
-            out.append(f"{n}: ALiBi not supported (torch SDPA takes no per-head position bias)")
-        out += variant_reasons(n, spec, "torch SDPA takes no score or mask functions")
+        out = unsupported_reasons(n, spec, window="torch SDPA has no window; a dense mask would take it off its "
+                                                  "flash path",
+                                  logits_soft_cap="torch SDPA has no soft-cap",
+                                  sinks="torch SDPA has no sink term in the softmax denominator",
+                                  alibi="torch SDPA takes no per-head position bias",
+                                  variant="torch SDPA takes no score or mask functions")
         return out + dtype_reasons(n, spec)
 
     def build(self, spec: AttentionSpec, device: DeviceInfo) -> PagedAttentionFn:
