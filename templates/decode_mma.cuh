@@ -514,16 +514,11 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
     if (threadIdx.x < S::kGroupSize)
       asm volatile("prefetch.global.L1 [%0];" ::"l"(p.sinks + kv_head * S::kGroupSize + threadIdx.x));
   }
-  // The metadata reads are issued together, before any branch: one round trip, not two.
-  const int q_row = p.query_start_loc[batch], q_end = p.query_start_loc[batch + 1], kv_len = p.seq_lens[batch];
-  if (q_end - q_row != 1) return;  // not a decode row: the prefill kernel serves it
-  if (q_row < 0 || q_row >= p.total_q) return;
+  int q_row, kv_len;
+  if (!decode_row<S>(p, batch, q_row, kv_len)) return;
   const int qo_idx = kv_len - 1;
-  bool bad = !sequence_ok<S>(p, 1, kv_len);
-  int kv_begin, kv_end;
-  visible_kv_range<S>(qo_idx, qo_idx, kv_len, kv_begin, kv_end);
-  if (bad) kv_end = kv_begin;
-  int lo, hi;
+  int kv_begin, kv_end, lo, hi;
+  bool bad = visible_keys<S>(sequence_ok<S>(p, 1, kv_len), qo_idx, qo_idx, kv_len, kv_begin, kv_end);
   if constexpr (T::kWholeWindow) {
     // A window of a few tiles keeps chunks of ceil(keys / splits) rounded up to whole tiles, and its Q
     // fragments below keep their rows 8..15 as loaded: with split_range and zeroed rows the gpt-oss
