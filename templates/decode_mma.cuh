@@ -378,20 +378,14 @@ __device__ __forceinline__ void decode_mma_split_dims(const Params& p, const uin
   auto chunk_at = [&](int chunk) { return T::kSwizzle ? chunk ^ (lane % 8) : chunk; };
 
   float o[T::kWarpDTiles][4];
-#pragma unroll
-  for (int d = 0; d < T::kWarpDTiles; ++d)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) o[d][i] = 0.f;
+  zero_fill(o);
   SoftmaxState st[2] = {softmax_initial<S>(), softmax_initial<S>()};
 
 #pragma unroll
   for (int c0 = 0; c0 < T::kStages * T::kTileKeys; c0 += T::kChunkKeys) {
     if (lo + c0 >= hi) break;
     float s[kN][4];
-#pragma unroll
-    for (int n = 0; n < kN; ++n)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) s[n][i] = 0.f;
+    zero_fill(s);
     if constexpr (T::kFp8) {
 #pragma unroll
       for (int j = 0; j < kN / 2; ++j)  // 16 keys: rows c0 + 16 j .. (multiples of 8: row % 8 == lane % 8)
@@ -615,10 +609,7 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
   }
 
   float o[T::kDTiles][4];
-#pragma unroll
-  for (int d = 0; d < T::kDTiles; ++d)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) o[d][i] = 0.f;
+  zero_fill(o);
   SoftmaxState st[2] = {softmax_initial<S>(), softmax_initial<S>()};
 
   int it = 0;
@@ -640,10 +631,7 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
 
     constexpr int kN = T::kWarpKeys / 8;  // n-tiles of 8 keys
     float s[kN][4];                       // 16 rows x kWarpKeys keys
-#pragma unroll
-    for (int n = 0; n < kN; ++n)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) s[n][i] = 0.f;
+    zero_fill(s);
     if constexpr (T::kFp8) {
 #pragma unroll
       for (int j = 0; j < kN / 2; ++j)
