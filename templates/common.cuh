@@ -78,6 +78,15 @@ __device__ __forceinline__ void unpack16(const uint4& raw, float (&out)[N]) {
   }
 }
 
+// Accumulator fragments set to zero.
+template <int kA, int kB>
+__device__ __forceinline__ void zero_fill(float (&x)[kA][kB]) {
+#pragma unroll
+  for (int a = 0; a < kA; ++a)
+#pragma unroll
+    for (int b = 0; b < kB; ++b) x[a][b] = 0.f;
+}
+
 // N elements of T (a multiple of 16 bytes) from 16-byte aligned global or shared memory, as floats.
 template <class T, int N>
 __device__ __forceinline__ void load_floats(const T* src, float (&out)[N], bool valid) {

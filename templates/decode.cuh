@@ -253,6 +253,19 @@ __device__ __forceinline__ void decode_finish(const Params& p, float* sm_m, int 
     merge_splits_last_block<S, kThreads>(p, sm_m, batch, kv_head, q_row, qo_idx);
 }
 
+// The decode row of sequence `batch`, for both decode kernels: its row of q and o and its key count;
+// false when the sequence is not one query (the prefill kernel serves it) or its row lies outside q
+// (nothing to read or write). One condition, no return inside: the kernel's own early return keeps
+// the layout nvcc gives the two kernels.
+template <class S>
+__device__ __forceinline__ bool decode_row(const Params& p, int batch, int& q_row, int& kv_len) {
+  // The metadata reads are issued together, before any branch: one round trip, not two.
+  q_row = p.query_start_loc[batch];
+  const int q_end = p.query_start_loc[batch + 1];
+  kv_len = p.seq_lens[batch];
+  return q_end - q_row == 1 && q_row >= 0 && q_row < p.total_q;
+}
+
 template <class S>
 __device__ __forceinline__ void decode_kernel(const Params& p) {
   using T = DecodeTraits<S>;
@@ -261,16 +274,11 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
   extern __shared__ __align__(16) uint8_t smem[];
 
   const int split = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
-  // The metadata reads are issued together, before any branch: one round trip, not two.
-  const int q_row = p.query_start_loc[batch], q_end = p.query_start_loc[batch + 1], kv_len = p.seq_lens[batch];
-  if (q_end - q_row != 1) return;  // not a decode row: the prefill kernel serves it
-  if (q_row < 0 || q_row >= p.total_q) return;             // no row of q to read or write
+  int q_row, kv_len;
+  if (!decode_row<S>(p, batch, q_row, kv_len)) return;
   const int qo_idx = kv_len - 1;
-  bool bad = !sequence_ok<S>(p, 1, kv_len);
-  int kv_begin, kv_end;
-  visible_kv_range<S>(qo_idx, qo_idx, kv_len, kv_begin, kv_end);
-  if (bad) kv_end = kv_begin;
-  int lo, hi;
+  int kv_begin, kv_end, lo, hi;
+  bool bad = visible_keys<S>(sequence_ok<S>(p, 1, kv_len), qo_idx, qo_idx, kv_len, kv_begin, kv_end);
   split_range<T::kTileKeys>(kv_begin, kv_end, split, p.num_splits, lo, hi);
 
   const int tx = threadIdx.x % T::kBdx;

@@ -378,20 +378,14 @@ __device__ __forceinline__ void decode_mma_split_dims(const Params& p, const uin
   auto chunk_at = [&](int chunk) { return T::kSwizzle ? chunk ^ (lane % 8) : chunk; };
 
   float o[T::kWarpDTiles][4];
-#pragma unroll
-  for (int d = 0; d < T::kWarpDTiles; ++d)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) o[d][i] = 0.f;
+  zero_fill(o);
   SoftmaxState st[2] = {softmax_initial<S>(), softmax_initial<S>()};
 
 #pragma unroll
   for (int c0 = 0; c0 < T::kStages * T::kTileKeys; c0 += T::kChunkKeys) {
     if (lo + c0 >= hi) break;
     float s[kN][4];
-#pragma unroll
-    for (int n = 0; n < kN; ++n)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) s[n][i] = 0.f;
+    zero_fill(s);
     if constexpr (T::kFp8) {
 #pragma unroll
       for (int j = 0; j < kN / 2; ++j)  // 16 keys: rows c0 + 16 j .. (multiples of 8: row % 8 == lane % 8)
@@ -514,16 +508,11 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
     if (threadIdx.x < S::kGroupSize)
       asm volatile("prefetch.global.L1 [%0];" ::"l"(p.sinks + kv_head * S::kGroupSize + threadIdx.x));
   }
-  // The metadata reads are issued together, before any branch: one round trip, not two.
-  const int q_row = p.query_start_loc[batch], q_end = p.query_start_loc[batch + 1], kv_len = p.seq_lens[batch];
-  if (q_end - q_row != 1) return;  // not a decode row: the prefill kernel serves it
-  if (q_row < 0 || q_row >= p.total_q) return;
+  int q_row, kv_len;
+  if (!decode_row<S>(p, batch, q_row, kv_len)) return;
   const int qo_idx = kv_len - 1;
-  bool bad = !sequence_ok<S>(p, 1, kv_len);
-  int kv_begin, kv_end;
-  visible_kv_range<S>(qo_idx, qo_idx, kv_len, kv_begin, kv_end);
-  if (bad) kv_end = kv_begin;
-  int lo, hi;
+  int kv_begin, kv_end, lo, hi;
+  bool bad = visible_keys<S>(sequence_ok<S>(p, 1, kv_len), qo_idx, qo_idx, kv_len, kv_begin, kv_end);
   if constexpr (T::kWholeWindow) {
     // A window of a few tiles keeps chunks of ceil(keys / splits) rounded up to whole tiles, and its Q
     // fragments below keep their rows 8..15 as loaded: with split_range and zeroed rows the gpt-oss
@@ -620,10 +609,7 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
   }
 
   float o[T::kDTiles][4];
-#pragma unroll
-  for (int d = 0; d < T::kDTiles; ++d)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) o[d][i] = 0.f;
+  zero_fill(o);
   SoftmaxState st[2] = {softmax_initial<S>(), softmax_initial<S>()};
 
   int it = 0;
@@ -645,10 +631,7 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
 
     constexpr int kN = T::kWarpKeys / 8;  // n-tiles of 8 keys
     float s[kN][4];                       // 16 rows x kWarpKeys keys
-#pragma unroll
-    for (int n = 0; n < kN; ++n)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) s[n][i] = 0.f;
+    zero_fill(s);
     if constexpr (T::kFp8) {
 #pragma unroll
       for (int j = 0; j < kN / 2; ++j)

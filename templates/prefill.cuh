@@ -105,6 +105,36 @@ __device__ __forceinline__ bool prefill_find_tile(const Params& p, int block, in
   return seq >= 0;
 }
 
+// What one prefill block serves, for both prefill kernels: packed query rows [packed0, packed_end) of
+// sequence `batch` and KV head `kv_head`. pos_lo / pos_hi: the positions of its first and last row
+// (implicit positions; the kernels overwrite them where positions are explicit).
+struct PrefillBlock {
+  int batch, kv_head;
+  int q_start;  // the sequence's first row of q
+  int qo_len, kv_len;
+  int packed0, packed_end;
+  int qo_base;  // position of the sequence's first query
+  int pos_lo, pos_hi;
+};
+
+// The rows of the block that serves m-tile `tile` of sequence `batch` (prefill_find_tile). No branch
+// inside: the kernels return early themselves (a return inside a helper changes nvcc's layout).
+template <class S, int kBlockM>
+__device__ __forceinline__ PrefillBlock prefill_block(const Params& p, int batch, int tile) {
+  PrefillBlock b;
+  b.batch = batch;
+  b.kv_head = blockIdx.y;
+  b.q_start = p.query_start_loc[b.batch];
+  b.qo_len = p.query_start_loc[b.batch + 1] - b.q_start;
+  b.kv_len = kv_length<S>(p, b.batch);
+  b.packed0 = tile * kBlockM;
+  b.packed_end = min(b.qo_len * S::kGroupSize, b.packed0 + kBlockM);
+  b.qo_base = b.kv_len - b.qo_len;
+  b.pos_lo = b.qo_base + b.packed0 / S::kGroupSize;
+  b.pos_hi = b.qo_base + (b.packed_end - 1) / S::kGroupSize;
+  return b;
+}
+
 // cp.async of keys [n0, n0 + kBlockN) (K and V) into one stage; keys at or past kv_end are zero-filled.
 // With an FP8 cache the bytes go to the stage's raw area (`raw`), widened later by prefill_widen_kv.
 template <class S>
@@ -172,6 +202,16 @@ __host__ __device__ constexpr bool hooks_see_rows() {  // whether any hook reads
   return S::kHasTransform || S::kHasMask || S::kHasQTransform || S::kHasKTransform || S::kHasOutTransform;
 }
 
+// The sequence's offset added to the positions the hooks see, and the batch its key transform sees
+// (its first token's); left as they are when no hook reads them.
+template <class S>
+__device__ __forceinline__ void explicit_hook_offsets(const Params& p, int batch, int q_start, int& xoff, int& kbatch) {
+  if constexpr (hooks_see_rows<S>()) {
+    xoff = p.position_offset[batch];
+    kbatch = p.functor_batch[q_start];
+  }
+}
+
 template <class S, int kBlockM, int kWarps>
 struct ExplicitRows {
   // Tokens of kBlockM packed rows starting anywhere (a tile may start inside a token's GQA group).
@@ -233,6 +273,14 @@ struct RowFrame {
   int koff;   // added to key positions for the hooks
 };
 
+// Row `row`'s frame: `explicit_frame` (read once per kernel) where positions are explicit.
+template <class S>
+__device__ __forceinline__ RowFrame row_frame(const PrefillRow& row, int batch, const RowFrame& explicit_frame) {
+  RowFrame f{row.pos, row.pos, batch, 0};
+  if constexpr (S::kExplicitPositions) f = explicit_frame;
+  return f;
+}
+
 // The output stores of one accumulator row, in both prefill kernels: each column pair scaled, through
 // the output transform, poisoned if needed and stored as one 32-bit pair. o(d, e): this thread's
 // accumulator of column 8 d + 2 tig + e; `out`: the row's output.
@@ -251,6 +299,54 @@ __device__ __forceinline__ void prefill_store_pairs(const Params& p, typename S:
     }
     *reinterpret_cast<uint32_t*>(out + d * 8 + 2 * tig) = pack2<typename S::DTypeO>(v0 + poison, v1 + poison);
   }
+}
+
+// One score row of a key tile at keys n0 .. in both prefill kernels: logits through the variant,
+// element masks unless full_tile, then the online-softmax step (the scores become the weights P;
+// rescale_o(alpha) rescales the row's output). s(n, e): the row's score of key n0 + 8 n + 2 tig + e.
+template <class S, int kNTiles, class Score, class RescaleO>
+__device__ __forceinline__ void prefill_softmax_row(const Params& p, SoftmaxState& st, const PrefillRow& row,
+                                                    const RowFrame& f, int kv_head, int n0, int tig, int kv_begin,
+                                                    int kv_end, int qo_len, int kv_len, bool full_tile, bool& bad,
+                                                    Score s, RescaleO rescale_o) {
+  constexpr float kScale = q_prescale<S>();
+  float tile_max = kNegInf;
+#pragma unroll
+  for (int n = 0; n < kNTiles; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int kv_idx = n0 + n * 8 + 2 * tig + e;
+      float v = transform_logit<S>(p, s(n, e) * kScale, f.batch, row.head, kv_head, f.hpos, kv_idx + f.koff, qo_len,
+                                   kv_len, bad);
+      if (!full_tile) {
+        const bool ok = kv_idx < kv_end && kv_idx >= kv_begin && structurally_visible<S>(f.pos, kv_idx) &&
+                        custom_visible<S>(p, f.batch, row.head, kv_head, f.hpos, kv_idx + f.koff, qo_len, kv_len, bad);
+        v = ok ? v : masked_score<S>();
+      }
+      s(n, e) = v;
+      tile_max = fmaxf(tile_max, v);
+    }
+  if constexpr (S::kSoftmax) {  // (without softmax the weights are the scores as they are)
+    tile_max = group_max<4>(tile_max);
+    softmax_update_deferred<kNTiles, 2>(st, tile_max, tile_max > st.m + kRescaleThreshold, s, rescale_o);
+  }
+}
+
+// The epilogue of one accumulator row (packed row `packed`) in both prefill kernels: the quad's partial
+// sums, finalize_state (sinks), then, for a row inside the sequence, its output pairs and lse.
+// o(d, e): as prefill_store_pairs.
+template <class S, int kDTiles, class Acc>
+__device__ __forceinline__ void prefill_finish_row(const Params& p, SoftmaxState& st, int packed, const PrefillBlock& b,
+                                                   const RowFrame& explicit_frame, int tig, float poison, Acc o) {
+  const PrefillRow row = prefill_row<S>(packed, b.packed_end, b.qo_base, b.kv_head);
+  const RowFrame f = row_frame<S>(row, b.batch, explicit_frame);
+  st.d = group_sum<4>(st.d);
+  float lse;
+  const float scale = finalize_state<S>(p, row.head, st, lse);
+  if (!row.valid) return;
+  const long long row_head = static_cast<long long>(b.q_start + packed / S::kGroupSize) * S::kNumQoHeads + row.head;
+  prefill_store_pairs<S, kDTiles>(p, p.o + row_head * S::kHeadDimVO, scale, f, row.head, tig, poison, o);
+  if (tig == 0 && p.lse != nullptr) p.lse[row_head] = lse + poison;
 }
 
 // S = Q K^T for the warp's kMTiles x 16 rows and kBlockN keys (fp32 accumulators).
@@ -319,7 +415,7 @@ __device__ __forceinline__ void prefill_pv(float (&o)[PrefillTraits<S>::kMTiles]
 // The query (kIsQuery) or key transform of one rotate_half pair: elements d and d + half (x0, x1) of
 // packed query row / key `row` become y0, y1. Explicit positions (S::kExplicitPositions): a query row's
 // position and batch come from `x` (token row / group - tok0, offset `off`); keys are at row + off
-// (batch: the sequence's first token's). Shared by prefill_transform_rows and its sm90 twin.
+// (batch: the sequence's first token's).
 template <class S, bool kIsQuery, class X>
 __device__ __forceinline__ void transform_pair(const Params& p, float x0, float x1, float& y0, float& y1, int row,
                                                int end, int qo_base, int kv_head, int batch, int d, int half,
@@ -340,28 +436,45 @@ __device__ __forceinline__ void transform_pair(const Params& p, float x0, float 
   }
 }
 
-// Applies the query (kIsQuery) or key transform in place to `rows` rows of a shared-memory tile, in
-// rotate_half pairs (dim, dim + D/2) so no element is read after its partner was overwritten. Row r
-// is packed query row first + r (queries) or key first + r (keys); rows at or past `end` are skipped.
-// Explicit positions (S::kExplicitPositions): a query row's position and batch come from `x` (token
-// row / group - tok0, offset `off`); keys are at first + r + off (batch: the sequence's first token's).
-template <class S, bool kIsQuery, class X = int>
-__device__ __forceinline__ void prefill_transform_rows(const Params& p, typename S::DTypeQ* tile, int rows, int first,
-                                                       int end, int qo_base, int kv_head, int batch, bool& oob,
-                                                       const X* x = nullptr, int tok0 = 0, int off = 0) {
-  using T = PrefillTraits<S>;
-  using DT = typename T::DT;
-  constexpr int kHalf = T::kHeadDim / 2;
-  for (int i = threadIdx.x; i < rows * kHalf; i += T::kThreads) {
+// Applies the query (kIsQuery) or key transform in place to kRows rows of a shared-memory tile, by
+// kThreads threads, in rotate_half pairs (dim, dim + D/2) so no element is read after its partner was
+// overwritten; at(r, d): element d of row r (both prefill kernels' tile layouts). Row r is packed query
+// row first + r (queries) or key first + r (keys); rows at or past `end` are skipped. Explicit
+// positions: as transform_pair (x, tok0, off).
+template <class S, bool kIsQuery, int kRows, int kThreads, class At, class X>
+__device__ __forceinline__ void transform_tile_rows(const Params& p, At at, int first, int end, int qo_base,
+                                                    int kv_head, int batch, bool& oob, const X* x, int tok0, int off) {
+  using DT = typename S::DTypeQ;
+  constexpr int kHalf = S::kHeadDimQK / 2;
+  for (int i = threadIdx.x; i < kRows * kHalf; i += kThreads) {
     const int r = i / kHalf, d = i % kHalf;
     if (first + r >= end) continue;
-    DT* row = tile + r * T::kRowStride;
-    const float x0 = to_float(row[d]), x1 = to_float(row[d + kHalf]);
+    DT* e0 = at(r, d);
+    DT* e1 = at(r, d + kHalf);
+    const float x0 = to_float(*e0), x1 = to_float(*e1);
     float y0, y1;
     transform_pair<S, kIsQuery>(p, x0, x1, y0, y1, first + r, end, qo_base, kv_head, batch, d, kHalf, oob, x, tok0,
                                 off);
-    row[d] = from_float<DT>(y0);
-    row[d + kHalf] = from_float<DT>(y1);
+    *e0 = from_float<DT>(y0);
+    *e1 = from_float<DT>(y1);
+  }
+}
+
+// Q rows of the block -> shared memory by kThreads threads (rows past the sequence zero-filled), in both
+// prefill kernels: chunk `chunk` (8 elements) of packed row packed0 + row goes to dst(row, chunk);
+// head_offset(qo_head): where the head starts in a row of q.
+template <class S, int kRows, int kChunks, int kThreads, class Dst, class HeadOffset>
+__device__ __forceinline__ void prefill_load_q(const Params& p, int q_start, int kv_head, int packed0, int packed_end,
+                                               Dst dst, HeadOffset head_offset) {
+#pragma unroll
+  for (int c = threadIdx.x; c < kRows * kChunks; c += kThreads) {
+    const int row = c / kChunks, chunk = c % kChunks;
+    const int packed = packed0 + row;
+    const bool in = packed < packed_end;
+    const int token = packed / S::kGroupSize, qo_head = kv_head * S::kGroupSize + packed % S::kGroupSize;
+    const typename S::DTypeQ* src =
+        in ? p.q + static_cast<long long>(q_start + token) * p.q_stride_token + head_offset(qo_head) + chunk * 8 : p.q;
+    cp_async_16(dst(row, chunk), src, in);
   }
 }
 
@@ -382,30 +495,23 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
 
   // Heavy (late, causal) tiles first: walk the grid backwards.
   int batch, tile;
-  if (!prefill_find_tile<S>(p, gridDim.x - 1 - blockIdx.x, batch, tile)) return;
-  const int kv_head = blockIdx.y;
-  const int q_start = p.query_start_loc[batch];
-  const int qo_len = p.query_start_loc[batch + 1] - q_start;
-  const int kv_len = kv_length<S>(p, batch);
-  const int packed0 = tile * T::kBlockM;
-  const int packed_end = min(qo_len * S::kGroupSize, packed0 + T::kBlockM);
-  const int qo_base = kv_len - qo_len;  // position of this sequence's first query
+  if (!prefill_find_tile<S, T::kBlockM>(p, gridDim.x - 1 - blockIdx.x, batch, tile)) return;
+  const PrefillBlock b = prefill_block<S, T::kBlockM>(p, batch, tile);
+  const int kv_head = b.kv_head, q_start = b.q_start, qo_len = b.qo_len, kv_len = b.kv_len;
+  const int packed0 = b.packed0, packed_end = b.packed_end, qo_base = b.qo_base;
   // Explicit positions: each warp loads the tokens of its rows (clamped into the sequence's rows);
   // frame[mt][r]: what row (mt, r)'s masks and hooks see (registers, read once).
   ExplicitRows<S, T::kBlockM, T::kNumWarps>* xr = nullptr;  // shared memory only where positions are explicit
   const int tok0 = packed0 / S::kGroupSize;
   int xoff = 0, kbatch = batch;  // hooks: position offset; the key transform's batch
   RowFrame frame[MT][2];
-  int pos_lo, pos_hi;
+  int pos_lo = b.pos_lo, pos_hi = b.pos_hi;
   if constexpr (S::kExplicitPositions) {
     const int w = threadIdx.x / 32, w_row0 = packed0 + w * T::kWarpRows;
     xr = &explicit_rows<S, T::kBlockM, T::kNumWarps>();
     explicit_rows_load<S, 32>(p, *xr, q_start, tok0, min(w_row0, packed_end - 1),
                               min(w_row0 + T::kWarpRows - 1, packed_end - 1), threadIdx.x % 32, w);
-    if constexpr (hooks_see_rows<S>()) {
-      xoff = p.position_offset[batch];
-      kbatch = p.functor_batch[q_start];
-    }
+    explicit_hook_offsets<S>(p, batch, q_start, xoff, kbatch);
     __syncthreads();
     explicit_rows_range<T::kNumWarps>(*xr, 0, pos_lo, pos_hi);
 #pragma unroll
@@ -416,31 +522,17 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
         const int pos = xr->pos[i];
         frame[mt][r] = RowFrame{pos, pos + xoff, hooks_see_rows<S>() ? xr->batch[i] : batch, xoff};
       }
-  } else {
-    pos_lo = qo_base + packed0 / S::kGroupSize;
-    pos_hi = qo_base + (packed_end - 1) / S::kGroupSize;
   }
-  bool bad = !sequence_ok<S>(p, batch, qo_len, kv_len);
   int kv_begin, kv_end;
-  visible_kv_range<S>(pos_lo, pos_hi, kv_len, kv_begin, kv_end);
-  if (bad) kv_end = kv_begin;
+  bool bad = visible_keys<S>(sequence_ok<S>(p, batch, qo_len, kv_len), pos_lo, pos_hi, kv_len, kv_begin, kv_end);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tig = lane % 4;  // mma fragment coordinates: row group, thread in group
   const int warp_row0 = warp * T::kWarpRows;
 
-  // Q tile -> shared memory (rows past the sequence zero-filled).
-#pragma unroll
-  for (int c = threadIdx.x; c < T::kBlockM * T::kChunks; c += T::kThreads) {
-    const int row = c / T::kChunks, chunk = c % T::kChunks;
-    const int packed = packed0 + row;
-    const bool in = packed < packed_end;
-    const int token = packed / S::kGroupSize, qo_head = kv_head * S::kGroupSize + packed % S::kGroupSize;
-    const DT* src = in ? p.q + static_cast<long long>(q_start + token) * p.q_stride_token +
-                             qo_head * p.q_stride_head + chunk * 8
-                       : p.q;
-    cp_async_16(sq + row * T::kRowStride + chunk * 8, src, in);
-  }
+  prefill_load_q<S, T::kBlockM, T::kChunks, T::kThreads>(
+      p, q_start, kv_head, packed0, packed_end, [&](int row, int chunk) { return sq + row * T::kRowStride + chunk * 8; },
+      [&](int qo_head) { return qo_head * p.q_stride_head; });
   if constexpr (S::kHasQTransform) {  // Q gets its own group: transformed in place before any tile is used
     cp_async_commit();
   }
@@ -455,8 +547,9 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
   if constexpr (S::kHasQTransform) {
     cp_async_wait<T::kStages - 1>();  // Q (the oldest group) has landed; the tiles may still be in flight
     __syncthreads();
-    prefill_transform_rows<S, true>(p, sq, T::kBlockM, packed0, packed_end, qo_base, kv_head, batch, bad, xr, tok0,
-                                    xoff);
+    transform_tile_rows<S, true, T::kBlockM, T::kThreads>(
+        p, [sq](int r, int d) { return sq + r * T::kRowStride + d; }, packed0, packed_end, qo_base, kv_head, batch, bad,
+        xr, tok0, xoff);
     __syncthreads();
   }
 
@@ -471,7 +564,6 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
   SoftmaxState st[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) st[mt][0] = st[mt][1] = softmax_initial<S>();
-  constexpr float kScale = q_prescale<S>();
 
   int it = 0;
   for (int n0 = n_first; n0 < kv_end; n0 += T::kBlockN, ++it) {
@@ -491,8 +583,9 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
       __syncthreads();
     }
     if constexpr (S::kHasKTransform) {  // the cache holds raw keys: transform this tile in place
-      prefill_transform_rows<S, false>(p, stage_k(stage), T::kBlockN, n0, kv_end, 0, kv_head, kbatch, bad, xr, 0,
-                                       xoff);
+      DT* sk = stage_k(stage);
+      transform_tile_rows<S, false, T::kBlockN, T::kThreads>(
+          p, [sk](int r, int d) { return sk + r * T::kRowStride + d; }, n0, kv_end, 0, kv_head, kbatch, bad, xr, 0, xoff);
       __syncthreads();
     }
 
@@ -509,30 +602,9 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const PrefillRow row = prefill_row<S>(row0 + mt * 16 + 8 * r, packed_end, qo_base, kv_head);
-        RowFrame f{row.pos, row.pos, batch, 0};
-        if constexpr (S::kExplicitPositions) f = frame[mt][r];
-        float tile_max = kNegInf;
-#pragma unroll
-        for (int n = 0; n < T::kNTiles; ++n)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int kv_idx = n0 + n * 8 + 2 * tig + e;
-            float v = transform_logit<S>(p, s[mt][n][2 * r + e] * kScale, f.batch, row.head, kv_head, f.hpos,
-                                         kv_idx + f.koff, qo_len, kv_len, bad);
-            if (!full_tile) {
-              const bool ok = kv_idx < kv_end && kv_idx >= kv_begin && structurally_visible<S>(f.pos, kv_idx) &&
-                              custom_visible<S>(p, f.batch, row.head, kv_head, f.hpos, kv_idx + f.koff, qo_len,
-                                                kv_len, bad);
-              v = ok ? v : masked_score<S>();
-            }
-            s[mt][n][2 * r + e] = v;
-            tile_max = fmaxf(tile_max, v);
-          }
-        if constexpr (!S::kSoftmax) continue;  // the weights are the probabilities already
-        tile_max = group_max<4>(tile_max);
-        softmax_update_deferred<T::kNTiles, 2>(
-            st[mt][r], tile_max, tile_max > st[mt][r].m + kRescaleThreshold,
-            [&](int n, int e) -> float& { return s[mt][n][2 * r + e]; }, [&](float alpha) {
+        prefill_softmax_row<S, T::kNTiles>(
+            p, st[mt][r], row, row_frame<S>(row, batch, frame[mt][r]), kv_head, n0, tig, kv_begin, kv_end, qo_len,
+            kv_len, full_tile, bad, [&](int n, int e) -> float& { return s[mt][n][2 * r + e]; }, [&](float alpha) {
 #pragma unroll
               for (int d = 0; d < T::kDTiles; ++d) {
                 o[mt][d][2 * r] *= alpha;
@@ -550,20 +622,9 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int packed = row0 + mt * 16 + 8 * r;
-      const PrefillRow row = prefill_row<S>(packed, packed_end, qo_base, kv_head);
-      RowFrame f{row.pos, row.pos, batch, 0};
-      if constexpr (S::kExplicitPositions) f = frame[mt][r];
-      st[mt][r].d = group_sum<4>(st[mt][r].d);
-      float lse;
-      const float scale = finalize_state<S>(p, row.head, st[mt][r], lse);
-      if (!row.valid) continue;
-      const long long row_head = static_cast<long long>(q_start + packed / S::kGroupSize) * S::kNumQoHeads + row.head;
-      prefill_store_pairs<S, T::kDTiles>(p, p.o + row_head * S::kHeadDimVO, scale, f, row.head, tig, poison,
-                                         [&](int d, int e) { return o[mt][d][2 * r + e]; });
-      if (tig == 0 && p.lse != nullptr) p.lse[row_head] = lse + poison;
-    }
+    for (int r = 0; r < 2; ++r)
+      prefill_finish_row<S, T::kDTiles>(p, st[mt][r], row0 + mt * 16 + 8 * r, b, frame[mt][r], tig, poison,
+                                        [&](int d, int e) { return o[mt][d][2 * r + e]; });
 }
 
 }  // namespace jitattn

@@ -358,31 +358,6 @@ struct Sm90KvLoader {
   }
 };
 
-// Query (kIsQuery) or key transform in place on a swizzled tile of kRows rows, in rotate_half pairs
-// (prefill_transform_rows with swizzled addressing), by the consumer threads. Row r is packed query
-// row / key first + r.
-// Explicit positions: as prefill_transform_rows (x, tok0, off).
-template <class S, bool kIsQuery, int kRows, class X = int>
-__device__ __forceinline__ void prefill_sm90_transform_rows(const Params& p, typename S::DTypeQ* tile, int first,
-                                                            int end, int qo_base, int kv_head, int batch, bool& oob,
-                                                            const X* x = nullptr, int tok0 = 0, int off = 0) {
-  using T = PrefillSm90Traits<S>;
-  using DT = typename T::DT;
-  constexpr int kHalf = T::kHeadDimQK / 2;
-  for (int i = threadIdx.x; i < kRows * kHalf; i += T::kConsumerThreads) {
-    const int r = i / kHalf, d = i % kHalf;
-    if (first + r >= end) continue;
-    DT* e0 = tile + swizzled_offset<kRows, T::kSwizzle>(r, d);
-    DT* e1 = tile + swizzled_offset<kRows, T::kSwizzle>(r, d + kHalf);
-    const float x0 = to_float(*e0), x1 = to_float(*e1);
-    float y0, y1;
-    transform_pair<S, kIsQuery>(p, x0, x1, y0, y1, first + r, end, qo_base, kv_head, batch, d, kHalf, oob, x, tok0,
-                                off);
-    *e0 = from_float<DT>(y0);
-    *e1 = from_float<DT>(y1);
-  }
-}
-
 // Pipeline: stage s of tile j (s = j % kStages) is filled by the producer, which arrives on full[s]
 // once its cp.async landed (and fenced for the async proxy); consumers wait on full[s] with parity
 // (j / kStages) & 1, run S = Q K^T, the softmax and O += P V on it, and arrive on empty[s]; the
@@ -417,20 +392,16 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
 
   int batch, tile;
   if (!prefill_find_tile<S, T::kBlockM>(p, gridDim.x - 1 - blockIdx.x, batch, tile)) return;
-  const int kv_head = blockIdx.y;
-  const int q_start = p.query_start_loc[batch];
-  const int qo_len = p.query_start_loc[batch + 1] - q_start;
-  const int kv_len = kv_length<S>(p, batch);
-  const int packed0 = tile * T::kBlockM;
-  const int packed_end = min(qo_len * S::kGroupSize, packed0 + T::kBlockM);
-  const int qo_base = kv_len - qo_len;
+  const PrefillBlock b = prefill_block<S, T::kBlockM>(p, batch, tile);
+  const int kv_head = b.kv_head, q_start = b.q_start, qo_len = b.qo_len, kv_len = b.kv_len;
+  const int packed0 = b.packed0, packed_end = b.packed_end, qo_base = b.qo_base;
   // Explicit positions (prefill.cuh, ExplicitRows): each consumer warpgroup loads the tokens of its
   // rows (clamped into the sequence's rows); the block's range (the producer's tiles) is over all of them.
   constexpr int kConsumerWarps = T::kConsumerThreads / 32;
   ExplicitRows<S, T::kBlockM, kConsumerWarps>* xr = nullptr;  // shared memory only where positions are explicit
   const int tok0 = packed0 / S::kGroupSize;
   int xoff = 0, kbatch = batch;  // hooks: position offset; the key transform's batch
-  int pos_lo, pos_hi;
+  int pos_lo = b.pos_lo, pos_hi = b.pos_hi;
   if constexpr (S::kExplicitPositions) {
     xr = &explicit_rows<S, T::kBlockM, kConsumerWarps>();
     if (threadIdx.x < T::kConsumerThreads) {
@@ -438,20 +409,12 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
       explicit_rows_load<S, 128>(p, *xr, q_start, tok0, min(wg_first, packed_end - 1),
                                  min(wg_first + 63, packed_end - 1), threadIdx.x % 128, threadIdx.x / 32);
     }
-    if constexpr (hooks_see_rows<S>()) {
-      xoff = p.position_offset[batch];
-      kbatch = p.functor_batch[q_start];
-    }
+    explicit_hook_offsets<S>(p, batch, q_start, xoff, kbatch);
     __syncthreads();
     explicit_rows_range<kConsumerWarps>(*xr, 0, pos_lo, pos_hi);
-  } else {
-    pos_lo = qo_base + packed0 / S::kGroupSize;
-    pos_hi = qo_base + (packed_end - 1) / S::kGroupSize;
   }
-  bool bad = !sequence_ok<S>(p, batch, qo_len, kv_len);
   int kv_begin, kv_end;
-  visible_kv_range<S>(pos_lo, pos_hi, kv_len, kv_begin, kv_end);
-  if (bad) kv_end = kv_begin;
+  bool bad = visible_keys<S>(sequence_ok<S>(p, batch, qo_len, kv_len), pos_lo, pos_hi, kv_len, kv_begin, kv_end);
   const int n_first = (kv_begin / kN) * kN;
   const int num_tiles = kv_end > n_first ? ceil_div(kv_end - n_first, kN) : 0;
 
@@ -528,23 +491,16 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
       return qo_head * S::kHeadDimQK;
     }
   };
-#pragma unroll
-  for (int c = threadIdx.x; c < T::kBlockM * T::kChunks; c += T::kConsumerThreads) {
-    const int row = c / T::kChunks, chunk = c % T::kChunks;
-    const int packed = packed0 + row;
-    const bool in = packed < packed_end;
-    const int token = packed / S::kGroupSize, qo_head = kv_head * S::kGroupSize + packed % S::kGroupSize;
-    const DT* src = in ? p.q + static_cast<long long>(q_start + token) * p.q_stride_token +
-                             q_head_offset(qo_head) + chunk * 8
-                       : p.q;
-    cp_async_16(sq + swizzled_offset<T::kBlockM, T::kSwizzle>(row, chunk * 8), src, in);
-  }
+  prefill_load_q<S, T::kBlockM, T::kChunks, T::kConsumerThreads>(
+      p, q_start, kv_head, packed0, packed_end,
+      [&](int row, int chunk) { return sq + swizzled_offset<T::kBlockM, T::kSwizzle>(row, chunk * 8); }, q_head_offset);
   cp_async_commit();
   cp_async_wait<0>();
   if constexpr (S::kHasQTransform) {
     named_barrier_sync(1, T::kConsumerThreads);
-    prefill_sm90_transform_rows<S, true, T::kBlockM>(p, sq, packed0, packed_end, qo_base, kv_head, batch, bad, xr,
-                                                     tok0, xoff);
+    transform_tile_rows<S, true, T::kBlockM, T::kConsumerThreads>(
+        p, [sq](int r, int d) { return sq + swizzled_offset<T::kBlockM, T::kSwizzle>(r, d); }, packed0, packed_end,
+        qo_base, kv_head, batch, bad, xr, tok0, xoff);
   }
   fence_proxy_async();
   named_barrier_sync(1, T::kConsumerThreads);
@@ -592,8 +548,7 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
       for (int r = 0; r < 2; ++r) {
         alpha[r] = 1.f;
         const PrefillRow row = prefill_row<S>(row0 + 8 * r, packed_end, qo_base, kv_head);
-        RowFrame f{row.pos, row.pos, batch, 0};
-        if constexpr (S::kExplicitPositions) f = frame[r];
+        const RowFrame f = row_frame<S>(row, batch, frame[r]);
         // Row max and sum in 4 independent chains (n odd/even x e), not one dependent chain of kBlockN / 4.
         float part[4] = {kNegInf, kNegInf, kNegInf, kNegInf};
 #pragma unroll
@@ -739,7 +694,10 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
     fence_proxy_async();  // the producer fenced its cp.async writes before arriving; this side too
     if constexpr (S::kHasKTransform) {  // the cache holds raw keys: both warpgroups transform the tile
       named_barrier_sync(1, T::kConsumerThreads);
-      prefill_sm90_transform_rows<S, false, kN>(p, stage_k(stage), n0, kv_end, 0, kv_head, kbatch, bad, xr, 0, xoff);
+      DT* sk = stage_k(stage);
+      transform_tile_rows<S, false, kN, T::kConsumerThreads>(
+          p, [sk](int r, int d) { return sk + swizzled_offset<kN, T::kSwizzle>(r, d); }, n0, kv_end, 0, kv_head, kbatch,
+          bad, xr, 0, xoff);
       fence_proxy_async();
       named_barrier_sync(1, T::kConsumerThreads);
     }
@@ -768,30 +726,9 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const PrefillRow row = prefill_row<S>(row0 + 8 * r, packed_end, qo_base, kv_head);
-      RowFrame f{row.pos, row.pos, batch, 0};
-      if constexpr (S::kExplicitPositions) f = frame[r];
-      float tile_max = kNegInf;
-#pragma unroll
-      for (int n = 0; n < T::kNTiles; ++n)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int kv_idx = n0 + n * 8 + 2 * tig + e;
-          float v = transform_logit<S>(p, s[n * 4 + 2 * r + e] * kScale, f.batch, row.head, kv_head, f.hpos,
-                                       kv_idx + f.koff, qo_len, kv_len, bad);
-          if (!full_tile) {
-            const bool ok = kv_idx < kv_end && kv_idx >= kv_begin && structurally_visible<S>(f.pos, kv_idx) &&
-                            custom_visible<S>(p, f.batch, row.head, kv_head, f.hpos, kv_idx + f.koff, qo_len,
-                                              kv_len, bad);
-            v = ok ? v : masked_score<S>();
-          }
-          s[n * 4 + 2 * r + e] = v;
-          tile_max = fmaxf(tile_max, v);
-        }
-      if constexpr (!S::kSoftmax) continue;
-      tile_max = group_max<4>(tile_max);
-      softmax_update_deferred<T::kNTiles, 2>(
-          st[r], tile_max, tile_max > st[r].m + kRescaleThreshold,
-          [&](int n, int e) -> float& { return s[n * 4 + 2 * r + e]; }, [&](float alpha) {
+      prefill_softmax_row<S, T::kNTiles>(
+          p, st[r], row, row_frame<S>(row, batch, frame[r]), kv_head, n0, tig, kv_begin, kv_end, qo_len, kv_len,
+          full_tile, bad, [&](int n, int e) -> float& { return s[n * 4 + 2 * r + e]; }, [&](float alpha) {
 #pragma unroll
             for (int d = 0; d < T::kDTiles; ++d) {
               o[d * 4 + 2 * r] *= alpha;
@@ -822,20 +759,9 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
   const float poison = bad_flag ? quiet_nan() : 0.f;
 
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int packed = row0 + 8 * r;
-    const PrefillRow row = prefill_row<S>(packed, packed_end, qo_base, kv_head);
-    RowFrame f{row.pos, row.pos, batch, 0};
-    if constexpr (S::kExplicitPositions) f = frame[r];
-    st[r].d = group_sum<4>(st[r].d);
-    float lse;
-    const float scale = finalize_state<S>(p, row.head, st[r], lse);
-    if (!row.valid) continue;
-    const long long row_head = static_cast<long long>(q_start + packed / S::kGroupSize) * S::kNumQoHeads + row.head;
-    prefill_store_pairs<S, T::kDTiles>(p, p.o + row_head * S::kHeadDimVO, scale, f, row.head, tig, poison,
-                                       [&](int d, int e) { return o[d * 4 + 2 * r + e]; });
-    if (tig == 0 && p.lse != nullptr) p.lse[row_head] = lse + poison;
-  }
+  for (int r = 0; r < 2; ++r)
+    prefill_finish_row<S, T::kDTiles>(p, st[r], row0 + 8 * r, b, frame[r], tig, poison,
+                                      [&](int d, int e) { return o[d * 4 + 2 * r + e]; });
 #else
   __trap();  // only the sm_90a cubin dispatches here (PrefillLaunch)
 #endif

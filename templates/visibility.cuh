@@ -26,6 +26,16 @@ __device__ __forceinline__ void visible_kv_range(int qo_lo, int qo_hi, int kv_le
   if constexpr (S::kWindowRight >= 0) end = min(end, qo_hi + S::kWindowRight + 1);
 }
 
+// The keys [kv_begin, kv_end) that positions [pos_lo, pos_hi] see, none for a sequence whose metadata
+// failed its checks (`ok` false). Returns !ok: the kernel's bad flag (its rows are written as NaN).
+template <class S>
+__device__ __forceinline__ bool visible_keys(bool ok, int pos_lo, int pos_hi, int kv_len, int& kv_begin, int& kv_end) {
+  const bool bad = !ok;
+  visible_kv_range<S>(pos_lo, pos_hi, kv_len, kv_begin, kv_end);
+  if (bad) kv_end = kv_begin;
+  return bad;
+}
+
 // Keys at or before its own position that the left window lets one query see (its own included), or
 // 0 without a left window.
 template <class S>
