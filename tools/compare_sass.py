@@ -77,10 +77,10 @@ def _spec_namespace() -> dict:
 
 def bench_specs() -> dict[str, str]:
     """``label -> expression`` of every distinct spec the bench builds (its ragged twins included)."""
-    from jitattn import bench
+    from jitattn.bench.cases import all_cases
 
     out: dict[str, str] = {}
-    for case in bench.all_cases():
+    for case in all_cases():
         specs = [case.spec] + ([case.spec.replace(kv_storage="ragged")] if case.ragged_twin else [])
         for spec in specs:
             if spec.variant is not None:
