@@ -32,6 +32,7 @@ class ReferenceBackend(Backend):
     priority = 0
     graph_safe = False
     supports_lse = True
+    supports_latent = True
     description = "jitattn.reference in torch eager (any device, every feature, slow)"
 
     def spec_reasons(self, spec: AttentionSpec, device: DeviceInfo, phase: str) -> list[str]:
