@@ -12,7 +12,8 @@ from jitattn.trace import TraceError
 from jitattn.variant import Param, Variant
 
 __all__ = ["AttentionSpec", "Param", "Variant", "__version__", "paged_attention", "ragged_attention", "load_kernel",
-           "plan", "plan_ragged", "run", "merge_state", "merge_state_in_place", "merge_states", "append_kv", "append_latent_kv", "TraceError",
+           "plan", "plan_ragged", "run", "merge_state", "merge_state_in_place", "merge_states", "append_kv",
+           "append_latent_kv", "TraceError",
            "MissingKernelError"]
 
 

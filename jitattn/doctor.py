@@ -199,8 +199,8 @@ def no_kernel_note(module: Any, arch: str) -> str | None:
 
     try:
         served = f"served by the {select(module, arch).name} backend on {arch}"
-    except NoBackendError:
-        served = f"no backend serves it on {arch} (jitattn select says why)"
+    except (NoBackendError, ValueError) as err:  # ValueError: a JITATTN_BACKEND of no registered backend
+        served = f"no backend serves it on {arch}: {str(err).splitlines()[0]}"
     return f"no kernel to build: no latent-attention (MLA) kernel yet (kv_storage='latent'); {served}"
 
 

@@ -303,8 +303,9 @@ def check_append_latent(c_kv: Any, k_pe: Any, latent_cache: Any, slot_mapping: A
              f"{c_kv.dtype} on {c_kv.device}")
     rank, width = c_kv.shape[1], c_kv.shape[1] + k_pe.shape[1]
     if not isinstance(latent_cache, torch.Tensor) or latent_cache.dim() != 3 or latent_cache.shape[2] != width:
+        got = tuple(latent_cache.shape) if isinstance(latent_cache, torch.Tensor) else type(latent_cache).__name__
         fail(f"latent_cache: expected (num_pages, page_size, {width}) (kv_lora_rank {rank} + rope dim "
-             f"{k_pe.shape[1]}), got {tuple(latent_cache.shape) if isinstance(latent_cache, torch.Tensor) else type(latent_cache).__name__}")
+             f"{k_pe.shape[1]}), got {got}")
     if latent_cache.dtype not in (c_kv.dtype, _FP8):
         fail(f"latent_cache: dtype {latent_cache.dtype}; a cache for {c_kv.dtype} rows is {c_kv.dtype} or "
              f"torch.float8_e4m3fn")

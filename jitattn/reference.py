@@ -11,6 +11,9 @@ denominator also holds ``exp(sink_h)`` when the spec has sinks (or, for a varian
 the weighted sum); the output transform. The built-in features and the Python hooks are the very
 functions the kernels are traced from. ``lse = log(sum_j exp(s_j) [+ exp(sink_h)])`` in natural
 log. A row that sees no key gets output 0 and lse ``-inf`` (``sink_h`` with sinks), never NaN.
+
+A latent (MLA) spec goes through :func:`paged_attention` too: its cache's rows are K and their first
+``head_dim_vo`` values V (:func:`gather_kv`, :func:`gather_latent`), dequantised by ``k_scale``.
 """
 
 from __future__ import annotations

@@ -302,21 +302,23 @@ class AttentionSpec:
         """What a latent (MLA) spec must be: one KV head, V a proper prefix of the row, causal, an
         explicit ``sm_scale``, none of the other features (ValueError naming the field otherwise)."""
         if self.num_kv_heads != 1:
-            raise ValueError(f"num_kv_heads={self.num_kv_heads} with kv_storage='latent': the latent cache holds one row "
-                             f"per token shared by every query head, so num_kv_heads must be 1")
+            raise ValueError(f"num_kv_heads={self.num_kv_heads} with kv_storage='latent': the latent cache holds one "
+                             f"row per token shared by every query head, so num_kv_heads must be 1")
         _check_int("num_qo_heads", self.num_qo_heads, 1, LATENT_MAX_QO_HEADS,
                    extra=" with kv_storage='latent' (heads per tensor-parallel rank)")
         if self.head_dim_vo >= self.head_dim_qk:
-            raise ValueError(f"head_dim_vo={self.head_dim_vo}, head_dim_qk={self.head_dim_qk} with kv_storage='latent': "
-                             f"a latent row is c_kv (head_dim_vo = kv_lora_rank values) then k_pe (head_dim_qk - "
-                             f"head_dim_vo = qk_rope_head_dim values), so head_dim_vo must be < head_dim_qk (e.g. 512 / 576)")
+            raise ValueError(f"head_dim_vo={self.head_dim_vo}, head_dim_qk={self.head_dim_qk} with "
+                             f"kv_storage='latent': a latent row is c_kv (head_dim_vo = kv_lora_rank values) then "
+                             f"k_pe (head_dim_qk - head_dim_vo = qk_rope_head_dim values), so head_dim_vo must be < "
+                             f"head_dim_qk (e.g. 512 / 576)")
         if self.kv_layout != "NHD":
             raise ValueError(f"kv_layout={self.kv_layout!r} with kv_storage='latent': the latent cache (num_pages, "
                              f"page_size, head_dim_qk) has no head dim to order; leave kv_layout 'NHD'")
         if self.sm_scale is None:
-            raise ValueError("sm_scale=None with kv_storage='latent': give it explicitly; the default head_dim_qk ** -0.5 "
-                             "would use the absorbed row's 576, whereas MLA scales by (qk_nope_head_dim + "
-                             "qk_rope_head_dim) ** -0.5 (times mscale ** 2 under YaRN; jitattn.models computes it)")
+            raise ValueError("sm_scale=None with kv_storage='latent': give it explicitly; the default "
+                             "head_dim_qk ** -0.5 would use the absorbed row's 576, whereas MLA scales by "
+                             "(qk_nope_head_dim + qk_rope_head_dim) ** -0.5 (times mscale ** 2 under YaRN; "
+                             "jitattn.models computes it)")
         unsupported = {"causal": (self.causal, True), "window_left": (self.window_left, -1),
                        "window_right": (self.window_right, -1), "logits_soft_cap": (self.logits_soft_cap, 0),
                        "alibi": (self.alibi, False), "sinks": (self.sinks, False), "variant": (self.variant, None),
@@ -474,7 +476,8 @@ class AttentionSpec:
         if self.explicit_positions:
             feats.append("explicit query positions")
         dims = f"{self.head_dim_qk}" + (f"/{self.head_dim_vo}" if self.head_dim_vo != self.head_dim_qk else "")
-        storage = "ragged K/V" if self.ragged else f"{'latent (MLA)' if self.latent else self.kv_layout} p{self.page_size}"
+        cache = "latent (MLA)" if self.latent else self.kv_layout
+        storage = "ragged K/V" if self.ragged else f"{cache} p{self.page_size}"
         dtypes = self.q_dtype + (f" (KV {self.kv_dtype})" if self.kv_dtype != self.q_dtype else "")
         return (f"{self.num_qo_heads}/{self.num_kv_heads} heads, hd {dims}, {dtypes}, "
                 f"{storage}, scale {self.sm_scale:.4g}" + (", " + ", ".join(feats) if feats else ""))

@@ -176,10 +176,13 @@ def test_sdpa_refuses_what_it_cannot_do_and_reference_returns_the_lse():
 
 
 @pytest.mark.parametrize("device", ["cpu", "h100", "a100"])
-def test_selection_passes_the_kernel_backends_over_with_their_reason(device):
+@pytest.mark.parametrize("disable_jit", ["0", "1"])
+def test_selection_passes_the_kernel_backends_over_with_their_reason(device, disable_jit, monkeypatch):
+    """Under JITATTN_DISABLE_JIT=1 too: jit looks up no cache entry for a latent spec (none can exist)."""
+    monkeypatch.setenv("JITATTN_DISABLE_JIT", disable_jit)
     spec = latent(128, 64, "fp8")
     sel = select(spec, device)
-    assert sel.name == "sdpa"
+    assert sel.name == "sdpa" and select(spec, device, need_lse=True).name == "reference"
     reasons = {r.backend: " ".join(r.reasons) for r in sel.passed_over}
     assert "jit: latent attention (kv_storage='latent', MLA) not served: no latent-attention (MLA decode) kernel " \
            "yet" in reasons["jit"]

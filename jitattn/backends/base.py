@@ -246,8 +246,8 @@ class Backend(ABC):
 
             def refusal(judged: DeviceInfo) -> list[str]:
                 """The reasons, when no phase is served on ``judged`` (a backend may serve decode only)."""
-                refused = [self.spec_reasons(spec, judged, phase) + self._position_reasons(spec) + self._latent_reasons(spec)
-                           for phase in PHASES]
+                kind = self._position_reasons(spec) + self._latent_reasons(spec)
+                refused = [self.spec_reasons(spec, judged, phase) + kind for phase in PHASES]
                 return refused[PHASES.index("mixed")] if all(refused) else []
 
             reasons = refusal(device)

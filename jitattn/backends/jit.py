@@ -2,8 +2,8 @@
 
 Serves every spec feature (soft-cap, windows, sinks, ALiBi, every variant hook, GQA of any group
 size, head dims 32..256 in steps of 16, NHD/HND, any page size, every KV dtype the spec takes, ragged
-K/V with head_dim_qk != head_dim_vo; not yet latent specs, MLA: :data:`jitattn.spec.LATENT_NO_KERNEL`) on CUDA devices whose compute
-capability runs one of the archs jitattn builds (:func:`jitattn.build.archs_for_capability`:
+K/V with head_dim_qk != head_dim_vo; not yet latent MLA specs, :data:`jitattn.spec.LATENT_NO_KERNEL`) on
+CUDA devices whose compute capability runs one of the archs jitattn builds (:func:`jitattn.build.archs_for_capability`:
 today 8.0 and newer). Launches are CUDA-graph capturable and return the lse.
 
 Building may compile (seconds per spec) unless the cache is warm. Under ``JITATTN_DISABLE_JIT=1``
