@@ -12,7 +12,8 @@ from jitattn.trace import TraceError
 from jitattn.variant import Param, Variant
 
 __all__ = ["AttentionSpec", "Param", "Variant", "__version__", "paged_attention", "ragged_attention", "load_kernel",
-           "plan", "plan_ragged", "run", "merge_state", "merge_state_in_place", "merge_states", "append_kv", "TraceError",
+           "plan", "plan_ragged", "run", "merge_state", "merge_state_in_place", "merge_states", "append_kv",
+           "append_latent_kv", "TraceError",
            "MissingKernelError"]
 
 
@@ -42,8 +43,8 @@ def __getattr__(name: str):
         from jitattn import merge
 
         return getattr(merge, name)
-    if name == "append_kv":
-        from jitattn.kv_write import append_kv
+    if name in ("append_kv", "append_latent_kv"):
+        from jitattn import kv_write
 
-        return append_kv
+        return getattr(kv_write, name)
     raise AttributeError(f"module 'jitattn' has no attribute {name!r}")

@@ -61,7 +61,10 @@ def _check_dim(name: str, t: torch.Tensor, dim: int, expected: int, what: str) -
 
 
 def kv_cache_shape(spec: AttentionSpec, num_pages: int) -> tuple[int, ...]:
-    """The cache shape a spec expects: NHD ``(pages, 2, page_size, H_kv, D)``, HND ``(pages, 2, H_kv, page_size, D)``."""
+    """The cache shape a spec expects: NHD ``(pages, 2, page_size, H_kv, D)``, HND ``(pages, 2, H_kv, page_size, D)``;
+    latent ``(pages, page_size, head_dim_qk)``."""
+    if spec.latent:
+        return (num_pages, spec.page_size, spec.head_dim_qk)
     if spec.kv_layout == "NHD":
         return (num_pages, 2, spec.page_size, spec.num_kv_heads, spec.head_dim_qk)
     return (num_pages, 2, spec.num_kv_heads, spec.page_size, spec.head_dim_qk)
@@ -194,6 +197,9 @@ def check_kv_cache(spec: AttentionSpec, kv_cache: Any, device: torch.device | No
     Raises:
         ValueError: naming the dim (page_size, num_kv_heads, ...), the value and the layout.
     """
+    if spec.latent:
+        _check_latent_cache(spec, kv_cache, device, device_of)
+        return
     if is_kv_pair(kv_cache):
         _check_kv_pair(spec, kv_cache, device, device_of)
         return
@@ -205,6 +211,16 @@ def check_kv_cache(spec: AttentionSpec, kv_cache: Any, device: torch.device | No
         if kv_cache.shape[d] != expected[d]:
             fail(f"kv_cache: dim {d} ({names[d]}) must be {expected[d]} for {spec.kv_layout} layout "
                  f"{expected[1:]} after num_pages, got shape {tuple(kv_cache.shape)}")
+
+
+def _check_latent_cache(spec: AttentionSpec, kv_cache: Any, device: torch.device | None, device_of: str) -> None:
+    """A latent spec's one cache tensor ``(num_pages, page_size, head_dim_qk)``: rows of c_kv then k_pe."""
+    if is_kv_pair(kv_cache):
+        fail("kv_cache: a latent spec reads one tensor (num_pages, page_size, head_dim_qk) whose rows hold K, V being "
+             "their first head_dim_vo values; got a (k_cache, v_cache) pair")
+    check_tensor("kv_cache", kv_cache, dtype=_TORCH_DTYPES[spec.kv_dtype], ndim=3, device=device, device_of=device_of)
+    for d, (what, want) in enumerate((("page_size", spec.page_size), ("head_dim_qk", spec.head_dim_qk)), start=1):
+        _check_dim("kv_cache", kv_cache, d, want, f"{what}; latent cache (num_pages, page_size, head_dim_qk)")
 
 
 def check_paged_metadata(spec: AttentionSpec, block_table: Any, seq_lens: Any, query_start_loc: Any,
@@ -549,11 +565,17 @@ def check_scales(spec: AttentionSpec, k_scale: Any, v_scale: Any) -> tuple[float
 
     A 16-bit cache holds K and V as they are; a scale other than 1.0 there would be applied by some
     kernel paths and ignored by others (and by the torch backends), so it is refused, never guessed.
+    A latent spec takes ``k_scale`` only (``v_scale`` must stay 1.0) and returns it twice: its V is K's row.
 
     Raises:
         ValueError: naming the argument, the value and the spec's ``kv_dtype``.
     """
     scales = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
+    if spec.latent:  # V is the first head_dim_vo values of K's row: k_scale dequantises both
+        if scales[1] != 1.0:
+            fail(f"v_scale={scales[1]!r}: a latent cache has one scale, k_scale (V is the first head_dim_vo values of "
+                 f"K's row and is dequantised with it); drop v_scale")
+        scales = (scales[0], scales[0])
     if spec.kv_dtype != "float8_e4m3fn":
         for name, value in zip(("k_scale", "v_scale"), scales):
             if value != 1.0:

@@ -3,7 +3,8 @@
 - ``jitattn warmup``: compile every kernel some models (``--model config.json``) or specs
   (``--spec``) need, for every target arch, into the cache. nvcc only: no GPU, no torch. A model
   also gets the ``merge_state`` utility module of its output dtype (:mod:`jitattn.merge_module`) and
-  the ``append_kv`` module of its K/V and cache dtypes (:mod:`jitattn.append_kv_module`);
+  the ``append_kv`` module of its paged layers' K/V and cache dtypes (:mod:`jitattn.append_kv_module`);
+  a latent (MLA decode) spec compiles nothing yet: warmup names the backend that serves it;
   ``--spec '{"kind":"merge_state","dtype":"bfloat16"}'`` names one directly.
 - ``jitattn cache ls | verify | prune | clear | export | import``: list the entries of every layer;
   check every checksum (quarantining corrupt entries); remove what no lookup uses; empty the
@@ -286,12 +287,28 @@ def collect_targets(models: list[Path], spec_args: list[str], *, dtype: str | No
             add(kind.spec, f"{Path(path).stem}/{kind.name}")
         for out_dtype in dict.fromkeys(kind.spec.o_dtype for kind in model.layer_kinds):
             add(MergeModule(out_dtype), f"{Path(path).stem}/merge_state")  # jitattn.merge_state on its outputs
-        for pair in dict.fromkeys((kind.spec.q_dtype, kind.spec.kv_dtype) for kind in model.layer_kinds):
+        for pair in dict.fromkeys((kind.spec.q_dtype, kind.spec.kv_dtype) for kind in model.layer_kinds
+                                  if kind.spec.kv_storage == "paged"):  # a latent cache's writes are torch's
             add(AppendKvModule(*pair), f"{Path(path).stem}/append_kv")  # jitattn.append_kv into its cache
     for i, text in enumerate(spec_args, start=1):
         for spec in parse_spec_arg(text):
             add(spec, f"--spec #{i}")
     return list(targets.values())
+
+
+def without_kernels(targets: list[Target], arch: str) -> tuple[list[Target], list[str]]:
+    """The targets that have a kernel to build or ship, and one line for each that has none (a latent
+    spec, :func:`jitattn.doctor.no_kernel_note`) naming the backend that serves it on ``arch``."""
+    from jitattn.doctor import no_kernel_note
+
+    kept, notes = [], []
+    for t in targets:
+        note = no_kernel_note(t.spec, arch)
+        if note:
+            notes.append(f"{t.spec.name} (needed by {', '.join(t.sources)}): {note}")
+        else:
+            kept.append(t)
+    return kept, notes
 
 
 def resolve_archs(archs: list[str]) -> list[str]:
@@ -400,12 +417,15 @@ def warmup(
         targets = collect_targets(model or [], spec or [], dtype=dtype, page_size=page_size, kv_layout=kv_layout,
                                   kv_dtype=kv_dtype, cascade=cascade, tensor_parallel_size=tensor_parallel_size)
         archs = resolve_archs(arch or [])
+        targets, unbuilt = without_kernels(targets, archs[0])
         cache = KernelCache()
         nvcc = _check_build_box(cache)
     jobs = jobs or default_jobs()
     out, err = _console(), _console(stderr=True)
     err.print(f"jitattn warmup: {len(targets)} specs x {len(archs)} archs ({', '.join(archs)}), -j {jobs}\n"
               f"  cache: {cache.root}\n  nvcc: {nvcc}", markup=False, highlight=False)
+    for line in unbuilt:
+        out.print(f"not compiled: {line}", markup=False, highlight=False)
     if settings.disable_jit():
         err.print("  note: JITATTN_DISABLE_JIT=1 is set; warmup is the build step, so it compiles anyway",
                   markup=False, highlight=False)
@@ -636,6 +656,7 @@ def cache_export(
         targets = collect_targets(model or [], spec or [], dtype=dtype, page_size=page_size, kv_layout=kv_layout,
                                   kv_dtype=kv_dtype, cascade=cascade, tensor_parallel_size=tensor_parallel_size)
         archs = resolve_archs(arch or [])
+        targets, unbuilt = without_kernels(targets, archs[0])
         cache = _open_cache()
         wanted = cache_admin.needed(((t.spec, t.sources) for t in targets), archs)
         try:
@@ -653,6 +674,8 @@ def cache_export(
         except OSError as exc:
             raise UsageError(f"cannot write {output}: {exc.strerror or exc}") from None
     size = output.stat().st_size
+    for line in unbuilt:
+        _say(_console(), f"not exported: {line}")
     _say(_console(), f"exported {len(entries)} entries ({len(targets)} specs x {len(archs)} archs: "
                      f"{', '.join(archs)}) to {output} ({_human(size)})")
 
@@ -792,9 +815,13 @@ def _print_report(report, out: Console) -> None:
         table.add_column("served")
         for k in m.kernels:
             table.add_row(k.name, escape(", ".join(k.needed_by)),
-                          *("[green]present[/]" if a in k.found else "[red]missing[/]" for a in report.archs),
+                          *("no kernel" if k.note else "[green]present[/]" if a in k.found else "[red]missing[/]"
+                            for a in report.archs),
                           "[green]yes[/]" if k.served else "[bold red]no[/]")
         out.print(table)
+        for k in m.kernels:
+            if k.note:
+                _say(out, f"note: {k.name}: {k.note}")
     for note in report.notes:
         _say(out, f"note: {note}")
     if not report.models:

@@ -8,7 +8,8 @@ It reports, without compiling anything and without needing torch or a GPU:
 - every cache layer: its root, whether it exists and is writable, its entries and the corrupt ones;
 - for each model (``--model``), each kernel it needs (its layer kinds' specs, per rank under
   ``--tensor-parallel-size``, and the ``merge_state`` module of its output dtype) and the archs it
-  is cached for.
+  is cached for. A spec jitattn compiles no kernel for (a latent, MLA, spec) counts as served, with a
+  note naming the backend that serves it (:func:`no_kernel_note`).
 
 A node *can serve* a model when, for every kernel, the cache holds it for an arch the node runs:
 with GPUs, for each GPU any arch of :func:`jitattn.archs.archs_for_capability` (the runtime takes the
@@ -34,6 +35,7 @@ from jitattn.cache import KernelCache, check_entry
 from jitattn.commands import models_warmup_command
 from jitattn.merge_module import MergeModule
 from jitattn.models import load_model_config
+from jitattn.spec import AttentionSpec
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,7 @@ class Kernel:
     needed_by: tuple[str, ...]
     found: dict[str, str]
     served: bool
+    note: str = ""  # a module with no kernel to cache (a latent spec): what serves it
 
 
 @dataclass(frozen=True)
@@ -214,6 +217,20 @@ def cache_layers(cache: KernelCache) -> tuple[Layer, ...]:
     return tuple(out)
 
 
+def no_kernel_note(module: Any, arch: str) -> str | None:
+    """Why ``module`` has no kernel to build, cache or ship (a latent spec: :data:`jitattn.spec.LATENT_NO_KERNEL`),
+    naming the backend the selector picks for it on ``arch``; None for a module that compiles."""
+    if not (isinstance(module, AttentionSpec) and module.latent):
+        return None
+    from jitattn.selector import NoBackendError, select
+
+    try:
+        served = f"served by the {select(module, arch).name} backend on {arch}"
+    except (NoBackendError, ValueError) as err:  # ValueError: a JITATTN_BACKEND of no registered backend
+        served = f"no backend serves it on {arch}: {str(err).splitlines()[0]}"
+    return f"no kernel to build: no latent-attention (MLA) kernel yet (kv_storage='latent'); {served}"
+
+
 def model_kernels(path: Path, cache: KernelCache, archs: Sequence[str], any_arch: bool, *, dtype: str | None,
                   page_size: int, kv_layout: str, kv_dtype: str | None, tensor_parallel_size: int,
                   gpu_archs: Sequence[Sequence[str]] = ()) -> ModelReport:
@@ -235,6 +252,10 @@ def model_kernels(path: Path, cache: KernelCache, archs: Sequence[str], any_arch
     kernels = []
     with settings.scope(JITATTN_DISABLE_JIT="1"):  # what a serving node finds: any nvcc's build, no compile
         for module, sources in needed.items():
+            note = no_kernel_note(module, archs[0]) if archs else None
+            if note:
+                kernels.append(Kernel(module.name, module.describe(), tuple(sources), {}, True, note))
+                continue
             found = {a: str(e.path) for a in archs if (e := cache.find(module, a)) is not None}
             if not any_arch:
                 served = len(found) == len(archs)

@@ -13,6 +13,10 @@ Two implementations with the same result (bit for bit):
   loads and stores, FP8 conversion in registers) that goes through jitattn's pipeline as the
   ``merge_state`` module does (:mod:`jitattn.append_kv_module`): cached by content, built by
   ``jitattn warmup --model``, shipped by ``jitattn cache export``.
+
+:func:`append_latent_kv` is the same job for a latent (MLA) cache ``(num_pages, page_size,
+kv_lora_rank + rope_dim)``: vLLM's ``concat_and_cache_mla``, FlashInfer's
+``append_paged_mla_kv_cache``. Torch path only (it runs on CUDA tensors too).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from jitattn.checks import fail
 from jitattn.merge import params_packer
 from jitattn.runtime import LoadedOnce, cuda_device
 
-__all__ = ["append_kv"]
+__all__ = ["append_kv", "append_latent_kv"]
 
 _SRC = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _FP8 = torch.float8_e4m3fn
@@ -77,10 +81,12 @@ def _cache_views(kv_cache: Any, kv_layout: str) -> tuple[torch.Tensor, torch.Ten
                   f"{k.dtype} {k.device} and {tuple(v.shape)} {v.dtype} {v.device}")
     else:
         if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+            latent = " (a 3-dim latent MLA cache takes append_latent_kv)" \
+                if isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 3 else ""
             full = "(num_pages, 2, page_size, num_kv_heads, head_dim)" if kv_layout == "NHD" else \
                 "(num_pages, 2, num_kv_heads, page_size, head_dim)"
             fail(f"kv_cache: expected a {kv_layout} tensor {full} or a (k_cache, v_cache) pair, got "
-                  f"{tuple(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache).__name__}")
+                  f"{tuple(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache).__name__}{latent}")
         k, v = kv_cache[:, 0], kv_cache[:, 1]
     if kv_layout == "HND":
         k, v = k.transpose(1, 2), v.transpose(1, 2)
@@ -96,6 +102,23 @@ def _check_scale(name: str, value: Any, fp8: bool) -> float:
     if not fp8 and value != 1.0:
         fail(f"{name}={value!r}: only an FP8 (float8_e4m3fn) cache is scaled; a 16-bit cache takes 1.0")
     return value
+
+
+def _check_slots(slot_mapping: Any, rows: torch.Tensor, rows_name: str, num_pages: int, page_size: int) -> None:
+    """``slot_mapping`` int64 ``(num_tokens,)`` beside ``rows``; on the CPU also its values (-1 or a slot)."""
+    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype != torch.int64 or slot_mapping.dim() != 1:
+        fail(f"slot_mapping: expected an int64 (num_tokens,) tensor, got "
+              f"{(slot_mapping.dtype, tuple(slot_mapping.shape)) if isinstance(slot_mapping, torch.Tensor) else type(slot_mapping).__name__}")
+    if slot_mapping.shape[0] != rows.shape[0]:
+        fail(f"slot_mapping: {slot_mapping.shape[0]} slots for {rows.shape[0]} tokens of {rows_name}")
+    if slot_mapping.device != rows.device:
+        fail(f"slot_mapping: on {slot_mapping.device}, but {rows_name} is on {rows.device}")
+    num_slots = num_pages * page_size
+    if slot_mapping.device.type == "cpu" and slot_mapping.numel():  # cheap here; on a GPU it would sync
+        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+        if lo < -1 or hi >= num_slots:
+            fail(f"slot_mapping: values in [{lo}, {hi}]; allowed: -1 (skip) or 0 .. {num_slots - 1} "
+                  f"(num_pages * page_size = {num_pages} * {page_size})")
 
 
 def check_append(k: Any, v: Any, kv_cache: Any, slot_mapping: Any, kv_layout: str, k_scale: Any, v_scale: Any
@@ -115,19 +138,7 @@ def check_append(k: Any, v: Any, kv_cache: Any, slot_mapping: Any, kv_layout: st
     if tuple(kc.shape[2:]) != tuple(k.shape[1:]):
         fail(f"kv_cache: {kc.shape[2]} heads of dim {kc.shape[3]} ({kv_layout}), but k has {k.shape[1]} of "
               f"dim {k.shape[2]}")
-    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype != torch.int64 or slot_mapping.dim() != 1:
-        fail(f"slot_mapping: expected an int64 (num_tokens,) tensor, got "
-              f"{(slot_mapping.dtype, tuple(slot_mapping.shape)) if isinstance(slot_mapping, torch.Tensor) else type(slot_mapping).__name__}")
-    if slot_mapping.shape[0] != k.shape[0]:
-        fail(f"slot_mapping: {slot_mapping.shape[0]} slots for {k.shape[0]} tokens of k")
-    if slot_mapping.device != k.device:
-        fail(f"slot_mapping: on {slot_mapping.device}, but k is on {k.device}")
-    num_slots = kc.shape[0] * kc.shape[1]
-    if slot_mapping.device.type == "cpu" and slot_mapping.numel():  # cheap here; on a GPU it would sync
-        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
-        if lo < -1 or hi >= num_slots:
-            fail(f"slot_mapping: values in [{lo}, {hi}]; allowed: -1 (skip) or 0 .. {num_slots - 1} "
-                  f"(num_pages * page_size = {kc.shape[0]} * {kc.shape[1]})")
+    _check_slots(slot_mapping, k, "k", kc.shape[0], kc.shape[1])
     fp8 = kc.dtype == _FP8
     return kc, vc, _check_scale("k_scale", k_scale, fp8), _check_scale("v_scale", v_scale, fp8)
 
@@ -276,3 +287,58 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: Any, slot_mapping: tor
         return
     load_append_kv_kernel(_SRC[k.dtype], str(kc.dtype).removeprefix("torch."), k.device).launch(
         k, v, kc, vc, slot_mapping.contiguous(), k_scale, v_scale)
+
+
+# ---- the latent (MLA) cache ----------------------------------------------------------------------
+def check_append_latent(c_kv: Any, k_pe: Any, latent_cache: Any, slot_mapping: Any, k_scale: Any
+                        ) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The checks of :func:`append_latent_kv` (no device sync). Returns the cache's c_kv and k_pe views
+    ``(num_pages, page_size, kv_lora_rank / rope_dim)`` and the scale."""
+    for name, t in (("c_kv", c_kv), ("k_pe", k_pe)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in _SRC:
+            fail(f"{name}: expected a float16 or bfloat16 (num_tokens, dim) tensor, got "
+                 f"{(t.dtype, tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if k_pe.shape[0] != c_kv.shape[0] or k_pe.dtype != c_kv.dtype or k_pe.device != c_kv.device:
+        fail(f"k_pe: {k_pe.shape[0]} tokens, {k_pe.dtype} on {k_pe.device}; must match c_kv's {c_kv.shape[0]}, "
+             f"{c_kv.dtype} on {c_kv.device}")
+    rank, width = c_kv.shape[1], c_kv.shape[1] + k_pe.shape[1]
+    if not isinstance(latent_cache, torch.Tensor) or latent_cache.dim() != 3 or latent_cache.shape[2] != width:
+        got = tuple(latent_cache.shape) if isinstance(latent_cache, torch.Tensor) else type(latent_cache).__name__
+        fail(f"latent_cache: expected (num_pages, page_size, {width}) (kv_lora_rank {rank} + rope dim "
+             f"{k_pe.shape[1]}), got {got}")
+    if latent_cache.dtype not in (c_kv.dtype, _FP8):
+        fail(f"latent_cache: dtype {latent_cache.dtype}; a cache for {c_kv.dtype} rows is {c_kv.dtype} or "
+             f"torch.float8_e4m3fn")
+    if latent_cache.device != c_kv.device:
+        fail(f"latent_cache: on {latent_cache.device}, but c_kv is on {c_kv.device}; all tensors must be on one device")
+    _check_slots(slot_mapping, c_kv, "c_kv", latent_cache.shape[0], latent_cache.shape[1])
+    scale = _check_scale("k_scale", k_scale, latent_cache.dtype == _FP8)
+    return latent_cache[..., :rank], latent_cache[..., rank:], scale
+
+
+def append_latent_kv(c_kv: torch.Tensor, k_pe: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                     *, k_scale: float = 1.0) -> None:
+    """Write new tokens' latent rows into a latent (MLA) cache, in place: token ``t``'s row ``[c_kv[t],
+    k_pe[t]]`` goes to page ``slot_mapping[t] // page_size``, offset ``slot_mapping[t] % page_size``
+    (vLLM's ``concat_and_cache_mla``, FlashInfer's ``append_paged_mla_kv_cache``).
+
+    Args:
+        c_kv: ``(num_tokens, kv_lora_rank)``, the compressed latent (after its norm), float16 or bfloat16.
+        k_pe: ``(num_tokens, rope_dim)``, the shared rotary key (after RoPE), c_kv's dtype and device.
+        latent_cache: what a latent spec reads (:class:`~jitattn.spec.AttentionSpec` with
+            ``kv_storage="latent"``): ``(num_pages, page_size, kv_lora_rank + rope_dim)`` of c_kv's dtype
+            or ``torch.float8_e4m3fn``.
+        slot_mapping: int64 ``(num_tokens,)``, ``page_id * page_size + offset``; ``-1`` skips a token.
+        k_scale: an FP8 cache holds ``x * float32(1 / k_scale)`` rounded to nearest e4m3 and saturated to
+            +-448, as :func:`append_kv` writes K; a Python float; 1.0 for a 16-bit cache.
+
+    Torch only (advanced-index assignment, any device; on a GPU, slots out of range are dropped with a
+    device sync). What is checked, before any write: shapes, dtypes, devices, the scale, and for CPU
+    tensors the slot range.
+
+    Raises:
+        ValueError: naming the argument, what was given and what is allowed.
+    """
+    ckv_cache, kpe_cache, k_scale = check_append_latent(c_kv, k_pe, latent_cache, slot_mapping, k_scale)
+    if c_kv.shape[0]:  # the row's two parts are views of one cache: the K/V path writes each
+        _append_torch(c_kv, k_pe, ckv_cache, kpe_cache, slot_mapping, k_scale, k_scale)

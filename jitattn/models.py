@@ -34,9 +34,27 @@ How the fields map (all models here are decoders: every spec is ``causal=True``)
   an error. The specs are the per-rank ones: what a rank's kernels run.
 
 Only the model types in :data:`MODEL_TYPES` are mapped (their attention is standard MHA/GQA/MQA
-with the features above); another ``model_type`` is an error listing them, rather than a guess.
-Multi-head latent attention (DeepSeek-V2/V3: ``kv_lora_rank``, ``q_lora_rank``,
-``qk_rope_head_dim``) is refused by name.
+with the features above) and the multi-head latent attention (MLA) types of :data:`MLA_MODEL_TYPES`;
+another ``model_type`` is an error listing them, rather than a guess. MLA fields on another model
+type are an error too.
+
+Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2; :func:`mla_layer_kinds`): every layer has two
+kinds, each listing every layer, as serving engines run them:
+
+- ``"mla_decode"``: the absorbed form over the latent cache, a latent spec
+  (``kv_storage="latent"``): ``num_qo_heads`` = ``num_attention_heads`` per rank, one KV head,
+  ``head_dim_qk = kv_lora_rank + qk_rope_head_dim`` (576), ``head_dim_vo = kv_lora_rank`` (512),
+  the ``page_size`` / ``kv_dtype`` arguments;
+- ``"mla_prefill"``: the un-absorbed MHA of prefill (and chunked prefill) on ragged K/V
+  (``kv_storage="ragged"``): ``num_attention_heads`` query and KV heads per rank,
+  ``head_dim_qk = qk_nope_head_dim + qk_rope_head_dim`` (192), ``head_dim_vo = v_head_dim`` (128),
+  16-bit K/V (decompressed from the latent by ``kv_b_proj``).
+
+Both take ``sm_scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5``, times ``mscale ** 2`` when the
+rope scaling is not the default one (YaRN) and has ``mscale_all_dim``, with ``mscale = 0.1 *
+mscale_all_dim * ln(factor) + 1`` for ``factor > 1`` (else 1): ``yarn_get_mscale`` /
+``yarn_apply_mscale`` of transformers' ``modeling_deepseek_v3.py`` (also vLLM's and SGLang's
+``deepseek_v2.py``). ``num_key_value_heads`` is not read (MLA has no separate KV heads).
 
 A multimodal config whose attention fields sit under ``text_config`` (Gemma-3, Llava, ...) is read
 from there. Missing fields are not filled from Hugging Face's class defaults: they raise.
@@ -75,9 +93,14 @@ MODEL_TYPES: tuple[str, ...] = (
     "gemma3", "gemma3_text", "gpt_oss", "bloom", "mpt", "falcon",
 )
 
-#: Multi-head latent attention (DeepSeek-style): these model types, or any of these fields.
+#: Multi-head latent attention (DeepSeek-style): the model types mapped by :func:`mla_layer_kinds`, and
+#: the fields that mark a config as MLA (refused on another model type).
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim")
+#: The MLA fields every MLA config must have (positive ints).
+MLA_REQUIRED = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+#: The two layer kinds of an MLA model (each lists every layer).
+MLA_DECODE, MLA_PREFILL = "mla_decode", "mla_prefill"
 
 #: Generic fields and the other names configs use for them, in lookup order.
 _ALIASES = {
@@ -93,7 +116,8 @@ class LayerKind:
     """Layers of a model that share one attention spec.
 
     Attributes:
-        name: the Hugging Face layer type, ``"full_attention"`` or ``"sliding_attention"``.
+        name: the Hugging Face layer type, ``"full_attention"`` or ``"sliding_attention"``; for an MLA
+            model :data:`MLA_DECODE` or :data:`MLA_PREFILL`.
         spec: the spec every layer of this kind needs.
         layers: 0-based indices of those layers, ascending.
     """
@@ -113,7 +137,7 @@ class ModelAttention:
             for a dict input).
         num_layers: ``num_hidden_layers``.
         layer_kinds: one entry per layer kind, in order of each kind's first layer; their
-            ``layers`` partition ``range(num_layers)``.
+            ``layers`` partition ``range(num_layers)`` (an MLA model: its two kinds list every layer each).
         tensor_parallel_size: the ranks the heads are split over; the specs hold one rank's heads.
     """
 
@@ -181,8 +205,9 @@ def load_model_config(config: str | os.PathLike | dict, *, dtype: str | None = N
     Raises:
         FileNotFoundError: ``config`` is a path that does not exist, or a directory without config.json.
         ValueError: invalid JSON; a required field missing or invalid; a ``model_type`` not in
-            :data:`MODEL_TYPES`; a float32 config without a ``dtype`` argument; a feature the specs
-            cannot express (multi-head latent attention); heads that do not split over
+            :data:`MODEL_TYPES` or :data:`MLA_MODEL_TYPES`; MLA fields that are missing, invalid or do
+            not fit (:func:`mla_layer_kinds`), or present on a non-MLA model type; a float32 config
+            without a ``dtype`` argument; heads that do not split over
             ``tensor_parallel_size``; or a spec the kernels cannot serve (e.g. head_dim 72):
             AttentionSpec's message, prefixed with the config and the layer kind. Each message
             names the source.
@@ -192,6 +217,10 @@ def load_model_config(config: str | os.PathLike | dict, *, dtype: str | None = N
     model_type = _model_type(cfg, source)
     _reject_unsupported(cfg, model_type, source)
     num_layers = _int_field(cfg, "num_hidden_layers", source)
+    if model_type in MLA_MODEL_TYPES:
+        kinds = mla_layer_kinds(cfg, num_layers, source, q_dtype=_dtype(raw, cfg, dtype, source), page_size=page_size,
+                                kv_layout=kv_layout, kv_dtype=kv_dtype, tensor_parallel_size=tensor_parallel_size)
+        return ModelAttention(model_type, _model_name(raw, config), num_layers, kinds, tensor_parallel_size)
     base = _base_spec_args(cfg, model_type, source)
     try:
         base["num_qo_heads"], base["num_kv_heads"] = per_rank_heads(base["num_qo_heads"], base["num_kv_heads"],
@@ -265,14 +294,14 @@ def _reject_unsupported(cfg: Mapping[str, Any], model_type: str, source: str) ->
     """Raise for attention the specs cannot express, or a model type not known to map, rather than
     map it to a wrong spec."""
     mla = [f"{f}={cfg[f]!r}" for f in MLA_FIELDS if _has(cfg, f)]
-    if model_type in MLA_MODEL_TYPES or mla:
-        what = ", ".join([f"model_type={model_type!r}"] * (model_type in MLA_MODEL_TYPES) + mla)
-        raise ValueError(f"{source}: {what}: multi-head latent attention (DeepSeek-style) is not supported yet; "
-                         f"only standard MHA/GQA/MQA maps to a spec")
-    if model_type not in MODEL_TYPES:
+    if mla and model_type not in MLA_MODEL_TYPES:
+        raise ValueError(f"{source}: model_type={model_type!r} with {', '.join(mla)}: multi-head latent attention "
+                         f"fields on a model type jitattn maps as standard MHA/GQA; MLA is mapped for "
+                         f"{', '.join(MLA_MODEL_TYPES)}")
+    if model_type not in MODEL_TYPES + MLA_MODEL_TYPES:
         raise ValueError(f"{source}: model_type={model_type!r} is not a model type jitattn maps (its attention "
                          f"may differ from standard MHA/GQA in ways the config does not say); known: "
-                         f"{', '.join(MODEL_TYPES)}")
+                         f"{', '.join(MODEL_TYPES + MLA_MODEL_TYPES)}")
 
 
 # ---- fields ------------------------------------------------------------------------------------
@@ -439,6 +468,76 @@ def _span(layers: tuple[int, ...]) -> str:
     return shown + (f", ... ({len(layers)} layers)" if len(layers) > 6 else "")
 
 
+# ---- multi-head latent attention ---------------------------------------------------------------
+def mla_sm_scale(cfg: Mapping[str, Any], source: str) -> float:
+    """An MLA config's softmax scale (module doc): ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``,
+    times ``mscale ** 2`` under a non-default rope scaling with ``mscale_all_dim`` (transformers'
+    ``yarn_apply_mscale``, ``modeling_deepseek_v3.py``). Reads ``rope_scaling``, else ``rope_parameters``.
+
+    Raises:
+        ValueError: a head dim missing or not a positive int; a rope scaling that is not an object, or
+            with ``mscale_all_dim`` but no positive ``factor``.
+    """
+    qk = _int_field(cfg, "qk_nope_head_dim", source) + _int_field(cfg, "qk_rope_head_dim", source)
+    name = "rope_scaling" if _has(cfg, "rope_scaling") else "rope_parameters"
+    rope = cfg.get(name)
+    if rope is None:
+        return qk ** -0.5
+    if not isinstance(rope, Mapping):
+        raise ValueError(f"{source}: {name}={rope!r}: expected an object or null")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    all_dim = rope.get("mscale_all_dim") or 0
+    if kind == "default" or not all_dim:
+        return qk ** -0.5
+    factor = rope.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0 \
+            or isinstance(all_dim, bool) or not isinstance(all_dim, (int, float)):
+        raise ValueError(f"{source}: {name} with mscale_all_dim={all_dim!r}, factor={factor!r}: expected numbers, "
+                         f"factor > 0 (the YaRN softmax scale is (0.1 * mscale_all_dim * ln(factor) + 1) ** 2)")
+    mscale = 0.1 * all_dim * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return qk ** -0.5 * mscale * mscale
+
+
+def mla_layer_kinds(cfg: Mapping[str, Any], num_layers: int, source: str, *, q_dtype: str, page_size: int = 16,
+                    kv_layout: str = "NHD", kv_dtype: str | None = None,
+                    tensor_parallel_size: int = 1) -> tuple[LayerKind, LayerKind]:
+    """The two layer kinds of an MLA config (module doc): :data:`MLA_DECODE` (the latent spec) and
+    :data:`MLA_PREFILL` (the ragged MHA spec), each over every layer, with one rank's heads.
+
+    Raises:
+        ValueError: a field of :data:`MLA_REQUIRED` missing or not a positive int; ``v_head_dim`` above
+            ``qk_nope_head_dim`` (no MLA model's layout); heads that do not split over the ranks; or a
+            spec field AttentionSpec refuses (its message, with the source and the kind).
+    """
+    missing = [f for f in MLA_REQUIRED if not _has(cfg, f)]
+    if missing:
+        raise ValueError(f"{source}: multi-head latent attention config without {', '.join(missing)}: an MLA "
+                         f"config needs {', '.join(MLA_REQUIRED)} (positive ints)")
+    rank, nope, rope, v = (_int_field(cfg, f, source) for f in MLA_REQUIRED)
+    if v > nope:
+        raise ValueError(f"{source}: v_head_dim={v} > qk_nope_head_dim={nope}: in DeepSeek-style MLA the value head "
+                         f"is no wider than the query/key head's no-rope part (DeepSeek-V2/V3, Kimi-K2: 128 / 128)")
+    heads = _int_field(cfg, "num_attention_heads", source)
+    try:
+        heads = per_rank_heads(heads, heads, tensor_parallel_size)[0]
+    except ValueError as err:
+        raise ValueError(f"{source}: {err}") from None
+    scale = mla_sm_scale(cfg, source)
+    shared = dict(num_qo_heads=heads, q_dtype=q_dtype, causal=True, sm_scale=scale)
+    decode = dict(shared, num_kv_heads=1, head_dim_qk=rank + rope, head_dim_vo=rank, kv_storage="latent",
+                  page_size=page_size, kv_layout=kv_layout, kv_dtype=kv_dtype)
+    prefill = dict(shared, num_kv_heads=heads, head_dim_qk=nope + rope, head_dim_vo=v, kv_storage="ragged")
+    layers = tuple(range(num_layers))
+    out = []
+    for name, args in ((MLA_DECODE, decode), (MLA_PREFILL, prefill)):
+        try:
+            out.append(LayerKind(name, AttentionSpec(**args), layers))
+        except ValueError as err:
+            raise ValueError(f"{source}: layer kind {name!r} (kv_lora_rank={rank}, qk_nope_head_dim={nope}, "
+                             f"qk_rope_head_dim={rope}, v_head_dim={v}): {err}") from err
+    return out[0], out[1]
+
+
 # ---- cross-check with transformers -------------------------------------------------------------
 @dataclass(frozen=True)
 class ConfigDifference:
@@ -485,7 +584,9 @@ def compare_with_transformers(config: str | os.PathLike | dict, *, dtype: str | 
     ``layer_types`` / ``sliding_window``), ``alibi`` (Falcon's ``alibi``; always for BLOOM and MPT) and
     ``sinks`` (always for gpt-oss); and ``num_layers`` and, without ``dtype``, the config's dtype. Only
     fields the config class declares count (a stray key transformers ignores is not read there).
-    RoPE (``rope_scaling`` / ``rope_parameters``) is not compared: no spec field holds it.
+    RoPE (``rope_scaling`` / ``rope_parameters``) is not compared: no spec field holds it. An MLA config
+    compares each of its two kinds, every layer, with the heads, head dims and softmax ``scaling`` of
+    transformers' own attention module built for the config on the meta device (its YaRN mscale included).
 
     Reads local files only (no hub access); a file or dict is copied as ``config.json`` into a
     temporary directory, since ``AutoConfig`` reads a directory.
@@ -518,7 +619,9 @@ def compare_with_transformers(config: str | os.PathLike | dict, *, dtype: str | 
             hf = AutoConfig.from_pretrained(str(folder), local_files_only=True).get_text_config(decoder=True)
         except Exception as err:  # its validators raise their own classes (e.g. StrictDataclassClassValidationError)
             raise ValueError(f"{source}: transformers' AutoConfig cannot read it: {err}") from None
-    theirs, num_layers, hf_dtype = _transformers_reading(hf, ours.model_type)
+    mla = ours.model_type in MLA_MODEL_TYPES
+    theirs, num_layers, hf_dtype = _mla_transformers_reading(hf, ours) if mla else \
+        _transformers_reading(hf, ours.model_type)
 
     out = []
     if num_layers != ours.num_layers:
@@ -527,16 +630,47 @@ def compare_with_transformers(config: str | os.PathLike | dict, *, dtype: str | 
     if dtype is None and hf_dtype is not None and hf_dtype != first.q_dtype:
         out.append(ConfigDifference("q_dtype", (), first.q_dtype, hf_dtype, "dtype"))
     spec_of = {i: kind.spec for kind in ours.layer_kinds for i in kind.layers}
+    # (layer, our spec, their reading): an MLA model's layers are compared once per kind
+    triples = ([(i, kind.spec, layer) for kind in ours.layer_kinds
+                for i, layer in enumerate(theirs[kind.name][:ours.num_layers])]
+               if mla else [(i, spec_of[i], layer) for i, layer in enumerate(theirs[:ours.num_layers])])
     found: dict[tuple[str, Any, Any, str], list[int]] = {}
-    for i, layer in enumerate(theirs[:ours.num_layers]):
+    for i, spec, layer in triples:
         for name, (value, origin) in layer.items():
-            mine = getattr(spec_of[i], name)
+            mine = getattr(spec, name)
             same = (math.isclose(mine, value, rel_tol=1e-12) if isinstance(value, float) else mine == value)
             if not same:
                 found.setdefault((name, mine, value, origin), []).append(i)
-    out += [ConfigDifference(name, tuple(layers), mine, value, origin)
+    out += [ConfigDifference(name, tuple(dict.fromkeys(layers)), mine, value, origin)
             for (name, mine, value, origin), layers in found.items()]
     return out
+
+
+def _mla_transformers_reading(hf: Any, ours: ModelAttention
+                              ) -> tuple[dict[str, list[dict[str, tuple[Any, str]]]], int, str | None]:
+    """:func:`_transformers_reading` of an MLA config, per kind (:data:`MLA_DECODE` / :data:`MLA_PREFILL`):
+    the heads, head dims and ``scaling`` of transformers' own attention module for the config, built on
+    the meta device (no weights), so the softmax scale is the one its model code computes."""
+    import importlib
+
+    import torch
+
+    module = importlib.import_module(type(hf).__module__.replace(".configuration_", ".modeling_"))
+    cls = getattr(module, type(hf).__name__.removesuffix("Config") + "Attention")
+    with torch.device("meta"):
+        attn = cls(hf, layer_idx=0)
+    scale = (float(attn.scaling), f"{cls.__name__}.scaling")
+    heads = (attn.num_heads, "num_attention_heads")
+    decode = {"num_qo_heads": heads, "num_kv_heads": (1, "MLA: one latent row per token"),
+              "head_dim_qk": (hf.kv_lora_rank + hf.qk_rope_head_dim, "kv_lora_rank + qk_rope_head_dim"),
+              "head_dim_vo": (hf.kv_lora_rank, "kv_lora_rank"), "sm_scale": scale}
+    prefill = {"num_qo_heads": heads, "num_kv_heads": (attn.num_heads, "num_attention_heads (K/V per head)"),
+               "head_dim_qk": (attn.qk_head_dim, f"{cls.__name__}.qk_head_dim"),
+               "head_dim_vo": (hf.v_head_dim, "v_head_dim"), "sm_scale": scale}
+    n = hf.num_hidden_layers
+    hf_dtype = getattr(hf, "dtype", None)
+    return ({MLA_DECODE: [decode] * n, MLA_PREFILL: [prefill] * n}, n,
+            str(hf_dtype).removeprefix("torch.") if hf_dtype is not None else None)
 
 
 def _transformers_reading(hf: Any, model_type: str) -> tuple[list[dict[str, tuple[Any, str]]], int, str | None]:

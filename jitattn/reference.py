@@ -11,6 +11,9 @@ denominator also holds ``exp(sink_h)`` when the spec has sinks (or, for a varian
 the weighted sum); the output transform. The built-in features and the Python hooks are the very
 functions the kernels are traced from. ``lse = log(sum_j exp(s_j) [+ exp(sink_h)])`` in natural
 log. A row that sees no key gets output 0 and lse ``-inf`` (``sink_h`` with sinks), never NaN.
+
+A latent (MLA) spec goes through :func:`paged_attention` too: its cache's rows are K and their first
+``head_dim_vo`` values V (:func:`gather_kv`, :func:`gather_latent`), dequantised by ``k_scale``.
 """
 
 from __future__ import annotations
@@ -38,7 +41,11 @@ def kv_pages(kv_cache: Any, ids: torch.Tensor) -> torch.Tensor:
 def gather_kv(spec: AttentionSpec, kv_cache: Any, block_table: torch.Tensor, b: int,
               kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequence ``b``'s keys and values from the paged cache (one tensor or a ``(k_cache, v_cache)``
-    pair), each ``(kv_len, num_kv_heads, head_dim)``."""
+    pair), each ``(kv_len, num_kv_heads, head_dim)``; a latent spec's K rows ``(kv_len, 1, head_dim_qk)`` and
+    V their first ``head_dim_vo`` values (views of :func:`gather_latent`)."""
+    if spec.latent:
+        rows = gather_latent(spec, kv_cache, block_table, b, kv_len)[:, None]  # (L, 1, head_dim_qk)
+        return rows, rows[..., :spec.head_dim_vo]
     num_pages = -(-kv_len // spec.page_size)
     pages = kv_pages(kv_cache, block_table[b, :num_pages].long())  # (n, 2, P, H, D) or (n, 2, H, P, D)
     if spec.kv_layout == "HND":
@@ -46,6 +53,14 @@ def gather_kv(spec: AttentionSpec, kv_cache: Any, block_table: torch.Tensor, b: 
     k = pages[:, 0].reshape(-1, spec.num_kv_heads, spec.head_dim_qk)[:kv_len]
     v = pages[:, 1].reshape(-1, spec.num_kv_heads, spec.head_dim_vo)[:kv_len]
     return k, v
+
+
+def gather_latent(spec: AttentionSpec, latent_cache: torch.Tensor, block_table: torch.Tensor, b: int,
+                  kv_len: int) -> torch.Tensor:
+    """Sequence ``b``'s latent rows ``(kv_len, head_dim_qk)`` (c_kv then k_pe; a copy, in the cache's dtype)
+    from a latent cache ``(num_pages, page_size, head_dim_qk)``."""
+    pages = latent_cache[block_table[b, :-(-kv_len // spec.page_size)].long()]  # (n, P, D)
+    return pages.reshape(-1, spec.head_dim_qk)[:kv_len]
 
 
 def visible(spec: AttentionSpec, qo_pos: torch.Tensor, kv_pos: torch.Tensor) -> torch.Tensor:
@@ -139,12 +154,15 @@ def paged_attention(
     """Attention of a batch of sequences over a paged KV cache, in plain torch.
 
     Args:
-        spec: the variant (``kv_storage="paged"``).
+        spec: the variant (``kv_storage="paged"``, or ``"latent"``: MLA).
         q: ``(total_q, num_qo_heads, head_dim_qk)``, queries of all sequences back to back.
         kv_cache: NHD ``(num_pages, 2, page_size, num_kv_heads, head_dim)`` or HND
             ``(num_pages, 2, num_kv_heads, page_size, head_dim)``; index 0 of dim 1 is K, 1 is V.
             Or a ``(k_cache, v_cache)`` pair, each NHD ``(num_pages, page_size, num_kv_heads, head_dim)``
             or HND ``(num_pages, num_kv_heads, page_size, head_dim)`` (the engines' separate caches).
+            A latent spec (MLA, ``kv_storage="latent"``) reads one tensor ``(num_pages, page_size,
+            head_dim_qk)``: K is each row (c_kv then k_pe), V its first ``head_dim_vo`` values; its
+            single KV head serves every query head.
         block_table: int ``(batch, max_pages_per_seq)``, page ids of each sequence in order.
         seq_lens: int ``(batch,)``, KV length of each sequence (new tokens included).
         query_start_loc: int ``(batch + 1,)``, cumulative query counts; sequence ``b``'s
@@ -155,7 +173,7 @@ def paged_attention(
         params: the variant's parameter tensors by name.
         return_lse: also return the natural-log lse, float32 ``(total_q, num_qo_heads)``.
         k_scale, v_scale: an FP8 cache holds ``K / k_scale`` and ``V / v_scale`` (per-tensor scales);
-            1.0 for a 16-bit cache.
+            1.0 for a 16-bit cache. A latent cache takes ``k_scale`` only (it dequantises V too).
         query_positions, functor_batch, position_offset: int32, required by (and only by) a spec with
             ``query_positions="explicit"``: query token ``t`` sits at position ``query_positions[t]``
             (any order; negative: before the first key; also past the last key) in its sequence's key frame, and the masks use

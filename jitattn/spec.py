@@ -35,8 +35,9 @@ QO_DTYPES = ("float16", "bfloat16")
 #: KV-cache dtypes the kernels take.
 KV_DTYPES = ("float16", "bfloat16", "float8_e4m3fn")
 KV_LAYOUTS = ("NHD", "HND")
-#: Where K/V come from: the paged KV cache, or contiguous varlen ("ragged") K and V tensors.
-KV_STORAGES = ("paged", "ragged")
+#: Where K/V come from: the paged KV cache, contiguous varlen ("ragged") K and V tensors, or the paged
+#: latent cache of multi-head latent attention (MLA: one row per token, V a prefix of K).
+KV_STORAGES = ("paged", "ragged", "latent")
 #: Where each query's position comes from: the sequence's last qo_len positions, or a per-token tensor.
 QUERY_POSITIONS = ("implicit", "explicit")
 # Every live spec by its canonical text: the torch custom op (jitattn/ops.py) passes the text and
@@ -45,6 +46,12 @@ _LIVE_SPECS: "weakref.WeakValueDictionary[str, AttentionSpec]" = weakref.WeakVal
 #: Head dims the templates are built for: multiples of 16 in this range.
 HEAD_DIM_MIN, HEAD_DIM_MAX = 32, 256
 PAGE_SIZE_MAX = 1024
+#: Latent (MLA) specs: head dims multiples of 16 up to this (DeepSeek-V2/V3, Kimi-K2: 576 / 512), at most
+#: this many query heads (the whole group shares the one latent row: 128 at TP 1 for DeepSeek-V3).
+LATENT_HEAD_DIM_MAX, LATENT_MAX_QO_HEADS = 1024, 128
+#: Why no kernel is built for a latent spec yet: the jit backend's reason, the runtime's refusal, warmup's note.
+LATENT_NO_KERNEL = ("no latent-attention (MLA decode) kernel yet: jitattn compiles nothing for kv_storage='latent'; "
+                    "the torch backends serve it (sdpa, reference)")
 
 _DTYPE_ALIASES = {
     "float16": "float16", "fp16": "float16", "half": "float16", "torch.float16": "float16",
@@ -127,11 +134,12 @@ class AttentionSpec:
     Args:
         num_qo_heads: query/output heads (``H_qo``).
         num_kv_heads: key/value heads (``H_kv``); must divide ``num_qo_heads`` (GQA group size
-            ``H_qo / H_kv``). A paged spec's group must fit the decode kernel's block
+            ``H_qo / H_kv``); 1 for a latent spec. A paged spec's group must fit the decode kernel's block
             (:func:`decode_block_problem`): every group up to 60 heads (16-bit KV) / 62 (FP8) at every
             head dim, up to 128 / 64 at head dims from 64 up; ragged specs take any group.
-        head_dim_qk: query/key head dim, a multiple of 16 in [32, 256].
-        head_dim_vo: value/output head dim, a multiple of 16 in [32, 256]; defaults to ``head_dim_qk``.
+        head_dim_qk: query/key head dim, a multiple of 16 in [32, 256] ([32, 1024] for a latent spec).
+        head_dim_vo: value/output head dim, a multiple of 16 in [32, 256] ([32, 1024], below
+            ``head_dim_qk``, for a latent spec); defaults to ``head_dim_qk``.
             The paged cache stores K and V in one tensor, so a paged spec needs it equal to
             ``head_dim_qk``; a ragged spec may differ (e.g. 192/128, DeepSeek-style MLA prefill).
         q_dtype: ``"float16"`` or ``"bfloat16"`` (torch dtypes accepted).
@@ -148,7 +156,7 @@ class AttentionSpec:
         window_right: ``-1`` (none) or ``>= 0``: visible only if ``j - p <= window_right``;
             non-causal specs only.
         logits_soft_cap: ``0`` (off) or ``cap > 0``: ``s -> cap * tanh(s / cap)``.
-        sm_scale: softmax scale on ``q.k``; defaults to ``head_dim_qk ** -0.5``.
+        sm_scale: softmax scale on ``q.k``; defaults to ``head_dim_qk ** -0.5`` (a latent spec needs it given).
         alibi: add ``alibi_slopes[h] * (j - p)`` (slopes passed at call time, float32 ``(H_qo,)``;
             the standard geometric slopes when omitted). Press et al. 2022, "Train Short, Test
             Long", section 3.
@@ -160,7 +168,8 @@ class AttentionSpec:
             ``"ragged"`` (contiguous varlen K ``(total_kv, H_kv, head_dim_qk)`` and V ``(total_kv,
             H_kv, head_dim_vo)`` with ``kv_start_loc``, :func:`jitattn.ragged_attention`; FlashInfer's
             BatchPrefillWithRaggedKVCache, flash_attn_varlen). Ragged specs run the tensor-core
-            prefill kernel for every row (no decode kernel is built) and take 16-bit K/V only.
+            prefill kernel for every row (no decode kernel is built) and take 16-bit K/V only. Or
+            ``"latent"``: the MLA latent cache (below).
         query_positions: ``"implicit"`` (default: the queries of a sequence are its last ``qo_len``
             positions, ``kv_len - qo_len + i``) or ``"explicit"``: each query token's position in its
             sequence's key frame comes from an int32 ``query_positions`` tensor at call time, with the
@@ -168,6 +177,22 @@ class AttentionSpec:
             positions the hooks see (paged specs only; only the prefill kernel is built). Cascade
             attention (:mod:`jitattn.cascade`) runs its passes through such a spec; few users need it
             directly.
+
+    Latent attention (``kv_storage="latent"``; multi-head latent attention, MLA: DeepSeek-V2/V3,
+    Kimi-K2, decode in the absorbed form of FlashMLA, FlashInfer's MLA kernels and vLLM): the cache is
+    one tensor ``(num_pages, page_size, head_dim_qk)`` of ``kv_dtype`` (vLLM's MLA layout); each row is
+    ``c_kv`` (``head_dim_vo`` = ``kv_lora_rank`` values) then ``k_pe`` (``head_dim_qk - head_dim_vo`` =
+    ``qk_rope_head_dim``), K is the whole row and V its first ``head_dim_vo`` values. q is
+    ``(total_q, num_qo_heads, head_dim_qk)`` (``[q_nope @ W_UK, q_pe]`` per head), out
+    ``(total_q, num_qo_heads, head_dim_vo)`` (before ``W_UV``). Such a spec has ``num_kv_heads=1`` and
+    ``num_qo_heads`` in [1, 128] (the group is every head of the rank); head dims multiples of 16 in
+    [32, 1024] with ``head_dim_vo < head_dim_qk`` (576 / 512 for DeepSeek); ``kv_layout="NHD"``; page sizes
+    1..1024; ``kv_dtype`` = ``q_dtype`` or FP8 e4m3 (one per-tensor ``k_scale`` at call time, which
+    dequantises V too: ``v_scale`` stays 1.0); ``sm_scale`` given explicitly (MLA's is
+    ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``, not ``head_dim_qk ** -0.5``); ``causal=True``
+    and no window, soft-cap, ALiBi, sinks, variant or explicit positions. Any number of queries per
+    sequence (speculative / MTP decode brings 1..8), at its last positions. jitattn builds no kernel
+    for it yet (:data:`LATENT_NO_KERNEL`): the ``sdpa`` and ``reference`` backends serve it.
 
     Raises:
         ValueError: at construction, naming the field, the value and what is allowed.
@@ -201,21 +226,24 @@ class AttentionSpec:
             raise ValueError(
                 f"num_qo_heads={self.num_qo_heads}, num_kv_heads={self.num_kv_heads}: num_kv_heads must divide "
                 f"num_qo_heads (GQA groups of equal size)")
-        for name in ("head_dim_qk", "head_dim_vo"):
-            value = self.head_dim_qk if name == "head_dim_vo" and self.head_dim_vo is None else getattr(self, name)
-            _check_int(name, value, HEAD_DIM_MIN, HEAD_DIM_MAX, extra=", a multiple of 16")
-            if value % 16:
-                raise ValueError(f"{name}={value}: expected a multiple of 16 in [{HEAD_DIM_MIN}, {HEAD_DIM_MAX}]")
-            _set(name, value)
         if self.kv_storage not in KV_STORAGES:
             raise ValueError(f"kv_storage={self.kv_storage!r}: expected one of {KV_STORAGES}")
+        hi = LATENT_HEAD_DIM_MAX if self.kv_storage == "latent" else HEAD_DIM_MAX
+        for name in ("head_dim_qk", "head_dim_vo"):
+            value = self.head_dim_qk if name == "head_dim_vo" and self.head_dim_vo is None else getattr(self, name)
+            _check_int(name, value, HEAD_DIM_MIN, hi, extra=", a multiple of 16")
+            if value % 16:
+                raise ValueError(f"{name}={value}: expected a multiple of 16 in [{HEAD_DIM_MIN}, {hi}]")
+            _set(name, value)
+        if self.kv_storage == "latent":
+            self._check_latent()
         ragged = self.kv_storage == "ragged"
         if self.query_positions not in QUERY_POSITIONS:
             raise ValueError(f"query_positions={self.query_positions!r}: expected one of {QUERY_POSITIONS}")
         if self.query_positions == "explicit" and ragged:
             raise ValueError("query_positions='explicit' with kv_storage='ragged': explicit query positions are "
                              "for the paged cache only (cascade attention's passes)")
-        if self.head_dim_vo != self.head_dim_qk and not ragged:
+        if self.head_dim_vo != self.head_dim_qk and self.kv_storage == "paged":
             raise ValueError(
                 f"head_dim_vo={self.head_dim_vo}, head_dim_qk={self.head_dim_qk}: the paged KV cache holds K and V "
                 f"in one tensor, so they must be equal (kv_storage='ragged' takes separate K and V)")
@@ -239,7 +267,7 @@ class AttentionSpec:
         else:
             _set("page_size", 16 if self.page_size is None else self.page_size)
             _check_int("page_size", self.page_size, 1, PAGE_SIZE_MAX)
-            problem = decode_block_problem(self.head_dim_qk, self.kv_dtype, self.group_size)
+            problem = None if self.latent else decode_block_problem(self.head_dim_qk, self.kv_dtype, self.group_size)
             if problem:
                 largest = next(g for g in range(1, self.group_size)
                                if decode_block_problem(self.head_dim_qk, self.kv_dtype, g + 1))
@@ -270,6 +298,37 @@ class AttentionSpec:
         _set("_canonical_text", self.canonical_json())
         _LIVE_SPECS[self._canonical_text] = self
 
+    def _check_latent(self) -> None:
+        """What a latent (MLA) spec must be: one KV head, V a proper prefix of the row, causal, an
+        explicit ``sm_scale``, none of the other features (ValueError naming the field otherwise)."""
+        if self.num_kv_heads != 1:
+            raise ValueError(f"num_kv_heads={self.num_kv_heads} with kv_storage='latent': the latent cache holds one "
+                             f"row per token shared by every query head, so num_kv_heads must be 1")
+        _check_int("num_qo_heads", self.num_qo_heads, 1, LATENT_MAX_QO_HEADS,
+                   extra=" with kv_storage='latent' (heads per tensor-parallel rank)")
+        if self.head_dim_vo >= self.head_dim_qk:
+            raise ValueError(f"head_dim_vo={self.head_dim_vo}, head_dim_qk={self.head_dim_qk} with "
+                             f"kv_storage='latent': a latent row is c_kv (head_dim_vo = kv_lora_rank values) then "
+                             f"k_pe (head_dim_qk - head_dim_vo = qk_rope_head_dim values), so head_dim_vo must be < "
+                             f"head_dim_qk (e.g. 512 / 576)")
+        if self.kv_layout != "NHD":
+            raise ValueError(f"kv_layout={self.kv_layout!r} with kv_storage='latent': the latent cache (num_pages, "
+                             f"page_size, head_dim_qk) has no head dim to order; leave kv_layout 'NHD'")
+        if self.sm_scale is None:
+            raise ValueError("sm_scale=None with kv_storage='latent': give it explicitly; the default "
+                             "head_dim_qk ** -0.5 would use the absorbed row's 576, whereas MLA scales by "
+                             "(qk_nope_head_dim + qk_rope_head_dim) ** -0.5 (times mscale ** 2 under YaRN; "
+                             "jitattn.models computes it)")
+        unsupported = {"causal": (self.causal, True), "window_left": (self.window_left, -1),
+                       "window_right": (self.window_right, -1), "logits_soft_cap": (self.logits_soft_cap, 0),
+                       "alibi": (self.alibi, False), "sinks": (self.sinks, False), "variant": (self.variant, None),
+                       "query_positions": (self.query_positions, "implicit")}
+        for name, (value, allowed) in unsupported.items():
+            if value != allowed or type(value) is not type(allowed) and name != "logits_soft_cap":
+                raise ValueError(f"{name}={value!r} with kv_storage='latent': latent (MLA decode) specs take "
+                                 f"{name}={allowed!r} only (causal attention of each sequence's last queries, "
+                                 f"plain softmax, no window, soft-cap, ALiBi, sinks, variant or explicit positions)")
+
     # ---- derived -------------------------------------------------------------------------------
     @property
     def group_size(self) -> int:
@@ -282,10 +341,15 @@ class AttentionSpec:
         return self.kv_storage == "ragged"
 
     @property
+    def latent(self) -> bool:
+        """True for the latent (MLA) cache (``kv_storage == "latent"``): no jit kernel yet, served by torch."""
+        return self.kv_storage == "latent"
+
+    @property
     def has_decode(self) -> bool:
         """Whether the spec's module holds the decode kernel: not for ragged K/V nor explicit query
-        positions (their prefill kernel serves every row)."""
-        return not self.ragged and not self.explicit_positions
+        positions (their prefill kernel serves every row), nor latent specs (no module is built)."""
+        return self.kv_storage == "paged" and not self.explicit_positions
 
     @property
     def explicit_positions(self) -> bool:
@@ -352,7 +416,8 @@ class AttentionSpec:
     def name(self) -> str:
         """Readable, filesystem-safe name; unique together with :attr:`key`."""
         dims = f"d{self.head_dim_qk}" + (f"v{self.head_dim_vo}" if self.head_dim_vo != self.head_dim_qk else "")
-        storage = ["ragged"] if self.ragged else [self.kv_layout.lower(), f"p{self.page_size}"]
+        storage = ["ragged"] if self.ragged else ["latent" if self.latent else self.kv_layout.lower(),
+                                                  f"p{self.page_size}"]
         parts = [f"h{self.num_qo_heads}x{self.num_kv_heads}", dims,
                  {"float16": "f16", "bfloat16": "bf16"}[self.q_dtype], *storage]
         if self.kv_dtype == "float8_e4m3fn":
@@ -399,7 +464,8 @@ class AttentionSpec:
         """One line for tables and logs."""
         feats = [words for _, words in self._features()]
         dims = f"{self.head_dim_qk}" + (f"/{self.head_dim_vo}" if self.head_dim_vo != self.head_dim_qk else "")
-        storage = "ragged K/V" if self.ragged else f"{self.kv_layout} p{self.page_size}"
+        cache = "latent (MLA)" if self.latent else self.kv_layout
+        storage = "ragged K/V" if self.ragged else f"{cache} p{self.page_size}"
         dtypes = self.q_dtype + (f" (KV {self.kv_dtype})" if self.kv_dtype != self.q_dtype else "")
         return (f"{self.num_qo_heads}/{self.num_kv_heads} heads, hd {dims}, {dtypes}, "
                 f"{storage}, scale {self.sm_scale:.4g}" + (", " + ", ".join(feats) if feats else ""))

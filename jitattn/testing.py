@@ -63,7 +63,8 @@ class PagedBatch(CallInputs):
     def kv_bytes_read(self) -> int:
         """Bytes of K and V the batch must read: only keys some query can see (windows applied)."""
         elem = torch.tensor([], dtype=torch_dtype(self.spec.kv_dtype)).element_size()
-        row = self.spec.num_kv_heads * (self.spec.head_dim_qk + self.spec.head_dim_vo) * elem
+        dims = self.spec.head_dim_qk + (0 if self.spec.latent else self.spec.head_dim_vo)  # latent: V is in K's row
+        row = self.spec.num_kv_heads * dims * elem
         return sum(visible_keys(self.spec, ql, kl) for ql, kl in zip(self.q_lens, self.kv_lens)) * row
 
     @property
@@ -181,6 +182,7 @@ def random_paged_batch(spec: AttentionSpec, q_lens: Sequence[int], kv_lens: Sequ
     """A random batch: sequence ``b`` brings ``q_lens[b]`` queries and reads ``kv_lens[b]`` keys.
 
     Values are standard normal times ``scale`` (q, k, v), sinks ~ N(0, 1) + 1, ALiBi slopes standard.
+    A latent spec's cache is ``(num_pages, page_size, head_dim_qk)``, one random row per token.
 
     Raises:
         ValueError: a ragged spec, lengths of different counts, or a sequence with more queries than keys.
@@ -193,9 +195,11 @@ def random_paged_batch(spec: AttentionSpec, q_lens: Sequence[int], kv_lens: Sequ
 
     q = randn(sum(q_lens), spec.num_qo_heads, spec.head_dim_qk)
     k = randn(sum(kv_lens), spec.num_kv_heads, spec.head_dim_qk)
-    v = randn(sum(kv_lens), spec.num_kv_heads, spec.head_dim_vo)
+    v = k if spec.latent else randn(sum(kv_lens), spec.num_kv_heads, spec.head_dim_vo)
     k, v, scales = _as_cache_dtype(spec, k, v)
     kv_cache, block_table = make_paged_kv(k, v, kv_lens, spec, extra_pages=extra_pages, generator=cpu_gen)
+    if spec.latent:  # one row per token (c_kv then k_pe), scaled by k_scale alone: V is the row's prefix
+        kv_cache, scales = kv_cache[:, 0, :, 0].contiguous(), {k: s for k, s in scales.items() if k == "k_scale"}
     qsl = torch.tensor([0, *accumulate(q_lens)], dtype=torch.int32, device=device)
     sinks = (torch.randn(spec.num_qo_heads, generator=cpu_gen) + 1.0).to(device) if spec.sinks else None
     return PagedBatch(spec, q, kv_cache, block_table, torch.tensor(list(kv_lens), dtype=torch.int32, device=device),

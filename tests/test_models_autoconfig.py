@@ -23,11 +23,8 @@ SHARED = Path(__file__).resolve().parents[2] / "shared" / "models"
 EXAMPLES = REPO / "examples" / "models"
 
 #: Configs jitattn refuses on purpose, and why (the test expects the refusal, it does not skip them).
-REFUSED = {
-    # Multi-head latent attention: no spec expresses it until issue 20 adds MLA; mapping it as MHA
-    # would build a kernel for the wrong attention.
-    "deepseek-v3": r"kv_lora_rank=512.*: multi-head latent attention",
-}
+#: None today: DeepSeek-V3 (multi-head latent attention) is mapped and compared kind by kind.
+REFUSED: dict[str, str] = {}
 
 
 def _configs() -> list:

@@ -55,7 +55,7 @@ BAD = [
     (dict(sm_scale=-0.1), r"sm_scale=-0.1: expected a number > 0"),
     (dict(sm_scale=float("nan")), r"sm_scale=nan: expected a finite number"),
     (dict(variant="soft"), r"variant='soft': expected a jitattn.Variant or None"),
-    (dict(kv_storage="varlen"), r"kv_storage='varlen': expected one of \('paged', 'ragged'\)"),
+    (dict(kv_storage="varlen"), r"kv_storage='varlen': expected one of \('paged', 'ragged', 'latent'\)"),
     (dict(query_positions="absolute"), r"query_positions='absolute': expected one of \('implicit', 'explicit'\)"),
     (dict(kv_storage="ragged", query_positions="explicit"), r"query_positions='explicit' with kv_storage='ragged'"),
     (dict(kv_storage="ragged", page_size=16), r"page_size=16 with kv_storage='ragged': ragged K/V have no pages"),

@@ -30,7 +30,7 @@ PROMPT, NEW, PAD = 12, 16, 4
 #: Configs the integration does not serve, and why.
 UNSERVED = {
     "bloom": "BLOOM's attention does not go through transformers' AttentionInterface",
-    "deepseek_v3": "MLA: head_dim_qk 192 != head_dim_vo 128; the paged layout keeps one head dim",
+    "deepseek_v3": "MLA: PagedCache keeps paged K/V, not the latent cache (its decode runs through jitattn.select)",
 }
 
 

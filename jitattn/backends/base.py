@@ -213,6 +213,8 @@ class Backend(ABC):
         supports_lse: its calls can return the lse.
         supports_explicit_positions: its paged calls take ``query_positions`` / ``functor_batch`` /
             ``position_offset`` (a spec with ``query_positions="explicit"``); built-ins: jit only.
+        supports_latent: its paged calls take a latent (MLA) spec's cache ``(num_pages, page_size,
+            head_dim_qk)``; built-ins: sdpa and reference. Without it, ``latent_refusal`` says why.
         description: one line for tables and docs.
     """
 
@@ -221,6 +223,8 @@ class Backend(ABC):
     graph_safe: ClassVar[bool] = False
     supports_lse: ClassVar[bool] = True
     supports_explicit_positions: ClassVar[bool] = False
+    supports_latent: ClassVar[bool] = False
+    latent_refusal: ClassVar[str] = "its call reads a paged K/V cache, not the latent rows of an MLA cache"
     description: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -242,7 +246,8 @@ class Backend(ABC):
 
             def refusal(judged: DeviceInfo) -> list[str]:
                 """The reasons, when no phase is served on ``judged`` (a backend may serve decode only)."""
-                refused = [self.spec_reasons(spec, judged, phase) + self._position_reasons(spec) for phase in PHASES]
+                kind = self._position_reasons(spec) + self._latent_reasons(spec)
+                refused = [self.spec_reasons(spec, judged, phase) + kind for phase in PHASES]
                 return refused[PHASES.index("mixed")] if all(refused) else []
 
             reasons = refusal(device)
@@ -282,7 +287,7 @@ class Backend(ABC):
         device = DeviceInfo.parse(device)
         check_phase(phase)
         out = list(self.spec_reasons(spec, device, phase))
-        out += self._position_reasons(spec)
+        out += self._position_reasons(spec) + self._latent_reasons(spec)
         if requirements.need_lse and not self.supports_lse:
             out.append(f"{self.name}: cannot return the lse (return_lse=True)")
         if requirements.need_lse and spec.variant is not None and not spec.variant.softmax:
@@ -297,6 +302,12 @@ class Backend(ABC):
             return [f"{self.name}: explicit query positions (query_positions='explicit') not supported (its call "
                     f"takes no query_positions / functor_batch / position_offset; it would place each sequence's "
                     f"queries at its last positions)"]
+        return []
+
+    def _latent_reasons(self, spec: AttentionSpec) -> list[str]:
+        """A latent (MLA) spec, for a backend whose call cannot take its cache."""
+        if spec.latent and not self.supports_latent:
+            return [f"{self.name}: latent attention (kv_storage='latent', MLA) not served: {self.latent_refusal}"]
         return []
 
     def __repr__(self) -> str:

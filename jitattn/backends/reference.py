@@ -30,6 +30,7 @@ def missing_torch_functors(spec: AttentionSpec) -> list[str]:
 class ReferenceBackend(Backend):
     name = "reference"
     priority = 0
+    supports_latent = True
     description = "jitattn.reference in torch eager (any device, every feature, slow)"
 
     def spec_reasons(self, spec: AttentionSpec, device: DeviceInfo, phase: str) -> list[str]:

@@ -13,6 +13,12 @@ a chunk of queries after cached keys passes an explicit boolean mask.
 SDPA does not return the log-sum-exp, so ``return_lse=True`` is refused. Ragged specs are served
 the same way, one SDPA call per sequence on slices of k / v (no gather); SDPA takes a value head dim
 that differs from the query/key one (head_dim_vo != head_dim_qk) on its math and memory-efficient paths.
+
+Latent (MLA) specs are served too, bf16/fp16 or FP8 caches: each sequence's latent rows are gathered
+from the pages (``(kv_len, head_dim_qk)``, K; V is their first ``head_dim_vo`` values) and, the one
+KV head being shared by every query head, the ``q_len x num_qo_heads`` query rows go to SDPA as one
+head's queries (no copy of K per head). An FP8 row is exact in the query dtype, so its ``k_scale`` is
+folded into the softmax scale and the output rather than multiplied into a copy of the rows.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import contextlib
 from typing import TYPE_CHECKING, Any, Callable
 
 from jitattn.backends.base import Backend, DeviceInfo, PagedAttentionFn, dtype_reasons, unsupported_reasons
-from jitattn.spec import AttentionSpec
+from jitattn.spec import KV_DTYPES, AttentionSpec
 
 if TYPE_CHECKING:  # torch loads in build(): the reasons serve `jitattn select` on a box without torch
     import torch
@@ -31,6 +37,7 @@ class SdpaBackend(Backend):
     name = "sdpa"
     priority = 40
     supports_lse = False
+    supports_latent = True
     description = "torch scaled_dot_product_attention over gathered K/V (plain causal/bidirectional)"
 
     def spec_reasons(self, spec: AttentionSpec, device: DeviceInfo, phase: str) -> list[str]:
@@ -41,11 +48,12 @@ class SdpaBackend(Backend):
                                   sinks="torch SDPA has no sink term in the softmax denominator",
                                   alibi="torch SDPA takes no per-head position bias",
                                   variant="torch SDPA takes no score or mask functions")
-        return out + dtype_reasons(n, spec)
+        return out + (dtype_reasons(n, spec, kv=KV_DTYPES) if spec.latent else dtype_reasons(n, spec))
 
     def build(self, spec: AttentionSpec, device: DeviceInfo) -> PagedAttentionFn:
         from jitattn.backends.common import check_call, check_flags, finish, new_out
-        from jitattn.reference import gather_kv
+        from jitattn.checks import check_scales
+        from jitattn.reference import gather_kv, gather_latent
 
         if spec.ragged:
             return _ragged_fn(spec)
@@ -57,6 +65,7 @@ class SdpaBackend(Backend):
             _refuse_lse(return_lse)
             # It reads the metadata on the host anyway, so it always checks the values (validate is moot).
             check_call(spec, q, kv_cache, block_table, seq_lens, query_start_loc, {**kwargs, "out": out}, values=True)
+            k_scale = check_scales(spec, kwargs.get("k_scale", 1.0), kwargs.get("v_scale", 1.0))[0]
             result = new_out(spec, q, None)
             qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
             for b, kv_len in enumerate(lens):
@@ -64,7 +73,10 @@ class SdpaBackend(Backend):
                 if q1 - q0 > kv_len:
                     raise ValueError(f"sequence {b}: {q1 - q0} queries but seq_lens[{b}]={kv_len}; "
                                      f"seq_lens counts new tokens too")
-                if q1 > q0:
+                if q1 > q0 and spec.latent:
+                    result[q0:q1] = _one_latent_sequence(spec, q[q0:q1], gather_latent(spec, kv_cache, block_table, b,
+                                                                                      kv_len), k_scale)
+                elif q1 > q0:
                     result[q0:q1] = _one_sequence(spec, q[q0:q1], *gather_kv(spec, kv_cache, block_table, b, kv_len))
             return finish(result, None, out, False)
 
@@ -111,6 +123,25 @@ def _one_sequence(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torc
     mask, is_causal = _causal_mask(spec, n, kv_len, q.device)
     o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=is_causal, scale=spec.sm_scale)
     return o.transpose(0, 1)  # (n, H, D)
+
+
+def _one_latent_sequence(spec: AttentionSpec, q: torch.Tensor, rows: torch.Tensor, k_scale: float) -> torch.Tensor:
+    """SDPA for one sequence of a latent spec: q ``(n, H, head_dim_qk)``, its latent rows ``(L, head_dim_qk)``
+    -> ``(n, H, head_dim_vo)``. The ``n * H`` query rows are one head's (all heads share the row)."""
+    import torch
+    import torch.nn.functional as F
+
+    n, heads, kv_len = q.shape[0], q.shape[1], rows.shape[0]
+    k = rows.to(q.dtype)[None, None]  # (1, 1, L, Dqk); an FP8 value is exact in 16 bits
+    qh = q.reshape(1, 1, n * heads, spec.head_dim_qk)  # row i * H + h: query i of head h
+    mask = None
+    if n > 1:  # bottom-right causal: query i (at kv_len - n + i) sees keys j <= kv_len - n + i, on each of its H rows
+        pos = torch.arange(kv_len - n, kv_len, device=q.device).repeat_interleave(heads)[:, None]  # (n * H, 1)
+        mask = torch.arange(kv_len, device=q.device)[None, :] <= pos  # (n * H, L)
+    o = F.scaled_dot_product_attention(qh, k, k[..., :spec.head_dim_vo], attn_mask=mask,
+                                       scale=spec.sm_scale * k_scale)  # (1, 1, n * H, Dvo)
+    o = o.reshape(n, heads, spec.head_dim_vo)
+    return o if k_scale == 1.0 else (o.float() * k_scale).to(q.dtype)
 
 
 def _causal_mask(spec: AttentionSpec, n: int, kv_len: int, device: torch.device
