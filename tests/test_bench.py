@@ -797,3 +797,13 @@ def test_cli_bench_bad_arguments_exit_2_with_one_line(tmp_path):
         assert proc.returncode == 2, proc.stderr
         assert "Traceback" not in proc.stderr
         assert proc.stderr.startswith("jitattn: error: ") and match in proc.stderr, proc.stderr
+
+
+def test_model_cases_refuse_a_config_without_a_paged_kind():
+    """DeepSeek-V3's kinds are latent decode and ragged prefill: no model case times them yet, and
+    `bench --model` says so (the two kinds would otherwise share one name and one be dropped)."""
+    config = Path(__file__).parent / "models" / "deepseek-v3.json"
+    with pytest.raises(ValueError, match=r"mla_decode \(kv_storage='latent'\).*mla_prefill \(kv_storage='ragged'\)"):
+        cases.model_cases(config)
+    with pytest.raises(cases.BenchUsageError, match="deepseek-v3.json: no bench case"):
+        cases.select_cases(None, [str(config)])

@@ -237,15 +237,24 @@ def model_cases(config: str | os.PathLike) -> list[BenchCase]:
     keys. Names: ``decode-<model>-<kind>-b<B>x4096``, ``prefill-<model>-<kind>-b2x4096`` with
     kind ``full`` or ``sliding``.
 
+    Only paged layer kinds get cases: a latent (MLA) or ragged kind is left out.
+
     Raises:
-        OSError / ValueError: the config is missing or invalid (:func:`jitattn.models.load_model_config`).
+        OSError / ValueError: the config is missing or invalid (:func:`jitattn.models.load_model_config`),
+            or none of its layer kinds is paged.
     """
     from jitattn.models import load_model_config
 
     model = load_model_config(config)
     label = Path(model.name).name.lower() or Path(config).stem
     out = []
+    skipped = [f"{k.name} (kv_storage={k.spec.kv_storage!r})" for k in model.layer_kinds if k.spec.kv_storage != "paged"]
+    if len(skipped) == len(model.layer_kinds):
+        raise ValueError(f"no bench case for its layer kinds {', '.join(skipped)}: model cases time the paged "
+                         f"cache; the latent (MLA) decode and the ragged MLA prefill have none yet")
     for kind in model.layer_kinds:
+        if kind.spec.kv_storage != "paged":
+            continue
         short = kind.name.split("_")[0]
         b, n = decode_batch_size(kind.spec), MODEL_KV_LEN
         out.append(BenchCase(f"decode-{label}-{short}-b{b}x{n}", kind.spec, [1] * b, [n] * b, "decode"))
