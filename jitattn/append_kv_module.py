@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from jitattn.render import CTYPES, Field, RenderedSource, render_fixed, typed_fields
+from jitattn.render import CTYPES, Field, RenderedSource, render_fixed, stride_fields, typed_fields
 from jitattn.spec import canonical_dtype
 from jitattn.utility_module import UtilityModule
 
@@ -43,16 +43,10 @@ FIELDS: tuple[Field, ...] = (
     Field("k_cache", "ptr", "{c}*", "K of page 0, slot 0, head 0"),
     Field("v_cache", "ptr", "{c}*", "V of page 0, slot 0, head 0"),
     Field("slot_mapping", "ptr", "const long long*", "(num_tokens,): page * page_size + offset, -1 skips"),
-    Field("k_stride_token", "i64", "long long"),
-    Field("k_stride_head", "i64", "long long"),
-    Field("v_stride_token", "i64", "long long"),
-    Field("v_stride_head", "i64", "long long"),
-    Field("k_cache_stride_page", "i64", "long long"),
-    Field("k_cache_stride_slot", "i64", "long long"),
-    Field("k_cache_stride_head", "i64", "long long"),
-    Field("v_cache_stride_page", "i64", "long long"),
-    Field("v_cache_stride_slot", "i64", "long long"),
-    Field("v_cache_stride_head", "i64", "long long"),
+    *stride_fields("k", "token", "head"),
+    *stride_fields("v", "token", "head"),
+    *stride_fields("k_cache", "page", "slot", "head"),
+    *stride_fields("v_cache", "page", "slot", "head"),
     Field("num_slots", "i64", "long long", "num_pages * page_size: slots at or past it are skipped"),
     Field("num_tokens", "i32", "int"),
     Field("num_heads", "i32", "int"),

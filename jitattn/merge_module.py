@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from jitattn.render import CTYPES, Field, RenderedSource, render_fixed, typed_fields
+from jitattn.render import CTYPES, Field, RenderedSource, render_fixed, stride_fields, typed_fields
 from jitattn.spec import canonical_dtype
 from jitattn.utility_module import UtilityModule
 
@@ -50,20 +50,9 @@ FIELDS: tuple[Field, ...] = (
     Field("v_out", "ptr", "{t}*", "merged values (seq, num_heads, head_dim); may be v_a (in place)"),
     Field("s_out", "ptr", "float*", "merged lse (seq, num_heads); may be s_a (in place)"),
     Field("mask", "ptr", "const unsigned char*", "bool (seq,): rows to merge, or null for all"),
-    Field("v_a_stride_seq", "i64", "long long"),
-    Field("v_a_stride_state", "i64", "long long", "merge_states only"),
-    Field("v_a_stride_head", "i64", "long long"),
-    Field("s_a_stride_seq", "i64", "long long"),
-    Field("s_a_stride_state", "i64", "long long", "merge_states only"),
-    Field("s_a_stride_head", "i64", "long long"),
-    Field("v_b_stride_seq", "i64", "long long"),
-    Field("v_b_stride_head", "i64", "long long"),
-    Field("s_b_stride_seq", "i64", "long long"),
-    Field("s_b_stride_head", "i64", "long long"),
-    Field("v_out_stride_seq", "i64", "long long"),
-    Field("v_out_stride_head", "i64", "long long"),
-    Field("s_out_stride_seq", "i64", "long long"),
-    Field("s_out_stride_head", "i64", "long long"),
+    *stride_fields("v_a", "seq", "state", "head", docs={"state": "merge_states only"}),
+    *stride_fields("s_a", "seq", "state", "head", docs={"state": "merge_states only"}),
+    *(f for t in ("v_b", "s_b", "v_out", "s_out") for f in stride_fields(t, "seq", "head")),
     Field("mask_stride", "i64", "long long"),
     Field("num_rows", "i32", "int", "seq"),
     Field("num_heads", "i32", "int"),

@@ -109,6 +109,12 @@ def params_fields(spec: AttentionSpec) -> tuple[Field, ...]:
     return tuple(sorted(fields, key=lambda f: -f.size))  # stable: declared order within a size
 
 
+def stride_fields(tensor: str, *dims: str, docs: dict[str, str] | None = None) -> tuple[Field, ...]:
+    """The ``<tensor>_stride_<dim>`` members (``long long``, in elements) of a fixed module's ``Params``,
+    in the order of ``dims``; ``docs`` gives a dim's comment."""
+    return tuple(Field(f"{tensor}_stride_{d}", "i64", "long long", (docs or {}).get(d, "")) for d in dims)
+
+
 def typed_fields(fields: Iterable[Field], **types: str) -> tuple[Field, ...]:
     """A fixed module's ``Params`` members (``merge_state``, ``append_kv``) with their element-type
     placeholders (``{t}``, ``{s}``...) filled from ``types``, 8-byte members first (so the layout has no holes)."""
