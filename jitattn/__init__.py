@@ -26,6 +26,13 @@ _SUBMODULES = frozenset({"append_kv_module", "archs", "backends", "bench", "buil
 
 
 def __getattr__(name: str):
+    value = _load_attribute(name)
+    if name not in _SUBMODULES:  # kept: an engine calls jitattn.run per layer, and this lookup is not free
+        globals()[name] = value
+    return value
+
+
+def _load_attribute(name: str):
     if name in _SUBMODULES:
         import importlib
 
