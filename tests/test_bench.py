@@ -86,7 +86,8 @@ def test_all_cases_are_unique_and_cover_the_examples():
     extra = ["decode-hd128-b64x4096-fp8", "mixed-hd128-4x2048-prefill+60x4096-decode",
              "prefill-hd128-causal-b4x8192-vs-ragged", "cascade-hd128-r50-p1000-s100", "cascade-hd128-r64-p8192-s256",
              "host-decode-hd128-b1x512", "host-mixed-hd128-2x64-prefill+30-decode", "generate-llama-3-8b-b8x4096",
-             "generate-gemma-2-9b-b8x4096"]
+             "generate-gemma-2-9b-b8x4096", "decode-mla-tp8-h16-b128x4096", "decode-mla-tp1-h128-b64x4096",
+             "decode-mla-tp8-h16-b128x4096-fp8"]
     assert len(names) == len(V0_CASES) + len(extra) + sum(len(cases.model_cases(m)) for m in MODELS)
     assert set(extra) <= set(names)
 
@@ -799,11 +800,26 @@ def test_cli_bench_bad_arguments_exit_2_with_one_line(tmp_path):
         assert proc.stderr.startswith("jitattn: error: ") and match in proc.stderr, proc.stderr
 
 
-def test_model_cases_refuse_a_config_without_a_paged_kind():
-    """DeepSeek-V3's kinds are latent decode and ragged prefill: no model case times them yet, and
-    `bench --model` says so (the two kinds would otherwise share one name and one be dropped)."""
+def test_model_cases_give_deepseek_its_mla_decode_case_and_refuse_a_config_with_no_cache_kind(tmp_path, monkeypatch):
+    """DeepSeek-V3's kinds are latent decode and ragged prefill: the latent one gets a decode case (the
+    ragged one none); a config whose kinds are all ragged is still a usage error that names them."""
+    import dataclasses
+
+    from jitattn import models
+    from jitattn.models import load_model_config
+
     config = Path(__file__).parent / "models" / "deepseek-v3.json"
-    with pytest.raises(ValueError, match=r"mla_decode \(kv_storage='latent'\).*mla_prefill \(kv_storage='ragged'\)"):
+    [dec] = cases.model_cases(config)
+    assert dec.name == "decode-deepseek-v3-mla-b64x4096" and dec.phase == "decode"
+    assert dec.spec == load_model_config(config).layer_kinds[0].spec and dec.spec.latent
+    assert (set(dec.q_lens), set(dec.kv_lens), dec.check_seqs) == ({1}, {4096}, cases.MLA_CHECK_SEQS)
+    assert [c.name for c in cases.select_cases(None, [str(config)])] == [dec.name]
+    assert cases.decode_kv_bytes(dec.spec, 64, 4096) == 64 * 4096 * 576 * 2  # one latent row per token
+
+    model = load_model_config(config)
+    prefill_only = dataclasses.replace(model, layer_kinds=model.layer_kinds[1:])  # the ragged mla_prefill kind alone
+    monkeypatch.setattr(models, "load_model_config", lambda _: prefill_only)
+    with pytest.raises(ValueError, match=r"no bench case for its layer kinds mla_prefill \(kv_storage='ragged'\)"):
         cases.model_cases(config)
     with pytest.raises(cases.BenchUsageError, match="deepseek-v3.json: no bench case"):
         cases.select_cases(None, [str(config)])

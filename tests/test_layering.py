@@ -44,6 +44,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("bench.harness",),
     ("bench.anchors", "bench.warm_load"),
     ("bench.compile_figures", "bench.host", "bench.generate"),
+    ("bench.mla",),                                 # the MLA decode rows (uses host's plan/run call)
     ("bench.run",),
     ("bench",),
     ("cli",),

@@ -12,13 +12,16 @@ anchor that cannot express a case shows as a "skipped" row with the reason; one 
 as a "failed" row with the error. Nothing an anchor does stops the run.
 
 Units: prefill in TFLOP/s with 4 x head_dim FLOPs per visible (query, key) pair per query head;
-decode in TB/s of K and V bytes the case must read (keys inside the window only); host cases in
+decode in TB/s of K and V bytes the case must read (keys inside the window only); MLA decode cases in
+TB/s of latent rows read, or TFLOP/s at 2 x (576 + 512) FLOPs per query head and key where compute-bound
+(:mod:`~jitattn.bench.mla`: jitattn, torch SDPA and FlashInfer's MLA wrapper); host cases in
 microseconds per eager call; generate cases in attention microseconds per decode step of a small
 transformers model (needs transformers). Times in ms.
 
 The package: :mod:`~jitattn.bench.cases` (the catalogue), :mod:`~jitattn.bench.harness` (timing),
 :mod:`~jitattn.bench.anchors` (SDPA, Flex, FlashInfer on :mod:`jitattn.backends`),
-:mod:`~jitattn.bench.run` (jitattn's runners and one case end to end), :mod:`~jitattn.bench.host`
+:mod:`~jitattn.bench.run` (jitattn's runners and one case end to end), :mod:`~jitattn.bench.mla`
+(the MLA decode rows), :mod:`~jitattn.bench.host`
 (the host-cost case), :mod:`~jitattn.bench.generate` (the transformers decode-step case),
 :mod:`~jitattn.bench.compile_figures` and :mod:`~jitattn.bench.warm_load`
 (compile and load costs), :mod:`~jitattn.bench.report` (tables, JSON, BENCHMARKS.md). The command

@@ -3,8 +3,9 @@
 A case is a spec and a batch (``q_lens[b]`` queries against ``kv_lens[b]`` keys). The catalogue:
 DESIGN.md's six anchor-table cases, the fast-decode targets, the mixed batch, the paged-vs-ragged
 pair, the shared-prefix (cascade) batches, the host-cost probes, the ``generate`` decode steps of small
-transformers models (:class:`GenerateSetup`), then a decode and a prefill case
-for every layer kind of every example model config (:data:`MODEL_CONFIG_DIRS`; or the configs given).
+transformers models (:class:`GenerateSetup`), the multi-head latent attention (MLA) decode cases
+(:func:`mla_cases`), then a decode and a prefill case for every paged layer kind (a decode case for a
+latent one) of every example model config (:data:`MODEL_CONFIG_DIRS`; or the configs given).
 """
 
 from __future__ import annotations
@@ -94,9 +95,12 @@ class BenchCase:
 
     @property
     def check_seqs(self) -> int:
-        """Sequences whose rows the reference checks: all, except prefill cases of > 2 sequences (the first)."""
+        """Sequences whose rows the reference checks: all, except prefill cases of > 2 sequences (the
+        first) and latent (MLA) cases of more than :data:`MLA_CHECK_SEQS` (that many)."""
         if self.phase == "prefill" and len(self.q_lens) > FULL_CHECK_MAX_SEQS:
             return 1
+        if self.spec.latent and len(self.q_lens) > MLA_CHECK_SEQS:
+            return MLA_CHECK_SEQS
         return len(self.q_lens)
 
     def describe(self) -> str:
@@ -104,6 +108,8 @@ class BenchCase:
         shape = (f"{len(self.q_lens)} x ({self.q_lens[0]} q, {self.kv_lens[0]} kv)"
                  if len(set(self.q_lens)) == 1 and len(set(self.kv_lens)) == 1 else f"{len(self.q_lens)} sequences")
         kind = f"host us per call, {self.phase}" if self.host else self.phase
+        if self.spec.latent:
+            kind = f"{self.phase} in {latent_unit(self.spec)}"
         if self.generate is not None:
             g = self.generate
             kind = (f"generate: attention us per decode step, {g.model} at {g.layers} layers, {g.steps} steps "
@@ -207,14 +213,58 @@ def generate_cases() -> list[BenchCase]:
     return [generate_case(GenerateSetup(m)) for m in GENERATE_MODELS if model_config_path(m).is_file()]
 
 
+# ---- multi-head latent attention (MLA) decode (issue 20) ----------------------------------------
+#: DeepSeek-V3's MLA fields (tests/models/deepseek-v3.json) that set the cases' softmax scale
+#: (:func:`jitattn.models.mla_sm_scale`: 192 ** -0.5 times the YaRN mscale ** 2).
+DEEPSEEK_V3_MLA = {"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                   "rope_scaling": {"type": "yarn", "factor": 40, "mscale_all_dim": 1.0}}
+#: FlashMLA's page (block) size, which vLLM's MLA backends use; FlashInfer's MLA wrapper takes any.
+MLA_PAGE_SIZE = 64
+#: A latent case checks the rows of its first this many sequences (64 x 128 heads x 4096 keys in fp32 is slow).
+MLA_CHECK_SEQS = 4
+#: H200 bf16 dense tensor-core peak over HBM bandwidth (989 TFLOP/s / 4.8 TB/s): a latent case doing
+#: at least this many FLOPs per byte of cache is compute-bound and reports TFLOP/s, else TB/s.
+H200_FLOP_PER_BYTE = 206
+
+
+def mla_spec(num_qo_heads: int, kv_dtype: str | None = None) -> AttentionSpec:
+    """DeepSeek-V3's MLA decode spec with ``num_qo_heads`` heads per rank: 576 / 512, one latent row per token,
+    page :data:`MLA_PAGE_SIZE`, bf16 queries, the cache in ``kv_dtype`` (None: bf16)."""
+    from jitattn.models import mla_sm_scale
+
+    rank, rope = DEEPSEEK_V3_MLA["kv_lora_rank"], DEEPSEEK_V3_MLA["qk_rope_head_dim"]
+    return AttentionSpec(num_qo_heads, 1, rank + rope, head_dim_vo=rank, q_dtype="bfloat16", kv_dtype=kv_dtype,
+                         kv_storage="latent", page_size=MLA_PAGE_SIZE,
+                         sm_scale=mla_sm_scale(DEEPSEEK_V3_MLA, "DeepSeek-V3"))
+
+
+def mla_cases() -> list[BenchCase]:
+    """Issue 20's MLA decode cases, DeepSeek-V3's dims: the TP8 shape (16 heads) 128 x 4096 keys, bf16 and FP8
+    caches, and the TP1 shape (128 heads) 64 x 4096 keys."""
+    n = MODEL_KV_LEN
+    return [BenchCase(f"decode-mla-tp8-h16-b128x{n}", mla_spec(16), [1] * 128, [n] * 128, "decode"),
+            BenchCase(f"decode-mla-tp1-h128-b64x{n}", mla_spec(128), [1] * 64, [n] * 64, "decode"),
+            BenchCase(f"decode-mla-tp8-h16-b128x{n}-fp8", mla_spec(16, "float8_e4m3fn"), [1] * 128, [n] * 128,
+                      "decode")]
+
+
+def latent_unit(spec: AttentionSpec) -> str:
+    """A latent case's unit: "TFLOP/s" when it does at least :data:`H200_FLOP_PER_BYTE` FLOPs
+    (2 x (head_dim_qk + head_dim_vo) per query head and key) per byte of latent row, else "TB/s"."""
+    flops = 2 * (spec.head_dim_qk + spec.head_dim_vo) * spec.num_qo_heads
+    return "TFLOP/s" if flops >= H200_FLOP_PER_BYTE * spec.head_dim_qk * KV_ELEMENT_BYTES[spec.kv_dtype] else "TB/s"
+
+
 def visible_decode_keys(spec: AttentionSpec, kv_len: int) -> int:
     """Keys a decode query (at position ``kv_len - 1``) can see: every key, or the ``window_left + 1`` last."""
     return kv_len if spec.window_left < 0 else min(kv_len, spec.window_left + 1)
 
 
 def decode_kv_bytes(spec: AttentionSpec, batch: int, kv_len: int) -> int:
-    """Bytes of K and V a decode batch of ``batch`` x (1 query, ``kv_len`` keys) must read (window applied)."""
-    row = spec.num_kv_heads * (spec.head_dim_qk + spec.head_dim_vo) * KV_ELEMENT_BYTES[spec.kv_dtype]
+    """Bytes of K and V a decode batch of ``batch`` x (1 query, ``kv_len`` keys) must read (window applied);
+    a latent spec's row once (V is its prefix)."""
+    dims = spec.head_dim_qk + (0 if spec.latent else spec.head_dim_vo)
+    row = spec.num_kv_heads * dims * KV_ELEMENT_BYTES[spec.kv_dtype]
     return batch * visible_decode_keys(spec, kv_len) * row
 
 
@@ -231,33 +281,35 @@ def decode_batch_size(spec: AttentionSpec, kv_len: int = MODEL_KV_LEN) -> int:
 
 
 def model_cases(config: str | os.PathLike) -> list[BenchCase]:
-    """A decode and a prefill case for every layer kind of a Hugging Face config.
+    """A decode and a prefill case for every paged layer kind of a Hugging Face config, a decode case
+    for every latent (MLA) one.
 
     Decode: :func:`decode_batch_size` x (1 query, 4096 keys); prefill: 2 x 4096 queries over 4096
     keys. Names: ``decode-<model>-<kind>-b<B>x4096``, ``prefill-<model>-<kind>-b2x4096`` with
-    kind ``full`` or ``sliding``.
+    kind ``full``, ``sliding`` or ``mla`` (a latent kind: DeepSeek's ``mla_decode``).
 
-    Only paged layer kinds get cases: a latent (MLA) or ragged kind is left out.
+    A ragged kind (DeepSeek's un-absorbed ``mla_prefill``) gets no case: the cases time a cache.
 
     Raises:
         OSError / ValueError: the config is missing or invalid (:func:`jitattn.models.load_model_config`),
-            or none of its layer kinds is paged.
+            or none of its layer kinds is paged or latent.
     """
     from jitattn.models import load_model_config
 
     model = load_model_config(config)
     label = Path(model.name).name.lower() or Path(config).stem
+    timed = [k for k in model.layer_kinds if k.spec.kv_storage in ("paged", "latent")]
+    if not timed:
+        kinds = ", ".join(f"{k.name} (kv_storage={k.spec.kv_storage!r})" for k in model.layer_kinds)
+        raise ValueError(f"no bench case for its layer kinds {kinds}: model cases time a paged or a latent (MLA) "
+                         f"cache")
     out = []
-    skipped = [f"{k.name} (kv_storage={k.spec.kv_storage!r})" for k in model.layer_kinds if k.spec.kv_storage != "paged"]
-    if len(skipped) == len(model.layer_kinds):
-        raise ValueError(f"no bench case for its layer kinds {', '.join(skipped)}: model cases time the paged "
-                         f"cache; the latent (MLA) decode and the ragged MLA prefill have none yet")
-    for kind in model.layer_kinds:
-        if kind.spec.kv_storage != "paged":
-            continue
+    for kind in timed:
         short = kind.name.split("_")[0]
         b, n = decode_batch_size(kind.spec), MODEL_KV_LEN
         out.append(BenchCase(f"decode-{label}-{short}-b{b}x{n}", kind.spec, [1] * b, [n] * b, "decode"))
+        if kind.spec.latent:  # MLA decode only: prefill runs un-absorbed, on the ragged kind
+            continue
         p = MODEL_PREFILL_BATCH
         out.append(BenchCase(f"prefill-{label}-{short}-b{p}x{n}", kind.spec, [n] * p, [n] * p, "prefill"))
     return out
@@ -280,10 +332,10 @@ def example_model_configs() -> list[Path]:
 
 
 def all_cases(models: list[Path] | None = None) -> list[BenchCase]:
-    """DESIGN.md's six, the decode targets, mixed, ragged, cascade, host and generate cases, then every layer kind
-    of every model (default: :func:`example_model_configs`)."""
+    """DESIGN.md's six, the decode targets, mixed, ragged, cascade, host, generate and MLA cases, then every layer
+    kind of every model (default: :func:`example_model_configs`)."""
     out = (design_cases() + decode_target_cases() + mixed_cases() + ragged_cases() + cascade_cases() + host_cases()
-           + generate_cases())
+           + generate_cases() + mla_cases())
     for config in example_model_configs() if models is None else models:
         out += model_cases(config)
     return out

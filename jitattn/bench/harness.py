@@ -35,11 +35,13 @@ class Runner:
 
     ``call()`` launches it (what is timed); ``rows(out)`` maps its output to the paged layout
     ``(total_q, num_qo_heads, head_dim_vo)`` for the error check; ``note`` goes to the table.
+    ``graph=False``: the call reads device values on the host (a sync), so no CUDA-graph capture is tried.
     """
 
     call: Callable[[], torch.Tensor]
     rows: Callable[[torch.Tensor], torch.Tensor] = lambda out: out
     note: str = ""
+    graph: bool = True
 
 
 def time_ms(fn: Callable[[], Any], *, warmup: int = 3, rep: int = 10, trials: int = 5) -> float:
@@ -101,15 +103,18 @@ def host_us_per_call(fn: Callable[[], Any], *, calls: int, warmup: int = 50, tri
     return statistics.median(times)
 
 
-def measure(case: str, impl: str, fn: Callable[[], Any], work: float, unit: str, err: float) -> Result:
-    """Eager and graph timings of one implementation; the rate uses the graph time when there is one.
+def measure(case: str, impl: str, fn: Callable[[], Any], work: float, unit: str, err: float, *,
+            graph: bool = True) -> Result:
+    """Eager and graph timings of one implementation (``graph=False``: eager only); the rate uses the
+    graph time when there is one.
 
     ``work`` is in TFLOP or TB, so work / seconds is TFLOP/s or TB/s.
     """
     ms = time_ms(fn)
-    note = ""
+    gms, note = math.nan, "" if graph else "no graph: host-side metadata reads"
     try:
-        gms = time_graph_ms(fn)
+        if graph:
+            gms = time_graph_ms(fn)
     except Exception as exc:  # noqa: BLE001 - any capture failure just means "no graph figure"
         gms, note = math.nan, f"no graph: {one_line(exc, 60)}"
     best = gms if not math.isnan(gms) else ms
@@ -125,7 +130,7 @@ def run_impl(case: BenchCase, impl: str, runner: Runner, work: float, unit: str,
     """Check one ready implementation against the reference, then time it. Never raises."""
     try:
         err = check_error(runner.rows(runner.call()), ref)
-        result = measure(case.name, impl, runner.call, work, unit, err)
+        result = measure(case.name, impl, runner.call, work, unit, err, graph=runner.graph)
     except Exception as exc:  # noqa: BLE001 - a failing implementation is a row, not a crash
         return Result.not_run(case.name, impl, unit, "failed", one_line(exc))
     return with_notes(result, runner, err)

@@ -35,14 +35,18 @@ HOST_ANCHORS = ("sdpa", "flashinfer")
 
 def plan_run_call(spec: AttentionSpec, batch: PagedBatch, out: torch.Tensor, max_query_len: int
                   ) -> Callable[[], torch.Tensor]:
-    """``jitattn.run(q, kv_cache, plan, out=out)`` with ``plan = jitattn.plan(...)`` made once, here.
+    """``jitattn.run(q, kv_cache, plan, out=out, **scales)`` with ``plan = jitattn.plan(...)`` made once, here
+    (``scales``: an FP8 cache's k_scale / v_scale).
 
     The plan/run API's call as the bench uses it, in one place (its names may still change).
+
+    Raises:
+        ValueError: ``jitattn.plan`` refuses the spec (a latent one: no kernel yet) or the batch.
     """
     import jitattn
 
     plan = jitattn.plan(spec, batch.block_table, batch.seq_lens, batch.query_start_loc, max_query_len=max_query_len)
-    return lambda: jitattn.run(batch.q, batch.kv_cache, plan, out=out)
+    return lambda: jitattn.run(batch.q, batch.kv_cache, plan, out=out, **batch.scales)
 
 
 def jitattn_host_runners(case: BenchCase, batch: PagedBatch) -> dict[str, Runner]:

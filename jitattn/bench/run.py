@@ -2,9 +2,10 @@
 
 :func:`run_case` makes one random batch, the fp32 reference of its rows, jitattn's runners
 (:func:`jitattn_runner`: the paged call, and per case the ragged twin, the separate prefill + decode
-calls, or the cascade against the plain call) and each anchor's (:mod:`jitattn.bench.anchors`),
-then checks and times each (:func:`jitattn.bench.harness.run_impl`). :func:`run` does every case,
-after the compile figures when asked, writing the JSON after each step.
+calls, or the cascade against the plain call) and each anchor's (:mod:`jitattn.bench.anchors`; a latent
+(MLA) case's rows are :mod:`jitattn.bench.mla`'s), then checks and times each
+(:func:`jitattn.bench.harness.run_impl`). :func:`run` does every case, after the compile figures when
+asked, writing the JSON after each step.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from jitattn.bench.anchors import anchor_builders, import_flashinfer, needs_dense, to_contiguous
-from jitattn.bench.cases import ANCHORS, REPO, BenchCase
+from jitattn.bench.cases import ANCHORS, REPO, BenchCase, latent_unit
 from jitattn.bench.compile_figures import device_arch, run_compile_figures
 from jitattn.bench.harness import Runner, build_runners, run_impl
+from jitattn.bench.mla import add_notes, add_ratio_targets, latent_builders, latent_work
 from jitattn.bench.report import HOST_UNIT, STEP_UNIT, CompileFigure, Result, one_line, write_json
 from jitattn.reference import torch_dtype
 from jitattn.spec import AttentionSpec
@@ -130,7 +132,10 @@ def cascade_runners(case: BenchCase, cb: Any) -> dict[str, Runner]:
 
 # ---- one case ---------------------------------------------------------------------------------
 def case_work(case: BenchCase, batch: PagedBatch) -> tuple[float, str]:
-    """``(work, unit)``: decode TB of K/V read and "TB/s"; prefill TFLOP and "TFLOP/s"."""
+    """``(work, unit)``: decode TB of K/V read and "TB/s"; prefill TFLOP and "TFLOP/s"; a latent case's
+    by :func:`jitattn.bench.mla.latent_work`."""
+    if case.spec.latent:
+        return latent_work(case, batch)
     if case.is_decode:
         return batch.kv_bytes_read / 1e12, "TB/s"
     return batch.flops / 1e12, "TFLOP/s"
@@ -162,9 +167,13 @@ def run_cascade_case(case: BenchCase, *, seed: int, check: bool) -> list[Result]
     return rows + [run_impl(case, impl, runner, work, unit, ref) for impl, runner in runners.items()]
 
 
-def run_case(case: BenchCase, *, seed: int = 0, check: bool = True, anchors: tuple[str, ...] = ANCHORS
-             ) -> list[Result]:
-    """Time jitattn and every requested anchor on one random batch; errors against the fp32 reference."""
+def run_case(case: BenchCase, *, seed: int = 0, check: bool = True, anchors: tuple[str, ...] = ANCHORS,
+             device: str = "cuda") -> list[Result]:
+    """Time jitattn and every requested anchor on one random batch; errors against the fp32 reference.
+
+    A latent (MLA) case's rows are :mod:`jitattn.bench.mla`'s. ``device``: where the batch lives (the
+    CPU tests run a latent case there with the timers replaced; host, cascade and generate cases ignore it).
+    """
     if case.host:
         from jitattn.bench.host import run_host_case
 
@@ -175,12 +184,15 @@ def run_case(case: BenchCase, *, seed: int = 0, check: bool = True, anchors: tup
         from jitattn.bench.generate import run_generate_case
 
         return run_generate_case(case, seed=seed, check=check, anchors=anchors)
-    batch = random_paged_batch(case.spec, case.q_lens, case.kv_lens, device="cuda", seed=seed)
+    batch = random_paged_batch(case.spec, case.q_lens, case.kv_lens, device=device, seed=seed)
     work, unit = case_work(case, batch)
     ref = reference_rows(case, batch) if check else None
-    dense = to_contiguous(batch) if needs_dense(case, anchors) else None
-    builders: dict[str, Callable[[], Runner | dict[str, Runner]]] = {
-        "jitattn": lambda: jitattn_runner(case, batch), **anchor_builders(case, batch, dense)}
+    builders: dict[str, Callable[[], Runner | dict[str, Runner]]]
+    if case.spec.latent:
+        builders = latent_builders(case, batch)
+    else:
+        dense = to_contiguous(batch) if needs_dense(case, anchors) else None
+        builders = {"jitattn": lambda: jitattn_runner(case, batch), **anchor_builders(case, batch, dense)}
     results: list[Result] = []
     for family in ("jitattn", *anchors):
         runners, rows = build_runners(case, family, builders[family], unit)
@@ -189,6 +201,8 @@ def run_case(case: BenchCase, *, seed: int = 0, check: bool = True, anchors: tup
             results.append(run_impl(case, impl, runner, work, unit, ref))
         del runners
         torch.cuda.empty_cache()
+    if case.spec.latent:
+        add_notes(case, batch, results)
     return results
 
 
@@ -197,7 +211,8 @@ def run_case_safely(case: BenchCase, **kwargs: Any) -> list[Result]:
     try:
         return run_case(case, **kwargs)
     except Exception as exc:  # noqa: BLE001
-        unit = HOST_UNIT if case.host else STEP_UNIT if case.generate else "TB/s" if case.is_decode else "TFLOP/s"
+        unit = (HOST_UNIT if case.host else STEP_UNIT if case.generate else latent_unit(case.spec) if case.spec.latent
+                else "TB/s" if case.is_decode else "TFLOP/s")
         return [Result.not_run(case.name, "(case)", unit, "failed", one_line(exc))]
     finally:
         torch.cuda.empty_cache()
@@ -315,4 +330,6 @@ def run(options: "BenchOptions", cases: list[BenchCase]
             _log(f"{case.name}: {case.describe()}")
             results += run_case_safely(case, seed=options.seed, check=options.check, anchors=options.anchors)
             save()
+        add_ratio_targets(results)  # across cases: the FP8 MLA cache against the bf16 one
+        save()
     return env, results, figures
