@@ -657,7 +657,8 @@ NO_TORCH = "import sys; sys.modules['torch'] = None; from jitattn.cli import app
 
 @pytest.mark.parametrize("args, expect", [
     (["bench", "--list", "--case", "host"], "host-decode-hd128-b1x512 "),
-    (["bench", "--list", "--case", "mla", "--model", "tests/models/deepseek-v3.json"], "decode-deepseek-v3-mla-b64x4096 "),
+    (["bench", "--list", "--case", "mla", "--model", "tests/models/deepseek-v3.json"],
+     "decode-deepseek-v3-mla-b64x4096 "),
     (["bench", "--help"], "--from-json PATH"),
 ])
 def test_list_and_help_need_no_torch(tmp_path, args, expect):

@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from jitattn import reference
-from jitattn.backends.flashinfer import flashinfer_import_error
 from jitattn.bench import cases, harness, mla, report, run
 from jitattn.bench.cases import BenchCase
 from jitattn.bench.report import Result
 from jitattn.models import load_model_config
 from jitattn.spec import LATENT_NO_KERNEL
 from jitattn.testing import random_paged_batch, relative_error
+from tests.test_bench import flashinfer_module  # noqa: F401 (fixture: installs a fake flashinfer module)
 
 DEEPSEEK = Path(__file__).parent / "models" / "deepseek-v3.json"
 TP8, TP1, FP8 = "decode-mla-tp8-h16-b128x4096", "decode-mla-tp1-h128-b64x4096", "decode-mla-tp8-h16-b128x4096-fp8"
@@ -161,17 +161,9 @@ def fake_flashinfer(wrapper: type | None = FakeMLAWrapper):
     return module
 
 
-@pytest.fixture
-def flashinfer_module(monkeypatch):
-    """Install a module as ``flashinfer`` (None: ``import flashinfer`` fails); the import is tried afresh."""
-
-    def install(module):
-        monkeypatch.setitem(sys.modules, "flashinfer", module)
-        flashinfer_import_error.cache_clear()
-
+@pytest.fixture(autouse=True)
+def small_workspace(monkeypatch):
     monkeypatch.setattr(mla, "FLASHINFER_WORKSPACE_BYTES", 16)
-    yield install
-    flashinfer_import_error.cache_clear()
 
 
 @pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
