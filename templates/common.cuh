@@ -206,6 +206,16 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
 #undef JITATTN_MMA_16816
 }
 
+// This thread's keys of one m16n8 accumulator row over kN n-tiles from key0: f(n, e, kv_idx) for the
+// score in n-tile n, column 2 tig + e, which is key kv_idx = key0 + 8 n + 2 tig + e.
+template <int kN, class F>
+__device__ __forceinline__ void for_each_row_key(int key0, int tig, F f) {
+#pragma unroll
+  for (int n = 0; n < kN; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) f(n, e, key0 + n * 8 + 2 * tig + e);
+}
+
 // ---- warp reductions ----------------------------------------------------------------------------
 // Reduce over aligned groups of `kWidth` lanes (a power of two <= 32).
 template <int kWidth>

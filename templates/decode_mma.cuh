@@ -341,8 +341,8 @@ __device__ __forceinline__ void decode_mma_softmax_step(const Params& p, float (
         const int kv_idx = key0 + n * 8 + 2 * tig + e;
         float v = transform_logit<S>(p, s[n][2 * r + e] * qk_scale[r], batch, head, kv_head, qo_idx, kv_idx, 1, kv_len,
                                      bad);
-        const bool ok = kv_idx < hi && custom_visible<S>(p, batch, head, kv_head, qo_idx, kv_idx, 1, kv_len, bad);
-        v = ok ? v : masked_score<S>();
+        v = apply_masks<S>(p, v, batch, head, kv_head, qo_idx, kv_idx, 1, kv_len, bad,
+                           [&](auto custom) { return kv_idx < hi && custom(); });
         s[n][2 * r + e] = v;
         tile_max = fmaxf(tile_max, v);
       }
