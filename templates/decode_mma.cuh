@@ -334,6 +334,7 @@ __device__ __forceinline__ void decode_mma_softmax_step(const Params& p, float (
   for (int r = 0; r < T::kRowHalves; ++r) {
     const int head = kv_head * S::kGroupSize + min(g + 8 * r, S::kGroupSize - 1);
     float tile_max = kNegInf;
+    // (the loops written out: through for_each_row_key nvcc lays out the FP8 and window decodes differently)
 #pragma unroll
     for (int n = 0; n < kN; ++n)
 #pragma unroll
