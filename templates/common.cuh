@@ -182,24 +182,38 @@ __device__ __forceinline__ void e4m3x4_to_f16x4(uint32_t q, uint32_t& lo, uint32
 #endif
 }
 
-// D = A * B + D for one m16n8k16 tile: A row-major 16x16, B "col" 16x8, fp32 accumulate.
+// Whether A and B are one type (the templates include no <type_traits>).
+template <class A, class B>
+constexpr bool kSameType = false;
+template <class A>
+constexpr bool kSameType<A, A> = true;
+
+// D = A * B + D for one m16n8k16 tile: A row-major 16x16, B "col" 16x8, fp32 accumulate; T is
+// __nv_bfloat16 or __half (PTX type bf16 or f16).
 template <class T>
-__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
-template <>
-__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  static_assert(kSameType<T, __nv_bfloat16> || kSameType<T, __half>, "mma_16816: T is __nv_bfloat16 or __half");
+// One asm text for both types: AB, the PTX type, is pasted into the instruction string.
+#define JITATTN_MMA_16816(AB)                                                                                  \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." AB "." AB ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, " \
+               "{%8, %9}, {%0, %1, %2, %3};\n"                                                                 \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                                \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+  if constexpr (kSameType<T, __nv_bfloat16>)
+    JITATTN_MMA_16816("bf16");
+  else
+    JITATTN_MMA_16816("f16");
+#undef JITATTN_MMA_16816
 }
-template <>
-__device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+
+// This thread's keys of one m16n8 accumulator row over kN n-tiles from key0: f(n, e, kv_idx) for the
+// score in n-tile n, column 2 tig + e, which is key kv_idx = key0 + 8 n + 2 tig + e.
+template <int kN, class F>
+__device__ __forceinline__ void for_each_row_key(int key0, int tig, F f) {
+#pragma unroll
+  for (int n = 0; n < kN; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) f(n, e, key0 + n * 8 + 2 * tig + e);
 }
 
 // ---- warp reductions ----------------------------------------------------------------------------

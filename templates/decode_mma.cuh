@@ -334,6 +334,7 @@ __device__ __forceinline__ void decode_mma_softmax_step(const Params& p, float (
   for (int r = 0; r < T::kRowHalves; ++r) {
     const int head = kv_head * S::kGroupSize + min(g + 8 * r, S::kGroupSize - 1);
     float tile_max = kNegInf;
+    // (the loops written out: through for_each_row_key nvcc lays out the FP8 and window decodes differently)
 #pragma unroll
     for (int n = 0; n < kN; ++n)
 #pragma unroll
@@ -341,8 +342,8 @@ __device__ __forceinline__ void decode_mma_softmax_step(const Params& p, float (
         const int kv_idx = key0 + n * 8 + 2 * tig + e;
         float v = transform_logit<S>(p, s[n][2 * r + e] * qk_scale[r], batch, head, kv_head, qo_idx, kv_idx, 1, kv_len,
                                      bad);
-        const bool ok = kv_idx < hi && custom_visible<S>(p, batch, head, kv_head, qo_idx, kv_idx, 1, kv_len, bad);
-        v = ok ? v : masked_score<S>();
+        v = apply_masks<S>(p, v, batch, head, kv_head, qo_idx, kv_idx, 1, kv_len, bad,
+                           [&](auto custom) { return kv_idx < hi && custom(); });
         s[n][2 * r + e] = v;
         tile_max = fmaxf(tile_max, v);
       }

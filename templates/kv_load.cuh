@@ -107,6 +107,27 @@ __device__ __forceinline__ void load_kv_rows_paged(const Params& p, typename S::
   }
 }
 
+// load_kv_rows' ragged copy of K (kV false) or V: rows first + r of p.k / p.v for keys start + r,
+// r < kRows, to `dst`, rows kDstStride apart, 16 bytes a copy; rows at or past `end` zero-filled. p's
+// fields are read here: passed in as arguments, they changed the sm_80 ragged prefill's code. Partly
+// unrolled: fully unrolled, the hoisted 64-bit addresses of the K and V loops spilled a few bytes in
+// the mask / ALiBi variants on sm_80 (ptxas -v).
+template <class S, bool kV, int kRows, int kChunks, int kThreads, int kDstStride>
+__device__ __forceinline__ void copy_ragged_rows(const Params& p, typename S::DTypeKV* dst, int first, int kv_head,
+                                                 int start, int end) {
+  using KV = typename S::DTypeKV;
+  constexpr int kVec = 16 / sizeof(KV);
+#pragma unroll 2
+  for (int c = threadIdx.x; c < kRows * kChunks; c += kThreads) {
+    const int row = c / kChunks, chunk = c % kChunks;
+    const bool in = start + row < end;
+    const KV* base = kV ? p.v : p.k;
+    const KV* src = base + (static_cast<long long>(first + row) * (kV ? p.v_stride_token : p.k_stride_token) +
+                            kv_head * (kV ? p.v_stride_head : p.k_stride_head) + chunk * kVec);
+    cp_async_16(dst + row * kDstStride + chunk * kVec, in ? src : base, in);
+  }
+}
+
 // cp.async of the K and V rows of keys [start, start + kRows) into two shared-memory tiles whose rows
 // are kRowStride (K) and kRowStrideV (V) elements apart, 16 bytes per copy; rows at or past `end` are
 // zero-filled (never read): the CUDA-core decode and prefill_kernel load through this (the tensor-core
@@ -123,24 +144,8 @@ __device__ __forceinline__ void load_kv_rows(const Params& p, typename S::DTypeK
   if constexpr (S::kRagged) {
     constexpr int kChunksV = S::kHeadDimVO / kVec;
     const int first = p.kv_start_loc[batch] + start;  // row of k / v holding key `start`
-    // Partly unrolled: fully unrolled, the hoisted 64-bit addresses of both loops spilled a few bytes
-    // in the mask / ALiBi variants on sm_80 (ptxas -v).
-#pragma unroll 2
-    for (int c = threadIdx.x; c < kRows * kChunks; c += kThreads) {
-      const int row = c / kChunks, chunk = c % kChunks;
-      const bool in = start + row < end;
-      const KV* src = p.k + (static_cast<long long>(first + row) * p.k_stride_token + kv_head * p.k_stride_head +
-                             chunk * kVec);
-      cp_async_16(sk + row * kRowStride + chunk * kVec, in ? src : p.k, in);
-    }
-#pragma unroll 2
-    for (int c = threadIdx.x; c < kRows * kChunksV; c += kThreads) {
-      const int row = c / kChunksV, chunk = c % kChunksV;
-      const bool in = start + row < end;
-      const KV* src = p.v + (static_cast<long long>(first + row) * p.v_stride_token + kv_head * p.v_stride_head +
-                             chunk * kVec);
-      cp_async_16(sv + row * kRowStrideV + chunk * kVec, in ? src : p.v, in);
-    }
+    copy_ragged_rows<S, false, kRows, kChunks, kThreads, kRowStride>(p, sk, first, kv_head, start, end);
+    copy_ragged_rows<S, true, kRows, kChunksV, kThreads, kRowStrideV>(p, sv, first, kv_head, start, end);
   } else {
     static_assert(S::kHeadDimQK == S::kHeadDimVO && kRowStride == kRowStrideV,
                   "the paged cache holds K and V rows of one width");

@@ -311,21 +311,18 @@ __device__ __forceinline__ void prefill_softmax_row(const Params& p, SoftmaxStat
                                                     Score s, RescaleO rescale_o) {
   constexpr float kScale = q_prescale<S>();
   float tile_max = kNegInf;
-#pragma unroll
-  for (int n = 0; n < kNTiles; ++n)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int kv_idx = n0 + n * 8 + 2 * tig + e;
-      float v = transform_logit<S>(p, s(n, e) * kScale, f.batch, row.head, kv_head, f.hpos, kv_idx + f.koff, qo_len,
-                                   kv_len, bad);
-      if (!full_tile) {
-        const bool ok = kv_idx < kv_end && kv_idx >= kv_begin && structurally_visible<S>(f.pos, kv_idx) &&
-                        custom_visible<S>(p, f.batch, row.head, kv_head, f.hpos, kv_idx + f.koff, qo_len, kv_len, bad);
-        v = ok ? v : masked_score<S>();
-      }
-      s(n, e) = v;
-      tile_max = fmaxf(tile_max, v);
-    }
+  for_each_row_key<kNTiles>(n0, tig, [&](int n, int e, int kv_idx) {
+    float v = transform_logit<S>(p, s(n, e) * kScale, f.batch, row.head, kv_head, f.hpos, kv_idx + f.koff, qo_len,
+                                 kv_len, bad);
+    if (!full_tile)
+      v = apply_masks<S>(p, v, f.batch, row.head, kv_head, f.hpos, kv_idx + f.koff, qo_len, kv_len, bad,
+                         [&](auto custom) {
+                           return kv_idx < kv_end && kv_idx >= kv_begin && structurally_visible<S>(f.pos, kv_idx) &&
+                                  custom();
+                         });
+    s(n, e) = v;
+    tile_max = fmaxf(tile_max, v);
+  });
   if constexpr (S::kSoftmax) {  // (without softmax the weights are the scores as they are)
     tile_max = group_max<4>(tile_max);
     softmax_update_deferred<kNTiles, 2>(st, tile_max, tile_max > st.m + kRescaleThreshold, s, rescale_o);

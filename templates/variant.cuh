@@ -6,6 +6,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "softmax.cuh"
 #include "visibility.cuh"
 
 namespace jitattn {
@@ -39,6 +40,17 @@ __device__ __forceinline__ bool custom_visible(const Params& p, int batch, int q
   } else {
     return true;
   }
+}
+
+// A logit `v` after the masks: masked_score unless visible(custom), the kernel's bounds and structural
+// rule `&& custom()` (the custom mask) in one chain: split into two tests, nvcc lays the prefill out
+// differently.
+template <class S, class Visible>
+__device__ __forceinline__ float apply_masks(const Params& p, float v, int batch, int qo_head, int kv_head, int qo_idx,
+                                             int kv_idx, int qo_len, int kv_len, bool& oob, Visible visible) {
+  const bool ok =
+      visible([&] { return custom_visible<S>(p, batch, qo_head, kv_head, qo_idx, kv_idx, qo_len, kv_len, oob); });
+  return ok ? v : masked_score<S>();
 }
 
 // The element that rotate_half puts at `dim` of a head_dim-D vector, given the element D/2 away.

@@ -271,13 +271,17 @@ def test_missing_nvcc_is_a_build_error(tmp_path, monkeypatch):
         build(render(AttentionSpec(8, 2, 64)), "sm_80", tmp_path / "b")
 
 
-def test_wgmma_header_is_generated():
-    """templates/wgmma_sm90.cuh is templates/gen_wgmma_sm90.py's output (regenerate it, do not edit it)."""
+def test_wgmma_rows_are_generated():
+    """templates/wgmma_sm90_rows.cuh is templates/gen_wgmma_sm90.py's output (regenerate it, do not edit it),
+    with one row per N = 16, 32, ..., 256, and wgmma_sm90.cuh includes it."""
     import importlib.util
 
     path = template_dir() / "gen_wgmma_sm90.py"
     spec = importlib.util.spec_from_file_location("gen_wgmma", path)
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
-    assert (template_dir() / "wgmma_sm90.cuh").read_text() == gen.header_text()
-    assert "m64n96k16.f32.bf16.bf16" in gen.header_text()
+    assert (template_dir() / "wgmma_sm90_rows.cuh").read_text() == gen.rows_text()
+    rows = [line for line in gen.rows_text().splitlines() if line.startswith("JITATTN_WGMMA_BF16_F16(")]
+    assert [int(line.split("(", 1)[1].split(",", 1)[0]) for line in rows] == list(range(16, 257, 16))
+    assert '"%128, %129", "%130", "{%128, %129, %130, %131}, %132", "%133"' in rows[-1]  # N = 256: 128 accumulators
+    assert '#include "wgmma_sm90_rows.cuh"' in (template_dir() / "wgmma_sm90.cuh").read_text()
