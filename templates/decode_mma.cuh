@@ -39,12 +39,14 @@ __host__ __device__ constexpr bool decode_mma_reads_cache() {
 }
 
 // Whether the tensor-core decode serves this spec (attention.cu.j2, DecodeLaunch): GQA groups of 4 to
-// 16 over a cache it reads, no key transform. Smaller groups run the CUDA-core decode (decode.cuh):
-// Gemma-2-9B's group 2 (hd256) ran 3.38 TB/s on tensor cores against 4.07 on CUDA cores.
+// 16 over a cache it reads, no key transform, a head dim of whole 16-wide k-steps. Smaller groups
+// (Gemma-2-9B's group 2 (hd256) ran 3.38 TB/s on tensor cores against 4.07 on CUDA cores) and head
+// dims that are multiples of 8 only (72, 88: its tiles are not padded) run the CUDA-core decode.
 template <class S>
 __host__ __device__ constexpr bool decode_mma_serves() {
   constexpr int kMinGroup = 4;
-  return S::kGroupSize >= kMinGroup && S::kGroupSize <= 16 && decode_mma_reads_cache<S>() && !S::kHasKTransform;
+  return S::kGroupSize >= kMinGroup && S::kGroupSize <= 16 && decode_mma_reads_cache<S>() && !S::kHasKTransform &&
+         S::kHeadDimQK % 16 == 0;
 }
 
 template <class S>
