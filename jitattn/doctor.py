@@ -35,7 +35,7 @@ from jitattn.cache import KernelCache, check_entry
 from jitattn.commands import models_warmup_command
 from jitattn.merge_module import MergeModule
 from jitattn.models import load_model_config
-from jitattn.spec import AttentionSpec
+from jitattn.spec import AttentionSpec, unverified_head_dim_reason
 
 
 @dataclass(frozen=True)
@@ -218,9 +218,13 @@ def cache_layers(cache: KernelCache) -> tuple[Layer, ...]:
 
 
 def no_kernel_note(module: Any, arch: str) -> str | None:
-    """Why ``module`` has no kernel to build, cache or ship (a latent spec: :data:`jitattn.spec.LATENT_NO_KERNEL`),
+    """Why ``module`` has no kernel to build, cache or ship (a latent spec: :data:`jitattn.spec.LATENT_NO_KERNEL`;
+    a head dim not yet through the GPU suite: :func:`jitattn.spec.unverified_head_dim_reason`),
     naming the backend the selector picks for it on ``arch``; None for a module that compiles."""
-    if not (isinstance(module, AttentionSpec) and module.latent):
+    if not isinstance(module, AttentionSpec):
+        return None
+    unverified = unverified_head_dim_reason(module)
+    if not (module.latent or unverified):
         return None
     from jitattn.selector import NoBackendError, select
 
@@ -228,6 +232,8 @@ def no_kernel_note(module: Any, arch: str) -> str | None:
         served = f"served by the {select(module, arch).name} backend on {arch}"
     except (NoBackendError, ValueError) as err:  # ValueError: a JITATTN_BACKEND of no registered backend
         served = f"no backend serves it on {arch}: {str(err).splitlines()[0]}"
+    if unverified:
+        return f"not built: {unverified}; {served}"
     return f"no kernel to build: no latent-attention (MLA) kernel yet (kv_storage='latent'); {served}"
 
 
