@@ -149,12 +149,14 @@ def test_gate_off_warmup_skips_with_the_note(gate_off, tmp_path):
 
 
 # ---- the torch backends at a padded dim, on the CPU ---------------------------------------------------
+@pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile")
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
 @pytest.mark.parametrize("spec", [HD72, AttentionSpec(4, 4, 8, causal=False), AttentionSpec(8, 2, 88, q_dtype="float16")],
                          ids=["hd72-gqa4", "hd8-noncausal", "hd88-fp16"])
-def test_sdpa_matches_reference_at_padded_dims(spec):
+def test_torch_backends_match_reference_at_padded_dims(spec, backend):
     batch = random_paged_batch(spec, [5, 1, 0, 17], [9, 30, 4, 17], seed=5)
     want = reference.paged_attention(spec, *batch.args(), **batch.kwargs())
-    got = get_backend("sdpa").build(spec, CPU)(*batch.args(), **batch.kwargs())
+    got = get_backend(backend).build(spec, CPU)(*batch.args(), **batch.kwargs())
     assert got.shape == (23, spec.num_qo_heads, spec.head_dim_vo)
     assert relative_error(got, want) < 1e-2
 
