@@ -8,8 +8,9 @@ It reports, without compiling anything and without needing torch or a GPU:
 - every cache layer: its root, whether it exists and is writable, its entries and the corrupt ones;
 - for each model (``--model``), each kernel it needs (its layer kinds' specs, per rank under
   ``--tensor-parallel-size``, and the ``merge_state`` module of its output dtype) and the archs it
-  is cached for. A spec jitattn compiles no kernel for (a latent, MLA, spec) counts as served, with a
-  note naming the backend that serves it (:func:`no_kernel_note`).
+  is cached for. A spec jitattn compiles no kernel for (a latent, MLA, spec; a head dim whose kernels
+  wait for the GPU suite) counts as served, with a note naming the backend that serves it
+  (:func:`no_kernel_note`).
 
 A node *can serve* a model when, for every kernel, the cache holds it for an arch the node runs:
 with GPUs, for each GPU any arch of :func:`jitattn.archs.archs_for_capability` (the runtime takes the
