@@ -659,7 +659,7 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
 #pragma unroll
     for (int r = 0; r < 2; ++r)
       prefill_finish_row<S, T::kDTilesOut>(p, st[mt][r], row0 + mt * 16 + 8 * r, b, frame[mt][r], tig, poison,
-                                        [&](int d, int e) { return o[mt][d][2 * r + e]; });
+                                           [&](int d, int e) { return o[mt][d][2 * r + e]; });
 }
 
 }  // namespace jitattn

@@ -284,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"new tree {args.tree}", file=sys.stderr)
     new = run_worker(args.tree.resolve(), specs, archs, args.work)
     failures = compare(base, new, archs, args.diff, tuple(args.removed))
-    print(f"{len(specs)} specs x {len(archs)} archs: {'all identical' if not failures else f'{failures} differ'}")
+    one_side = len(set(base) ^ set(new))
+    print(f"{len(specs) - one_side} specs x {len(archs)} archs: {'all identical' if not failures else f'{failures} differ'}"
+          + (f"; {one_side} specs in one tree only" if one_side else ""))
     return 1 if failures else 0
 
 
