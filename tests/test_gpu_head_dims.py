@@ -1,7 +1,7 @@
 """Every head dim that is a multiple of 8 (8 .. 256) against the reference on the GPU (``pytest -m gpu``).
 
-The padded-tile kernels (templates/prefill.cuh pads a multiple of 8 to 16 in shared memory and
-registers; the decode of such dims runs on CUDA cores) serve these dims only under
+The padded-tile kernels (the prefill and the tensor-core decode pad a multiple of 8 to 16 in shared memory
+and registers; the CUDA-core decode guards its lanes) serve these dims only under
 JITATTN_UNVERIFIED_HEAD_DIMS=1, which every test here sets: they are the suite that lifts the gate.
 
 Each dim runs the GPU suite's mixed batch (decode rows, prefill rows, a split-KV decode row of 5000 keys:
@@ -10,7 +10,8 @@ it: after each token's q row (a strided q), in every page slot and page the batc
 paged cache's rows are contiguous, head after head, so nothing lies between them), and just past each
 q, K and V row of the ragged tests (strided views of NaN buffers). The output is a contiguous view of a
 longer buffer whose tail holds a sentinel the kernels must not overwrite. At 72 and 88: the odd-length
-and empty-row cases of the suite, rotary (rotate_half pairs across a half chunk), ragged K/V.
+and empty-row cases of the suite, rotary (rotate_half pairs across a half chunk), the tensor-core decode's
+whole-window mode, ragged K/V; at 8, the groups on either side of the tensor-core decode's merge limit.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ SPECIAL = [c for d in (72, 88) for c in (
          MIXED_Q, MIXED_KV),
     Case(f"hd{d}-fp16-group8-window-hnd", AttentionSpec(16, 2, d, q_dtype="float16", window_left=255,
                                                         kv_layout="HND", page_size=7), MIXED_Q, MIXED_KV),
-)]
+    Case(f"hd{d}-group8-whole-window-sinks", AttentionSpec(64, 8, d, window_left=127, sinks=True), MIXED_Q, MIXED_KV),
+)] + [Case(f"hd8-group{g}-mixed", AttentionSpec(g, 1, 8), MIXED_Q, MIXED_KV) for g in (9, 10, 16)]
 RAGGED = [Case(f"ragged-{qk}x{vo}", AttentionSpec(8, 2, qk, vo, kv_storage="ragged"), [1, 40, 17, 1, 127, 5],
                [1, 1000, 17, 8191, 300, 5]) for qk, vo in ((72, 72), (88, 88), (72, 88), (128, 40), (8, 248))]
 
