@@ -8,8 +8,9 @@ It reports, without compiling anything and without needing torch or a GPU:
 - every cache layer: its root, whether it exists and is writable, its entries and the corrupt ones;
 - for each model (``--model``), each kernel it needs (its layer kinds' specs, per rank under
   ``--tensor-parallel-size``, and the ``merge_state`` module of its output dtype) and the archs it
-  is cached for. A spec jitattn compiles no kernel for (a latent, MLA, spec) counts as served, with a
-  note naming the backend that serves it (:func:`no_kernel_note`).
+  is cached for. A spec jitattn compiles no kernel for (a latent, MLA, spec; a head dim whose kernels
+  wait for the GPU suite) counts as served, with a note naming the backend that serves it
+  (:func:`no_kernel_note`).
 
 A node *can serve* a model when, for every kernel, the cache holds it for an arch the node runs:
 with GPUs, for each GPU any arch of :func:`jitattn.archs.archs_for_capability` (the runtime takes the
@@ -35,7 +36,7 @@ from jitattn.cache import KernelCache, check_entry
 from jitattn.commands import models_warmup_command
 from jitattn.merge_module import MergeModule
 from jitattn.models import load_model_config
-from jitattn.spec import AttentionSpec
+from jitattn.spec import AttentionSpec, unverified_head_dim_reason
 
 
 @dataclass(frozen=True)
@@ -218,9 +219,13 @@ def cache_layers(cache: KernelCache) -> tuple[Layer, ...]:
 
 
 def no_kernel_note(module: Any, arch: str) -> str | None:
-    """Why ``module`` has no kernel to build, cache or ship (a latent spec: :data:`jitattn.spec.LATENT_NO_KERNEL`),
+    """Why ``module`` has no kernel to build, cache or ship (a latent spec: :data:`jitattn.spec.LATENT_NO_KERNEL`;
+    a head dim not yet through the GPU suite: :func:`jitattn.spec.unverified_head_dim_reason`),
     naming the backend the selector picks for it on ``arch``; None for a module that compiles."""
-    if not (isinstance(module, AttentionSpec) and module.latent):
+    if not isinstance(module, AttentionSpec):
+        return None
+    unverified = unverified_head_dim_reason(module)
+    if not (module.latent or unverified):
         return None
     from jitattn.selector import NoBackendError, select
 
@@ -228,6 +233,8 @@ def no_kernel_note(module: Any, arch: str) -> str | None:
         served = f"served by the {select(module, arch).name} backend on {arch}"
     except (NoBackendError, ValueError) as err:  # ValueError: a JITATTN_BACKEND of no registered backend
         served = f"no backend serves it on {arch}: {str(err).splitlines()[0]}"
+    if unverified:
+        return f"not built: {unverified}; {served}"
     return f"no kernel to build: no latent-attention (MLA) kernel yet (kv_storage='latent'); {served}"
 
 

@@ -27,6 +27,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from jitattn import settings
 from jitattn.constants import template_constant
 from jitattn.variant import Variant
 
@@ -43,8 +44,13 @@ QUERY_POSITIONS = ("implicit", "explicit")
 # Every live spec by its canonical text: the torch custom op (jitattn/ops.py) passes the text and
 # finds the object, with its variant's torch functors, here.
 _LIVE_SPECS: "weakref.WeakValueDictionary[str, AttentionSpec]" = weakref.WeakValueDictionary()
-#: Head dims the templates are built for: multiples of 16 in this range.
-HEAD_DIM_MIN, HEAD_DIM_MAX = 32, 256
+#: Head dims the templates are built for: multiples of HEAD_DIM_STEP in this range (the MMA tiles pad a
+#: multiple of 8 to 16 in shared memory and registers). A latent spec keeps multiples of 16 from 32.
+HEAD_DIM_MIN, HEAD_DIM_MAX, HEAD_DIM_STEP = 8, 256, 8
+#: Head dims the jit backend served before the padded tiles (multiples of 16 from 32): the others wait
+#: for the GPU suite behind JITATTN_UNVERIFIED_HEAD_DIMS (:func:`unverified_head_dim_reason`).
+VERIFIED_HEAD_DIM_MIN, VERIFIED_HEAD_DIM_STEP = 32, 16
+LATENT_HEAD_DIM_MIN, LATENT_HEAD_DIM_STEP = 32, 16
 PAGE_SIZE_MAX = 1024
 #: Latent (MLA) specs: head dims multiples of 16 up to this (DeepSeek-V2/V3, Kimi-K2: 576 / 512), at most
 #: this many query heads (the whole group shares the one latent row: 128 at TP 1 for DeepSeek-V3).
@@ -118,6 +124,24 @@ def decode_block_problem(head_dim: int, kv_dtype: str, group_size: int) -> str |
     return None
 
 
+def unverified_head_dim_reason(spec: "AttentionSpec") -> str | None:
+    """Why the jit backend does not serve ``spec`` yet: a head dim outside the multiples of 16 from 32,
+    whose padded-tile kernels compile but have not passed the GPU suite, while
+    ``JITATTN_UNVERIFIED_HEAD_DIMS`` is off; None otherwise (and for latent specs, which have no kernel).
+
+    The jit backend's reason, load_kernel's refusal and warm-up's note all give this text.
+    """
+    if spec.latent or settings.unverified_head_dims():
+        return None
+    for name in ("head_dim_qk", "head_dim_vo"):
+        value = getattr(spec, name)
+        if value % VERIFIED_HEAD_DIM_STEP or value < VERIFIED_HEAD_DIM_MIN:
+            tiles = "padded-tile kernels" if value % 16 else "kernels"
+            return (f"{name}={value}: its {tiles} compile but have not passed the GPU suite yet; "
+                    f"JITATTN_UNVERIFIED_HEAD_DIMS=1 uses them")
+    return None
+
+
 def _check_float(field: str, value: Any, *, positive: bool, allow_zero: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{field}={value!r}: expected a finite number")
@@ -137,9 +161,11 @@ class AttentionSpec:
             ``H_qo / H_kv``); 1 for a latent spec. A paged spec's group must fit the decode kernel's block
             (:func:`decode_block_problem`): every group up to 60 heads (16-bit KV) / 62 (FP8) at every
             head dim, up to 128 / 64 at head dims from 64 up; ragged specs take any group.
-        head_dim_qk: query/key head dim, a multiple of 16 in [32, 256] ([32, 1024] for a latent spec).
-        head_dim_vo: value/output head dim, a multiple of 16 in [32, 256] ([32, 1024], below
-            ``head_dim_qk``, for a latent spec); defaults to ``head_dim_qk``.
+        head_dim_qk: query/key head dim, a multiple of 8 in [8, 256] (a multiple of 16 in [32, 1024] for a
+            latent spec; with an FP8 cache a multiple of 16). Dims other than the multiples of 16 from 32 wait
+            for the GPU suite: :func:`unverified_head_dim_reason`.
+        head_dim_vo: value/output head dim, a multiple of 8 in [8, 256] (a multiple of 16 in [32, 1024],
+            below ``head_dim_qk``, for a latent spec); defaults to ``head_dim_qk``.
             The paged cache stores K and V in one tensor, so a paged spec needs it equal to
             ``head_dim_qk``; a ragged spec may differ (e.g. 192/128, DeepSeek-style MLA prefill).
         q_dtype: ``"float16"`` or ``"bfloat16"`` (torch dtypes accepted).
@@ -228,12 +254,14 @@ class AttentionSpec:
                 f"num_qo_heads (GQA groups of equal size)")
         if self.kv_storage not in KV_STORAGES:
             raise ValueError(f"kv_storage={self.kv_storage!r}: expected one of {KV_STORAGES}")
-        hi = LATENT_HEAD_DIM_MAX if self.kv_storage == "latent" else HEAD_DIM_MAX
+        latent = self.kv_storage == "latent"
+        lo, hi, step = ((LATENT_HEAD_DIM_MIN, LATENT_HEAD_DIM_MAX, LATENT_HEAD_DIM_STEP) if latent
+                        else (HEAD_DIM_MIN, HEAD_DIM_MAX, HEAD_DIM_STEP))
         for name in ("head_dim_qk", "head_dim_vo"):
             value = self.head_dim_qk if name == "head_dim_vo" and self.head_dim_vo is None else getattr(self, name)
-            _check_int(name, value, HEAD_DIM_MIN, hi, extra=", a multiple of 16")
-            if value % 16:
-                raise ValueError(f"{name}={value}: expected a multiple of 16 in [{HEAD_DIM_MIN}, {hi}]")
+            _check_int(name, value, lo, hi, extra=f", a multiple of {step}")
+            if value % step:
+                raise ValueError(f"{name}={value}: expected a multiple of {step} in [{lo}, {hi}]")
             _set(name, value)
         if self.kv_storage == "latent":
             self._check_latent()
@@ -252,6 +280,10 @@ class AttentionSpec:
         _set("o_dtype", normalize_dtype(self.o_dtype or self.q_dtype, field="o_dtype", allowed=QO_DTYPES))
         if self.kv_dtype not in (self.q_dtype, "float8_e4m3fn"):
             raise ValueError(f"kv_dtype={self.kv_dtype!r}: must equal q_dtype={self.q_dtype!r} or be 'float8_e4m3fn'")
+        if self.kv_dtype == "float8_e4m3fn" and self.head_dim_qk % 16:
+            raise ValueError(f"kv_dtype='float8_e4m3fn' with head_dim_qk={self.head_dim_qk}: an FP8 row of "
+                             f"{self.head_dim_qk} bytes ends in half a 16-byte chunk, which the kernels do not load; "
+                             f"an FP8 cache takes head dims that are multiples of 16 (a 16-bit cache takes this one)")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout={self.kv_layout!r}: expected one of {KV_LAYOUTS}")
         if ragged:

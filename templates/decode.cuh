@@ -54,9 +54,21 @@ struct DecodeTraits {
   static_assert(kHeadDim % kVec == 0, "head_dim must be a whole number of 16-byte chunks");
   static_assert(kBdx <= 32, "one K/V row must fit in one warp's lanes (head_dim <= 256)");
   static_assert(kThreads % 32 == 0 && kThreads <= 1024, "decode block must be whole warps");
-  static_assert(!(S::kHasQTransform || S::kHasKTransform) || (kHeadDim / 2) % kVec == 0,
-                "query/key transforms need head_dim / 2 to be whole 16-byte chunks of the KV type");
+  // Whether the rotate_half partner of a lane's chunk is one whole chunk D/2 away (a multiple of 16
+  // 16-bit elements); else (72, 88: D/2 ends mid-chunk) the transforms read the partners one by one.
+  static constexpr bool kPartnerChunks = (kHeadDim / 2) % kVec == 0;
+  static_assert(!S::kHasKTransform || kPartnerChunks || sizeof(DTypeKV) == 2,
+                "key transforms over an FP8 cache need head_dim / 2 to be whole 16-byte chunks");
 };
+
+// The rotate_half partners (element (dim + D/2) % D) of the kVec elements of chunk tx of a row, one by
+// one: for head dims whose D/2 is not whole 16-byte chunks (DecodeTraits::kPartnerChunks false).
+template <class S, class DT, int kVec>
+__device__ __forceinline__ void load_partners(const DT* row, int tx, bool has, float (&partner)[kVec]) {
+  constexpr int D = S::kHeadDimQK;
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) partner[i] = has ? to_float(row[(tx * kVec + i + D / 2) % D]) : 0.f;
+}
 
 // Keys [lo, hi) of split `split` of `num_splits` over the visible keys [kv_begin, kv_end): whole tiles of
 // kTileKeys, the tiles dealt so that two splits differ by at most one tile (a split of ceil(keys /
@@ -298,7 +310,10 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
     load_floats<typename S::DTypeQ, V>(q_head + tx * V, q[h], has_q);  // V elements of the KV vector width
     if constexpr (S::kHasQTransform) {  // the rotate_half partner lies D/2 away: another chunk
       float partner[V];
-      load_floats<typename S::DTypeQ, V>(q_head + ((tx + T::kChunks / 2) % T::kChunks) * V, partner, has_q);
+      if constexpr (T::kPartnerChunks)
+        load_floats<typename S::DTypeQ, V>(q_head + ((tx + T::kChunks / 2) % T::kChunks) * V, partner, has_q);
+      else
+        load_partners<S>(q_head, tx, has_q, partner);
 #pragma unroll
       for (int i = 0; i < V; ++i) {
         const int dim = tx * V + i;
@@ -346,10 +361,14 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
       unpack16<DT>(raw, kf);
       if constexpr (S::kHasKTransform) {  // keys are transformed as they are read: the cache holds them raw
         float partner[V];
-        uint4 praw = make_uint4(0, 0, 0, 0);
-        if (lane_has_dims)
-          praw = *reinterpret_cast<const uint4*>(sk + row * T::kHeadDim + ((tx + T::kChunks / 2) % T::kChunks) * V);
-        unpack16<DT>(praw, partner);
+        if constexpr (T::kPartnerChunks) {
+          uint4 praw = make_uint4(0, 0, 0, 0);
+          if (lane_has_dims)
+            praw = *reinterpret_cast<const uint4*>(sk + row * T::kHeadDim + ((tx + T::kChunks / 2) % T::kChunks) * V);
+          unpack16<DT>(praw, partner);
+        } else {
+          load_partners<S>(sk + row * T::kHeadDim, tx, lane_has_dims, partner);
+        }
 #pragma unroll
         for (int i = 0; i < V; ++i) {
           const int dim = tx * V + i;

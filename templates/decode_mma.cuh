@@ -38,13 +38,23 @@ __host__ __device__ constexpr bool decode_mma_reads_cache() {
          (sizeof(typename S::DTypeKV) == 1 && (S::kSoftmax || DecodeMmaIsHalf<typename S::DTypeQ>::value));
 }
 
+// Whether the tensor-core decode's merge scratch (decode_finish over its 4 warps' states of 16 rows, head_dim
+// + 2 floats each) holds the split-KV merge of the group: from head dim 16 up every group of 16 fits; at 8,
+// groups up to 9.
+template <class S>
+__host__ __device__ constexpr bool decode_mma_merge_fits() {
+  return 4 * 16 * (S::kHeadDimVO + 2) + 16 >= S::kGroupSize * (kMaxSplits + 2) + 1;
+}
+
 // Whether the tensor-core decode serves this spec (attention.cu.j2, DecodeLaunch): GQA groups of 4 to
-// 16 over a cache it reads, no key transform. Smaller groups run the CUDA-core decode (decode.cuh):
-// Gemma-2-9B's group 2 (hd256) ran 3.38 TB/s on tensor cores against 4.07 on CUDA cores.
+// 16 over a cache it reads, no key transform, a merge scratch that fits. Smaller groups run the
+// CUDA-core decode (decode.cuh): Gemma-2-9B's group 2 (hd256) ran 3.38 TB/s on tensor cores against
+// 4.07 on CUDA cores.
 template <class S>
 __host__ __device__ constexpr bool decode_mma_serves() {
   constexpr int kMinGroup = 4;
-  return S::kGroupSize >= kMinGroup && S::kGroupSize <= 16 && decode_mma_reads_cache<S>() && !S::kHasKTransform;
+  return S::kGroupSize >= kMinGroup && S::kGroupSize <= 16 && decode_mma_reads_cache<S>() && !S::kHasKTransform &&
+         decode_mma_merge_fits<S>();
 }
 
 template <class S>
@@ -60,10 +70,15 @@ struct DecodeMmaTraits {
   // v_scale * 2^8 scales the output. Fragment layouts: decode_mma_qk_fp8 / decode_mma_pv_fp8.
   static constexpr bool kFp8 = sizeof(KV) == 1;
   using MT = typename DecodeMmaSelect<kFp8, __half, DT>::type;  // mma operand type
-  static constexpr int kHeadDim = S::kHeadDimQK;
+  static constexpr int kHeadDim = S::kHeadDimQK;  // a row in global memory and in the merge scratch
+  // The k-steps of S = Q K^T and the n-tile pairs of O are 16 wide: a head dim that is a multiple of 8
+  // only (16-bit caches; jitattn/spec.py refuses FP8 there) pads its Q and K/V rows in shared memory
+  // with one zero chunk (decode_mma_zero_pads); every kPadded branch is `if constexpr`.
+  static constexpr int kHeadDimPad = round_up(kHeadDim, 16);
+  static constexpr bool kPadded = kHeadDimPad != kHeadDim;
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks of a q row
+  static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks of a q row in global memory
   static constexpr int kKvChunks = kHeadDim * static_cast<int>(sizeof(KV)) / 16;  // of a K/V row
   static constexpr int kWholeWindowMaxTiles = kHeadDim <= 128 ? 3 : 2;
   // Whole-window mode: when the window bounds a decode row to at most kWholeWindowMaxTiles tiles of 64 keys
@@ -94,8 +109,8 @@ struct DecodeMmaTraits {
   static constexpr bool kSwizzle = (kWholeWindow || kFp8 || kHeadDim <= 128) && kKvChunks % 8 == 0;
   // K/V rows in KV elements; padded by 16 bytes (hd 80, 96, ...): conflict-free ldmatrix (8 rows hit 8
   // distinct bank groups).
-  static constexpr int kRowStride = kSwizzle ? kHeadDim : kHeadDim + 16 / static_cast<int>(sizeof(KV));
-  static constexpr int kQRowStride = kHeadDim + 8;
+  static constexpr int kRowStride = kSwizzle ? kHeadDim : kHeadDimPad + 16 / static_cast<int>(sizeof(KV));
+  static constexpr int kQRowStride = kHeadDimPad + 8;
   static constexpr int kStageBytes = 2 * kTileKeys * kRowStride * static_cast<int>(sizeof(KV));  // K and V of one tile
   static constexpr int kStages = kWholeWindow ? kWindowTiles : kPipelineStages;
   // Whole window: its copies issued by decode_mma_load_tile too (gpt-oss hd64: 2280 -> 2016 SASS
@@ -104,13 +119,14 @@ struct DecodeMmaTraits {
                                         kThreads % kKvChunks == 0 && (kStages * kTileKeys * kKvChunks) % kThreads == 0 &&
                                         (kThreads / kKvChunks) % 8 == 0;
   static constexpr int kQBytes = 16 * kQRowStride * 2;
-  static constexpr int kDTiles = kHeadDim / 8;
+  static constexpr int kDTiles = kHeadDimPad / 8;
+  static constexpr int kDTilesOut = kHeadDim / 8;  // of them, the ones holding real output dims
   // Whole window, head dims split over the warps: each warp computes the scores of every key of the
   // window itself (the 4 warps repeat S = Q K^T) and P V for its kDTiles / 4 d-tiles only, so the
   // warps' softmax states are equal and need no merge: no merge scratch, no decode_finish, one
   // barrier after the loads. Needs an even count of d-tiles per warp (ldmatrix_x4_trans reads two):
   // head dims 64, 128, 192, 256.
-  static constexpr bool kSplitDims = kWholeWindow && kDTiles % (2 * kWarps) == 0;
+  static constexpr bool kSplitDims = kWholeWindow && !kPadded && kDTiles % (2 * kWarps) == 0;
   static constexpr int kWarpDTiles = kSplitDims ? kDTiles / kWarps : kDTiles;
   static constexpr int kChunkKeys = 32;  // split dims: keys per online-softmax step (s: 16 registers)
   // Split dims: scratch only for merge_splits_last_block (num_splits > 1).
@@ -136,7 +152,22 @@ struct DecodeMmaTraits {
       cmax(1, cmin(kWholeWindow ? kMaxWholeWindowBlocks : kMaxPipelineBlocks, kSmemFitBlocks));
   static_assert(S::kGroupSize <= 16, "the group's query heads must fit one m16 tile");
   static_assert(decode_mma_reads_cache<S>(), "tensor-core decode: a 16-bit cache, or FP8 with f16-safe weights");
+  static_assert(!kPadded || (!kFp8 && !kSwizzle), "padded rows: a 16-bit cache, unswizzled (an odd chunk count)");
 };
+
+// A padded head dim (DecodeMmaTraits::kPadded): zero the pad columns of the 16 Q rows and of every K and V
+// row of every stage (stage_k(s) / stage_v(s): kTileKeys rows each) once, before any load. No load writes
+// them, so zero Q and K pads add nothing to the scores and zero V pads fill only unused output dims.
+template <class T, class StageK, class StageV>
+__device__ __forceinline__ void decode_mma_zero_pads(typename T::DT* sq, StageK stage_k, StageV stage_v) {
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  if (threadIdx.x < 16) *reinterpret_cast<uint4*>(sq + threadIdx.x * T::kQRowStride + T::kHeadDim) = zero;
+  for (int r = threadIdx.x; r < T::kStages * T::kTileKeys; r += T::kThreads) {
+    const int s = r / T::kTileKeys, row = r % T::kTileKeys;
+    *reinterpret_cast<uint4*>(stage_k(s) + row * T::kRowStride + T::kHeadDim) = zero;
+    *reinterpret_cast<uint4*>(stage_v(s) + row * T::kRowStride + T::kHeadDim) = zero;
+  }
+}
 
 // Tile pipeline (DecodeMmaTraits::kTileLoader): cp.async of the K and V rows of keys [start, start +
 // kTileKeys), as load_kv_rows_paged (page ids from KvPages, a page id out of range sets `bad` and reads
@@ -536,6 +567,7 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
     }
   };
 
+  if constexpr (T::kPadded) decode_mma_zero_pads<T>(sq, stage_k, stage_v);  // before the Q barrier below
   // Prologue first: kStages - 1 tiles in flight while the query rows are prepared (whole window: all
   // of it, page ids of every row fetched first in one round trip).
   Pages pages;
@@ -589,13 +621,13 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tig = lane % 4;
-  uint32_t qf[T::kHeadDim / 16][4];  // A fragments of Q, loaded once
+  uint32_t qf[T::kHeadDimPad / 16][4];  // A fragments of Q, loaded once
   float qk_scale[2];                 // factor from S's accumulators to q_prescale * q.k (per row half)
   if constexpr (T::kFp8) {
     decode_mma_q_fp8<S>(p, qf, qk_scale, sq);
   } else {
 #pragma unroll
-    for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
+    for (int kk = 0; kk < T::kHeadDimPad / 16; ++kk) {
       ldmatrix_x4(qf[kk], sq + (lane % 16) * T::kQRowStride + kk * 16 + (lane / 16) * 8);
       // Rows g + 8 are padding for groups <= 8: zero, one register for all (tile pipeline only, above).
       if constexpr (T::kRowHalves == 1 && !T::kWholeWindow) qf[kk][1] = qf[kk][3] = 0u;
@@ -640,7 +672,7 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
                              chunk_at);
     } else {
 #pragma unroll
-      for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
+      for (int kk = 0; kk < T::kHeadDimPad / 16; ++kk) {
         uint32_t b[4];
         ldmatrix_x4(b, sk + (lane % 8 + (lane / 16) * 8) * T::kRowStride + chunk_at(kk * 2 + (lane / 8) % 2) * 8);
         mma_16816<MT>(s[0], qf[kk], b[0], b[1]);
@@ -688,7 +720,7 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
       sm_d[slot] = d;
     }
 #pragma unroll
-    for (int dt = 0; dt < T::kDTiles; ++dt) {
+    for (int dt = 0; dt < T::kDTilesOut; ++dt) {  // the real dims only: the scratch rows are head_dim wide
       int dim;
       float value[2];
       decode_mma_out_pair<T>(o, 0, dt, r, tig, dim, value);

@@ -22,9 +22,15 @@ template <class S>
 struct PrefillTraits {
   using DT = typename S::DTypeQ;
   static_assert(sizeof(DT) == 2, "tensor-core path takes 16-bit q/k/v");
-  static constexpr int kHeadDim = S::kHeadDimQK;     // Q and K rows
-  static constexpr int kHeadDimVO = S::kHeadDimVO;   // V and O rows
-  static constexpr int kHeadDimMax = cmax(kHeadDim, kHeadDimVO);
+  static constexpr int kHeadDim = S::kHeadDimQK;     // Q and K rows in global memory
+  static constexpr int kHeadDimVO = S::kHeadDimVO;   // V and O rows in global memory
+  // The MMA k-step and the O n-tile pairs are 16 wide: a head dim that is a multiple of 8 only pads
+  // its shared-memory rows and register tiles with one zero chunk (global reads and writes stop at
+  // the row); every kPadded branch is `if constexpr`, so a multiple of 16 compiles as before.
+  static constexpr int kHeadDimPad = round_up(kHeadDim, 16);
+  static constexpr int kHeadDimVOPad = round_up(kHeadDimVO, 16);
+  static constexpr bool kPadded = kHeadDimPad != kHeadDim || kHeadDimVOPad != kHeadDimVO;
+  static constexpr int kHeadDimMax = cmax(kHeadDimPad, kHeadDimVOPad);
   static constexpr int kNumWarps = 4;
   static constexpr int kThreads = 32 * kNumWarps;
   // m16 tiles per warp: two let each K/V fragment read from shared memory feed two mma (FA2's
@@ -36,15 +42,15 @@ struct PrefillTraits {
   static constexpr int kBlockM = kWarpRows * kNumWarps;      // packed query rows per block
   // Keys per tile: the S accumulators (kMTiles x kBlockN / 8 x 4 registers) must fit beside O
   // (kMTiles x head_dim_vo / 8 x 4).
-  static constexpr int kBlockN = (kHeadDimVO <= 64 || (kMTiles == 1 && kHeadDimVO <= 128)) ? 64 : 32;
+  static constexpr int kBlockN = (kHeadDimVOPad <= 64 || (kMTiles == 1 && kHeadDimVOPad <= 128)) ? 64 : 32;
   // K/V tiles in flight: a 32-key tile computes in less time than an L2 round trip, so it needs a
   // third stage to keep the tensor cores fed; 256-wide rows would cost the second block per SM.
   static constexpr int kStages = kHeadDimMax <= 128 ? 3 : 2;
   // Rows padded by 16 bytes: 8 consecutive rows then fall in 8 distinct 16-byte bank groups,
   // so ldmatrix is conflict-free for every head_dim that is a multiple of 16.
-  static constexpr int kRowStride = kHeadDim + 8;     // elements, Q and K rows
-  static constexpr int kRowStrideV = kHeadDimVO + 8;  // elements, V rows
-  static constexpr int kChunks = kHeadDim / 8;        // 16-byte chunks per Q row
+  static constexpr int kRowStride = kHeadDimPad + 8;     // elements, Q and K rows
+  static constexpr int kRowStrideV = kHeadDimVOPad + 8;  // elements, V rows
+  static constexpr int kChunks = kHeadDim / 8;           // 16-byte chunks per Q row in global memory
   static constexpr int kQBytes = kBlockM * kRowStride * 2;
   static constexpr int kTileBytes = kBlockN * kRowStride * 2;    // one K tile
   static constexpr int kTileBytesV = kBlockN * kRowStrideV * 2;  // one V tile
@@ -54,11 +60,12 @@ struct PrefillTraits {
   static constexpr int kRawTileBytes = kKvFp8 ? 2 * kBlockN * kHeadDim : 0;  // K and V of one stage
   static constexpr int kSmemBytes = kQBytes + kStages * (kTileBytes + kTileBytesV + kRawTileBytes);
   static constexpr int kNTiles = kBlockN / 8;     // n-tiles of S per m-tile
-  static constexpr int kDTiles = kHeadDimVO / 8;  // n-tiles of O per m-tile
-  static_assert(kHeadDim % 16 == 0, "head_dim must be a multiple of 16 (mma k-step)");
+  static constexpr int kDTiles = kHeadDimVOPad / 8;      // n-tiles of O per m-tile
+  static constexpr int kDTilesOut = kHeadDimVO / 8;      // of them, the ones holding real output columns
+  static_assert(kHeadDim % 8 == 0 && kHeadDimVO % 8 == 0, "head dims must be whole 16-byte chunks");
   static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16 (P is the A operand of P V)");
-  static_assert(kHeadDimVO % 16 == 0, "head_dim_vo must be a multiple of 16 (two O n-tiles per ldmatrix)");
   static_assert(!kKvFp8 || kHeadDim == kHeadDimVO, "FP8 staging is for the paged cache (one K/V row width)");
+  static_assert(!kKvFp8 || kHeadDim % 16 == 0, "an FP8 row must be whole 16-byte chunks (jitattn/spec.py refuses)");
 };
 
 // Finds the (sequence, m-tile) this block serves. Sequences with one query are skipped when the
@@ -360,7 +367,7 @@ __device__ __forceinline__ void prefill_qk(float (&s)[PrefillTraits<S>::kMTiles]
 #pragma unroll
       for (int i = 0; i < 4; ++i) s[mt][n][i] = 0.f;
 #pragma unroll
-  for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
+  for (int kk = 0; kk < T::kHeadDimPad / 16; ++kk) {
     uint32_t a[T::kMTiles][4];
 #pragma unroll
     for (int mt = 0; mt < T::kMTiles; ++mt)
@@ -475,6 +482,33 @@ __device__ __forceinline__ void prefill_load_q(const Params& p, int q_start, int
   }
 }
 
+// A padded head dim (PrefillTraits::kPadded): zero the pad columns of the Q tile and of every stage's
+// K and V tiles once, before any load. No load or transform writes them afterwards, so zero Q and K
+// pads add nothing to the scores and zero V pads fill only the output columns that are never stored.
+template <class S>
+__device__ __forceinline__ void prefill_zero_pads(typename S::DTypeQ* sq, typename S::DTypeQ* skv) {
+  using T = PrefillTraits<S>;
+  constexpr int kPadQK = (T::kHeadDimPad - T::kHeadDim) / 8, kPadVO = (T::kHeadDimVOPad - T::kHeadDimVO) / 8;
+  constexpr int kStageElems = T::kBlockN * (T::kRowStride + T::kRowStrideV);
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  if constexpr (kPadQK > 0) {
+    for (int c = threadIdx.x; c < T::kBlockM * kPadQK; c += T::kThreads)
+      *reinterpret_cast<uint4*>(sq + (c / kPadQK) * T::kRowStride + T::kHeadDim + (c % kPadQK) * 8) = zero;
+    for (int c = threadIdx.x; c < T::kStages * T::kBlockN * kPadQK; c += T::kThreads) {
+      const int row = c / kPadQK;
+      *reinterpret_cast<uint4*>(skv + (row / T::kBlockN) * kStageElems + (row % T::kBlockN) * T::kRowStride +
+                                T::kHeadDim + (c % kPadQK) * 8) = zero;
+    }
+  }
+  if constexpr (kPadVO > 0) {
+    for (int c = threadIdx.x; c < T::kStages * T::kBlockN * kPadVO; c += T::kThreads) {
+      const int row = c / kPadVO;
+      *reinterpret_cast<uint4*>(skv + (row / T::kBlockN) * kStageElems + T::kBlockN * T::kRowStride +
+                                (row % T::kBlockN) * T::kRowStrideV + T::kHeadDimVO + (c % kPadVO) * 8) = zero;
+    }
+  }
+}
+
 template <class S>
 __device__ __forceinline__ void prefill_kernel(const Params& p) {
   using T = PrefillTraits<S>;
@@ -527,6 +561,7 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
   const int g = lane / 4, tig = lane % 4;  // mma fragment coordinates: row group, thread in group
   const int warp_row0 = warp * T::kWarpRows;
 
+  if constexpr (T::kPadded) prefill_zero_pads<S>(sq, skv);  // ordered before the first read by the loop's barrier
   prefill_load_q<S, T::kBlockM, T::kChunks, T::kThreads>(
       p, q_start, kv_head, packed0, packed_end, [&](int row, int chunk) { return sq + row * T::kRowStride + chunk * 8; },
       [&](int qo_head) { return qo_head * p.q_stride_head; });
@@ -620,8 +655,8 @@ __device__ __forceinline__ void prefill_kernel(const Params& p) {
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int r = 0; r < 2; ++r)
-      prefill_finish_row<S, T::kDTiles>(p, st[mt][r], row0 + mt * 16 + 8 * r, b, frame[mt][r], tig, poison,
-                                        [&](int d, int e) { return o[mt][d][2 * r + e]; });
+      prefill_finish_row<S, T::kDTilesOut>(p, st[mt][r], row0 + mt * 16 + 8 * r, b, frame[mt][r], tig, poison,
+                                           [&](int d, int e) { return o[mt][d][2 * r + e]; });
 }
 
 }  // namespace jitattn

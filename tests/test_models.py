@@ -314,11 +314,13 @@ def test_unknown_config_dtype(tmp_path):
         load_model_config(write(tmp_path, {**read("llama-3-8b"), "torch_dtype": "float8_e4m3fn"}))
 
 
-def test_head_dim_72_surfaces_spec_error_with_source_and_kind(tmp_path):
-    # hidden 2304 / 32 heads = 72: not a multiple of 16, the kernels cannot serve it.
+def test_head_dim_72_maps_and_a_bad_head_dim_surfaces_spec_error_with_source_and_kind(tmp_path):
+    # hidden 2304 / 32 heads = 72: a multiple of 8, mapped; 2176 / 32 = 68 is not.
     path = write(tmp_path, {**read("mistral-7b-v0.1"), "hidden_size": 2304}, "hd72.json")
+    assert {k.spec.head_dim_qk for k in load_model_config(path).layer_kinds} == {72}
+    path = write(tmp_path, {**read("mistral-7b-v0.1"), "hidden_size": 2176}, "hd68.json")
     with pytest.raises(ValueError, match=rf"{path}: layer kind 'sliding_attention' \(layers 0, 1.*"
-                                         r"head_dim_qk=72: expected a multiple of 16") as info:
+                                         r"head_dim_qk=68: expected a multiple of 8") as info:
         load_model_config(path)
     assert isinstance(info.value.__cause__, ValueError)
 

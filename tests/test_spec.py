@@ -27,12 +27,17 @@ BAD = [
     (dict(num_qo_heads=True), r"num_qo_heads=True: expected an int"),
     (dict(num_kv_heads=0), r"num_kv_heads=0: expected an int in \[1, 1024\]"),
     (dict(num_kv_heads=5), r"num_qo_heads=32, num_kv_heads=5: num_kv_heads must divide num_qo_heads"),
-    (dict(head_dim_qk=72), r"head_dim_qk=72: expected a multiple of 16 in \[32, 256\]"),
-    (dict(head_dim_qk=16), r"head_dim_qk=16: expected an int in \[32, 256\], a multiple of 16"),
-    (dict(head_dim_qk=272), r"head_dim_qk=272: expected an int in \[32, 256\]"),
+    (dict(head_dim_qk=76), r"head_dim_qk=76: expected a multiple of 8 in \[8, 256\]"),
+    (dict(head_dim_qk=4), r"head_dim_qk=4: expected an int in \[8, 256\], a multiple of 8"),
+    (dict(head_dim_qk=0), r"head_dim_qk=0: expected an int in \[8, 256\], a multiple of 8"),
+    (dict(head_dim_qk=264), r"head_dim_qk=264: expected an int in \[8, 256\], a multiple of 8"),
+    (dict(head_dim_qk=272), r"head_dim_qk=272: expected an int in \[8, 256\]"),
+    (dict(head_dim_qk=72, kv_dtype="fp8"),
+     r"kv_dtype='float8_e4m3fn' with head_dim_qk=72: an FP8 row of 72 bytes ends in half a 16-byte chunk.*"
+     r"multiples of 16"),
     (dict(head_dim_qk="128"), r"head_dim_qk='128': expected an int"),
     (dict(head_dim_vo=64), r"head_dim_vo=64, head_dim_qk=128: .*must be equal"),
-    (dict(head_dim_vo=100), r"head_dim_vo=100: expected a multiple of 16"),
+    (dict(head_dim_vo=100), r"head_dim_vo=100: expected a multiple of 8"),
     (dict(q_dtype="float32"), r"q_dtype='float32': expected one of \('float16', 'bfloat16'\)"),
     (dict(q_dtype="fp8"), r"q_dtype='fp8': expected one of"),
     (dict(kv_dtype="float16"), r"kv_dtype='float16': must equal q_dtype='bfloat16' or be 'float8_e4m3fn'"),
@@ -61,8 +66,8 @@ BAD = [
     (dict(kv_storage="ragged", page_size=16), r"page_size=16 with kv_storage='ragged': ragged K/V have no pages"),
     (dict(kv_storage="ragged", kv_layout="HND"), r"kv_layout='HND' with kv_storage='ragged': .*must be 'NHD'"),
     (dict(kv_storage="ragged", kv_dtype="fp8"), r"kv_dtype='float8_e4m3fn' with kv_storage='ragged': FP8 K/V .*paged"),
-    (dict(kv_storage="ragged", head_dim_vo=200), r"head_dim_vo=200: expected a multiple of 16 in \[32, 256\]"),
-    (dict(kv_storage="ragged", head_dim_vo=16), r"head_dim_vo=16: expected an int in \[32, 256\]"),
+    (dict(kv_storage="ragged", head_dim_vo=204), r"head_dim_vo=204: expected a multiple of 8 in \[8, 256\]"),
+    (dict(kv_storage="ragged", head_dim_vo=4), r"head_dim_vo=4: expected an int in \[8, 256\]"),
     # GQA groups whose CUDA-core decode block decode.cuh's static_asserts refuse (threads, merge scratch)
     (dict(num_qo_heads=65, num_kv_heads=1, kv_dtype="fp8"),
      r"num_qo_heads=65, num_kv_heads=1: a GQA group of 65 query heads at head_dim 128 with "
@@ -112,8 +117,10 @@ def test_replace_moves_between_paged_and_ragged():
         mk(page_size=64).replace(kv_storage="ragged")
     with pytest.raises(ValueError, match=r"head_dim_vo=128, head_dim_qk=192: the paged KV cache"):
         mk(head_dim_qk=192, head_dim_vo=128, kv_storage="ragged").replace(kv_storage="paged")
-    for vo in range(32, 257, 16):  # every multiple of 16 for each of qk and vo
+    for vo in range(8, 257, 8):  # every multiple of 8 for each of qk and vo
         assert mk(head_dim_qk=48, head_dim_vo=vo, kv_storage="ragged").head_dim_vo == vo
+        assert mk(head_dim_qk=vo, kv_storage="ragged").head_dim_qk == vo
+        assert mk(head_dim_qk=vo).head_dim_vo == vo  # paged, 16-bit cache
 
 
 def test_missing_required_field_is_a_type_error():
@@ -373,6 +380,10 @@ LARGEST_GROUPS = {
     "bf16-g60-hd48": dict(num_qo_heads=60, num_kv_heads=1, head_dim_qk=48),
     "bf16-g124-hd32": dict(num_qo_heads=124, num_kv_heads=1, head_dim_qk=32),
     "ragged-g1024-hd256": dict(num_qo_heads=1024, num_kv_heads=1, head_dim_qk=256, kv_storage="ragged"),
+    # head dims that are multiples of 8 only: the decode block of 3 chunks (24) and of 1 (8)
+    "bf16-g60-hd24": dict(num_qo_heads=60, num_kv_heads=1, head_dim_qk=24),
+    "bf16-g124-hd8": dict(num_qo_heads=124, num_kv_heads=1, head_dim_qk=8),
+    "bf16-g128-hd72": dict(num_qo_heads=128, num_kv_heads=1, head_dim_qk=72),
 }
 
 

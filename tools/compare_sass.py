@@ -20,6 +20,10 @@ Usage::
 Needs nvcc, cuobjdump (CUOBJDUMP or PATH) and the nvdisasm it runs (NVDISASM_PATH, PATH, or
 ``pip install nvidia-cuda-nvdisasm``); no GPU.
 
+A spec a tree refuses at construction (a base older than the feature the spec needs, e.g. head dims that
+are multiples of 8 only) is listed as ``spec only in tree`` and not compared; the new tree refusing a
+spec the base takes counts as a difference.
+
 Exit status: 0 when every (spec, arch, kernel) is identical, 1 when any differs or is missing, 2
 when a tree fails to render or compile a spec.
 """
@@ -115,7 +119,11 @@ def worker(specs: dict[str, str], archs: list[str], work: Path) -> dict[str, dic
     nvcc = settings.nvcc()
     out: dict[str, dict[str, str]] = {}
     for label, expr in specs.items():
-        spec = eval(expr, ns)  # noqa: S307 - expressions from this file or a spec's own repr
+        try:
+            spec = eval(expr, ns)  # noqa: S307 - expressions from this file or a spec's own repr
+        except ValueError as err:  # a spec this tree does not take (e.g. a base older than the spec's feature)
+            print(f"  refused   {label}: {err}", file=sys.stderr, flush=True)
+            continue
         source = render.render(spec)
         for arch in archs:
             scratch = work / "scratch" / f"{os.getpid()}"
@@ -218,7 +226,11 @@ def compare(base: dict, new: dict, archs: list[str], diff_lines: int = 0, remove
     """Print one line per (spec, arch, kernel); return how many are not identical (``removed``: kernels
     the new tree drops on purpose, reported but not counted)."""
     failures = 0
-    for label in base:
+    for label in sorted(set(base) | set(new), key=list({**base, **new}).index):
+        if label not in base or label not in new:  # a spec one tree refuses: only the new tree refusing counts
+            failures += label not in new
+            print(f"{'spec only in ' + ('tree' if label in new else 'base'):24s} {label}")
+            continue
         for arch in archs:
             a, b = kernels_sass(base[label][arch]), kernels_sass(new[label][arch])
             for kernel in sorted(set(a) | set(b)):
@@ -275,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"new tree {args.tree}", file=sys.stderr)
     new = run_worker(args.tree.resolve(), specs, archs, args.work)
     failures = compare(base, new, archs, args.diff, tuple(args.removed))
-    print(f"{len(specs)} specs x {len(archs)} archs: {'all identical' if not failures else f'{failures} differ'}")
+    one_side = len(set(base) ^ set(new))
+    print(f"{len(specs) - one_side} specs x {len(archs)} archs: {'all identical' if not failures else f'{failures} differ'}"
+          + (f"; {one_side} specs in one tree only" if one_side else ""))
     return 1 if failures else 0
 
 

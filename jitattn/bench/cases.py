@@ -152,6 +152,18 @@ def ragged_cases() -> list[BenchCase]:
                       [8192] * 4, "prefill", ragged_twin=True)]
 
 
+def head_dim_cases() -> list[BenchCase]:
+    """Head dims that are multiples of 8 only (72: SigLIP; 88), on the padded tiles: the hd128 design shapes.
+
+    The jit kernels of these dims run only under JITATTN_UNVERIFIED_HEAD_DIMS=1 (tests/run_gpu.sh sets it)."""
+    out = []
+    for d in (72, 88):
+        spec = AttentionSpec(32, 8, d)
+        out.append(BenchCase(f"prefill-hd{d}-causal-b4x8192", spec, [8192] * 4, [8192] * 4, "prefill"))
+        out.append(BenchCase(f"decode-hd{d}-b64x4096", spec, [1] * 64, [4096] * 64, "decode"))
+    return out
+
+
 def mixed_cases() -> list[BenchCase]:
     """Issue #6's mixed batch: 4 prefill chunks of 2048 and 60 decode rows (4096 keys each), one call.
 
@@ -332,10 +344,10 @@ def example_model_configs() -> list[Path]:
 
 
 def all_cases(models: list[Path] | None = None) -> list[BenchCase]:
-    """DESIGN.md's six, the decode targets, mixed, ragged, cascade, host, generate and MLA cases, then every layer
-    kind of every model (default: :func:`example_model_configs`)."""
-    out = (design_cases() + decode_target_cases() + mixed_cases() + ragged_cases() + cascade_cases() + host_cases()
-           + generate_cases() + mla_cases())
+    """DESIGN.md's six, the decode targets, hd72 / hd88, mixed, ragged, cascade, host, generate and MLA cases, then
+    every layer kind of every model (default: :func:`example_model_configs`)."""
+    out = (design_cases() + decode_target_cases() + head_dim_cases() + mixed_cases() + ragged_cases() + cascade_cases()
+           + host_cases() + generate_cases() + mla_cases())
     for config in example_model_configs() if models is None else models:
         out += model_cases(config)
     return out

@@ -1,0 +1,201 @@
+"""Head dims that are multiples of 8 (8 .. 256): the spec's rule, the JITATTN_UNVERIFIED_HEAD_DIMS gate
+that keeps the jit backend off the new dims until the GPU suite passes them, the torch backends that
+serve them meanwhile, and nvcc compiling their padded-tile kernels for sm_80 and sm_90a (slow).
+
+The kernels' numbers at these dims: tests/test_gpu_head_dims.py (GPU).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import jitattn
+from jitattn import AttentionSpec, reference, runtime, settings
+from jitattn.backends import DeviceInfo, get_backend
+from jitattn.cache import verify_entry
+from jitattn.doctor import no_kernel_note
+from jitattn.render import KERNEL_NAMES
+from jitattn.selector import select
+from jitattn.spec import unverified_head_dim_reason
+from jitattn.testing import random_paged_batch, relative_error
+from jitattn.variant import rotary_embedding
+from tests.conftest import build_in_parallel
+from tests.test_cache import compile_calls, fake_nvcc
+from tests.test_cli import jitattn as run_cli
+
+CPU = DeviceInfo.parse("cpu")
+H100 = DeviceInfo.parse("h100")
+HD72 = AttentionSpec(32, 8, 72)
+REASON_72 = ("head_dim_qk=72: its padded-tile kernels compile but have not passed the GPU suite yet; "
+             "JITATTN_UNVERIFIED_HEAD_DIMS=1 uses them")
+
+
+@pytest.fixture
+def gate_off():
+    with settings.scope(JITATTN_UNVERIFIED_HEAD_DIMS=None):
+        yield
+
+
+@pytest.fixture
+def gate_on():
+    with settings.scope(JITATTN_UNVERIFIED_HEAD_DIMS="1"):
+        yield
+
+
+# ---- the spec ---------------------------------------------------------------------------------------
+def test_every_multiple_of_8_is_a_spec_and_others_name_the_rule():
+    for d in range(8, 257, 8):
+        assert AttentionSpec(8, 2, d).head_dim_qk == d
+        assert AttentionSpec(8, 2, 64, d, kv_storage="ragged").head_dim_vo == d
+    for d in (4, 12, 68, 252, 264):
+        with pytest.raises(ValueError, match=rf"head_dim_qk={d}: expected ") as info:
+            AttentionSpec(8, 2, d)
+        assert "a multiple of 8" in str(info.value) and "[8, 256]" in str(info.value)
+    with pytest.raises(ValueError, match=r"head_dim_vo=68: expected a multiple of 8 in \[8, 256\]"):
+        AttentionSpec(8, 2, 64, 68, kv_storage="ragged")
+    with pytest.raises(ValueError, match=r"head_dim_qk=584: expected a multiple of 16 in \[32, 1024\]"):
+        AttentionSpec(16, 1, 584, 512, kv_storage="latent", sm_scale=0.1)  # latent keeps its rule
+
+
+def test_fp8_cache_takes_whole_16_byte_rows_only():
+    assert AttentionSpec(8, 2, 16, kv_dtype="fp8").head_dim_qk == 16
+    for d in (8, 24, 72, 88):
+        with pytest.raises(ValueError, match=rf"kv_dtype='float8_e4m3fn' with head_dim_qk={d}: an FP8 row of {d} "
+                                             r"bytes ends in half a 16-byte chunk"):
+            AttentionSpec(8, 2, d, kv_dtype="fp8")
+
+
+# ---- the gate ---------------------------------------------------------------------------------------
+def test_gate_names_each_unverified_dim(gate_off):
+    assert unverified_head_dim_reason(HD72) == REASON_72
+    assert unverified_head_dim_reason(AttentionSpec(8, 2, 16)) == (
+        "head_dim_qk=16: its kernels compile but have not passed the GPU suite yet; JITATTN_UNVERIFIED_HEAD_DIMS=1 "
+        "uses them")  # a multiple of 16 below 32: no pad, still new
+    assert unverified_head_dim_reason(AttentionSpec(8, 2, 128, 88, kv_storage="ragged")).startswith("head_dim_vo=88")
+    for d in range(32, 257, 16):
+        assert unverified_head_dim_reason(AttentionSpec(8, 2, d)) is None
+
+
+def test_gate_off_jit_passes_over_and_the_selector_picks_a_torch_backend(gate_off):
+    assert get_backend("jit").spec_reasons(HD72, H100, "mixed") == [f"jit: {REASON_72}"]
+    chosen = select(HD72, H100, "mixed")
+    assert chosen.backend.name in ("flex", "sdpa", "reference")
+    assert any(r.backend == "jit" and REASON_72 in r.reasons[0] for r in chosen.passed_over)
+    for name in ("sdpa", "flex", "reference"):  # none refuses a head dim that is a multiple of 8
+        assert not [r for r in get_backend(name).spec_reasons(HD72, H100, "mixed") if "head_dim" in r], name
+
+
+def test_gate_on_jit_serves(gate_on):
+    assert get_backend("jit").spec_reasons(HD72, H100, "mixed") == []
+    assert select(HD72, H100, "mixed").backend.name == "jit"
+    assert unverified_head_dim_reason(HD72) is None
+
+
+def test_gate_setting_is_validated():
+    with settings.scope(JITATTN_UNVERIFIED_HEAD_DIMS="maybe"), \
+            pytest.raises(ValueError, match=r"JITATTN_UNVERIFIED_HEAD_DIMS='maybe': expected one of 1/0"):
+        unverified_head_dim_reason(HD72)
+
+
+def _no_kernel(monkeypatch):
+    """Make any kernel construction or device lookup fail loudly: the gate must refuse before them."""
+    def boom(*args, **kwargs):
+        raise AssertionError("reached the device / compile step")
+
+    monkeypatch.setattr(runtime, "JitKernel", boom)
+    monkeypatch.setattr(runtime, "cuda_device", boom)
+
+
+def test_gate_off_load_kernel_plan_and_one_call_refuse_before_any_compile(gate_off, monkeypatch):
+    _no_kernel(monkeypatch)
+    batch = random_paged_batch(HD72, [3, 1], [5, 9])
+    msg = re.escape(REASON_72)
+    with pytest.raises(ValueError, match=msg):
+        jitattn.load_kernel(HD72, "cuda")
+    with pytest.raises(ValueError, match=msg):
+        jitattn.plan(HD72, batch.block_table, batch.seq_lens, batch.query_start_loc)
+    with pytest.raises(ValueError, match=msg):
+        jitattn.paged_attention(HD72, *batch.args())
+    ragged = AttentionSpec(8, 2, 128, 88, kv_storage="ragged")
+    q = torch.zeros(4, 8, 128, dtype=torch.bfloat16)
+    loc = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"head_dim_vo=88: its padded-tile kernels compile"):
+        jitattn.ragged_attention(ragged, q, torch.zeros(4, 2, 128, dtype=torch.bfloat16),
+                                 torch.zeros(4, 2, 88, dtype=torch.bfloat16), loc, loc)
+
+
+def test_gate_on_load_kernel_goes_on_to_build(gate_on, monkeypatch):
+    built = []
+    monkeypatch.setattr(runtime, "cuda_device", lambda device: torch.device("cuda", 0))
+    monkeypatch.setattr(runtime, "JitKernel", lambda spec, dev: built.append((spec, dev)) or "kernel")
+    assert jitattn.load_kernel(AttentionSpec(8, 8, 88), "cuda") == "kernel"
+    assert built == [(AttentionSpec(8, 8, 88), torch.device("cuda", 0))]
+
+
+def test_gate_off_warmup_skips_with_the_note(gate_off, tmp_path):
+    assert no_kernel_note(HD72, "sm_90a") == f"not built: {REASON_72}; served by the flex backend on sm_90a"
+    assert no_kernel_note(AttentionSpec(32, 8, 80), "sm_90a") is None
+    nvcc, log = fake_nvcc(tmp_path, "no-compile")
+    proc = run_cli("warmup", "--spec", HD72.canonical_json(), "--spec", AttentionSpec(32, 8, 80).canonical_json(),
+                   "--arch", "sm_80", cache=tmp_path / "c", env={"JITATTN_NVCC": str(nvcc)})
+    out = " ".join(proc.stdout.split())
+    assert f"not compiled: {HD72.name} (needed by --spec #1): not built: {REASON_72}; served by the flex backend " \
+           f"on sm_80" in out, proc.stdout + proc.stderr
+    assert "1 specs x 1 archs (sm_80)" in proc.stderr  # hd80 only: its compile fails under the refusing nvcc
+    assert f"FAILED {HD72.name}" not in proc.stderr and len(compile_calls(log)) == 1
+
+
+# ---- the torch backends at a padded dim, on the CPU ---------------------------------------------------
+@pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile")
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize("spec", [HD72, AttentionSpec(4, 4, 8, causal=False), AttentionSpec(8, 2, 88, q_dtype="float16")],
+                         ids=["hd72-gqa4", "hd8-noncausal", "hd88-fp16"])
+def test_torch_backends_match_reference_at_padded_dims(spec, backend):
+    batch = random_paged_batch(spec, [5, 1, 0, 17], [9, 30, 4, 17], seed=5)
+    want = reference.paged_attention(spec, *batch.args(), **batch.kwargs())
+    got = get_backend(backend).build(spec, CPU)(*batch.args(), **batch.kwargs())
+    assert got.shape == (23, spec.num_qo_heads, spec.head_dim_vo)
+    assert relative_error(got, want) < 1e-2
+
+
+# ---- nvcc: the padded-tile kernels compile for sm_80 and sm_90a --------------------------------------
+ARCHS = ("sm_80", "sm_90a")
+COMPILED = {
+    **{f"paged-hd{d}": AttentionSpec(32, 8, d) for d in (8, 24, 40, 72, 88, 136, 248)},
+    "paged-hd16-fp8": AttentionSpec(32, 8, 16, kv_dtype="fp8"),
+    "paged-hd72-group1-fp16-softcap-sinks-hnd": AttentionSpec(8, 8, 72, q_dtype="float16", logits_soft_cap=30.0,
+                                                              sinks=True, kv_layout="HND", page_size=7),
+    "paged-hd88-rotary-window": AttentionSpec(16, 2, 88, variant=rotary_embedding(88), window_left=63),
+    "paged-hd40-alibi-noncausal-group16": AttentionSpec(16, 1, 40, alibi=True, causal=False),
+    # the tensor-core decode's whole-window mode on padded rows; hd 8's group 16, which its merge scratch
+    # cannot hold (decode_mma_merge_fits), on the CUDA-core decode
+    "paged-hd72-group8-window127-sinks": AttentionSpec(64, 8, 72, window_left=127, sinks=True),
+    "paged-hd8-group16": AttentionSpec(16, 1, 8),
+    "ragged-hd72x88-softcap": AttentionSpec(16, 4, 72, 88, kv_storage="ragged", logits_soft_cap=30.0),
+}
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> dict:
+    return build_in_parallel(tmp_path_factory.mktemp("head-dims"), [(s, a) for s in COMPILED.values() for a in ARCHS])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", sorted(COMPILED))
+def test_padded_head_dim_compiles(compiled, name, arch):
+    spec = COMPILED[name]
+    result = compiled[(spec, arch)]
+    if isinstance(result, Exception):
+        pytest.fail(f"{type(result).__name__}: {result}", pytrace=False)
+    assert verify_entry(result.path) is None
+    assert result.cubin.read_bytes()[:4] == b"\x7fELF"
+    log = result.manifest["compiler_log"]
+    kernels = ("prefill",) if spec.ragged else ("decode", "prefill")
+    for kernel in kernels:
+        assert f"Compiling entry function '{KERNEL_NAMES[kernel]}' for '{arch}'" in log, kernel
+    prefill = log[log.index(f"'{KERNEL_NAMES['prefill']}'"):].split("Compiling entry function")[0]
+    assert "spill stores" in prefill and not re.search(r"[1-9]\d* bytes spill stores", prefill), log
