@@ -553,7 +553,8 @@ class SpecPlan:
         """
         start = out.data_ptr()
         end = start + self._out_bytes
-        if self.plan.kind == "paged" and type(kv) is torch.Tensor:  # the per-layer hot path
+        single = type(kv) is torch.Tensor or isinstance(kv, torch.Tensor)  # exact type first: the hot path
+        if self.plan.kind == "paged" and single:
             q0, k0 = q.data_ptr(), kv.data_ptr()
             rows, row_bytes = self._q_last_row
             q1 = q0 + rows * q.stride(0) * self._q_item + row_bytes

@@ -250,6 +250,12 @@ def test_an_out_that_overlaps_an_input_is_refused_before_any_launch(kernels):  #
     in_pages = kv.view(-1)[1024:1024 + rows].view(7, 8, 64)  # inside page 0's K and V
     with pytest.raises(ValueError, match=r"out: overlaps kv_cache in memory"):
         runtime.run(q, kv, plan, out=in_pages)
+    last_page = kv.view(-1)[(kv.shape[0] - 1) * kv.stride(0):][:rows].view(7, 8, 64)
+    param = torch.nn.Parameter(kv, requires_grad=False)  # a tensor subclass is one cache, not a (k, v) pair
+    with pytest.raises(ValueError, match=r"out: overlaps kv_cache in memory"):
+        runtime.run(q, param, plan, out=last_page)
+    with pytest.raises(ValueError, match=r"out: overlaps kv_cache in memory"):
+        runtime.paged_attention(SPEC, q, param, *md, out=last_page)
     k_cache, v_cache = torch.zeros(2, *kv[:, 0].shape, dtype=torch.bfloat16)  # a pair of separate tensors
     with pytest.raises(ValueError, match=r"out: overlaps v_cache in memory"):
         runtime.run(q, (k_cache, v_cache), plan, out=v_cache.view(-1)[:rows].view(7, 8, 64))
