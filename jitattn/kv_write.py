@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from jitattn import append_kv_module as _am
-from jitattn.checks import fail
+from jitattn.checks import check_scale, fail
 from jitattn.merge import params_packer
 from jitattn.runtime import LoadedOnce, cuda_device
 
@@ -94,14 +94,18 @@ def _cache_views(kv_cache: Any, kv_layout: str) -> tuple[torch.Tensor, torch.Ten
 
 
 def _check_scale(name: str, value: Any, fp8: bool) -> float:
-    if type(value) is not float and not (isinstance(value, (int, float)) and not isinstance(value, bool)):
-        fail(f"{name}: expected a Python float, got {type(value).__name__} (a tensor would need a device sync)")
-    value = float(value)
-    if not (math.isfinite(value) and value > 0):
-        fail(f"{name}={value!r}: must be a positive finite float")
+    """A write's scale: :func:`jitattn.checks.check_scale` (a positive finite float32), 1.0 for a 16-bit
+    cache, and for an FP8 cache one whose float32 inverse (what the write multiplies by) is finite too."""
+    value = check_scale(name, value)
     if not fp8 and value != 1.0:
         fail(f"{name}={value!r}: only an FP8 (float8_e4m3fn) cache is scaled; a 16-bit cache takes 1.0")
+    if fp8 and 1.0 / _f32(value) > _F32_MAX:
+        fail(f"{name}={value!r}: an FP8 cache stores x * float32(1 / {name}), and that inverse is beyond float32's "
+             f"range; allowed: about 3e-39 .. 3.4e+38")
     return value
+
+
+_F32_MAX = 3.4028234663852886e38  # float32's largest finite value
 
 
 def _check_slots(slot_mapping: Any, rows: torch.Tensor, rows_name: str, num_pages: int, page_size: int) -> None:

@@ -113,8 +113,8 @@ def _errors():
     yield dict(slot_mapping=torch.tensor([0, PAGES * PAGE])), "slot_mapping: values in \\[0, 20\\]; allowed: -1"
     yield dict(slot_mapping=torch.tensor([-2, 0])), "allowed: -1 \\(skip\\)"
     yield dict(k_scale=0.5), "k_scale=0.5: only an FP8"
-    yield dict(kv_cache=c.to(FP8), v_scale=-1.0), "v_scale=-1.0: must be a positive finite float"
-    yield dict(kv_cache=c.to(FP8), k_scale=torch.tensor(1.0)), "k_scale: expected a Python float"
+    yield dict(kv_cache=c.to(FP8), v_scale=-1.0), r"v_scale=-1\.0: expected a positive finite Python float"
+    yield dict(kv_cache=c.to(FP8), k_scale=torch.tensor(1.0)), r"k_scale=tensor\(1\.\): expected a positive finite Python float \(a tensor would need a sync\)"
     yield dict(kv_layout="THD"), "kv_layout='THD'"
     yield dict(impl="triton"), "impl='triton'"
     yield dict(impl="cuda"), "impl='cuda': the kernel cannot take these tensors: the tensors are on cpu"
@@ -183,3 +183,22 @@ def test_nvcc_builds_the_append_kv_module(tmp_path, arch):
     assert built and entry.cubin.read_bytes()[:4] == b"\x7fELF"
     assert KERNEL_NAMES["append_kv"].encode() in entry.cubin.read_bytes()
     assert "0 bytes spill stores" in entry.manifest["compiler_log"]
+
+
+@pytest.mark.parametrize("scales", [dict(v_scale=1e-45), dict(k_scale=1e-39), dict(k_scale=3.5e38), dict(k_scale=1e300)],
+                         ids=["v-inverse-overflows", "k-inverse-overflows", "k-past-float32", "k-far-past-float32"])
+def test_fp8_scales_float32_cannot_hold_are_refused_before_any_write(scales):
+    """A scale past float32's range, or one whose float32 inverse (what the write multiplies by) is, is a
+    ValueError naming it, raised before K is written (it was an OverflowError after K's write)."""
+    k = torch.randn(2, 1, 16, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 2, 4, 1, 16, dtype=torch.float8_e4m3fn)
+    name = next(iter(scales))
+    with pytest.raises(ValueError, match=rf"{name}="):
+        jitattn.append_kv(k, k.clone(), cache, torch.tensor([0, 1]), **scales)
+    assert not cache.float().any()
+    c_kv, k_pe = torch.randn(2, 32, dtype=torch.bfloat16), torch.randn(2, 16, dtype=torch.bfloat16)
+    latent = torch.zeros(2, 4, 48, dtype=torch.float8_e4m3fn)
+    if name == "k_scale":
+        with pytest.raises(ValueError, match=r"k_scale="):
+            jitattn.append_latent_kv(c_kv, k_pe, latent, torch.tensor([0, 1]), k_scale=scales["k_scale"])
+        assert not latent.float().any()
