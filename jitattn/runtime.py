@@ -558,11 +558,11 @@ def load_kernel(spec: AttentionSpec, device: torch.device | str | int | None = N
     """
     if spec.latent:  # before any device, cache or compile work: plan / run / paged_attention land here
         fail(f"spec {spec.name}: kv_storage='latent' (multi-head latent attention, MLA decode): {LATENT_NO_KERNEL}, so "
-             f"load_kernel / plan / paged_attention cannot run it; jitattn.select(spec, device).build() gives the "
+             f"its kernel calls (load_kernel, plan, paged_attention, ragged_attention) cannot run it; jitattn.selector.select(spec, device).build() gives the "
              f"backend that serves it (sdpa; reference with return_lse)")
     unverified = unverified_head_dim_reason(spec)
     if unverified:
-        fail(f"spec {spec.name}: {unverified}; jitattn.select(spec, device).build() gives a backend that serves it")
+        fail(f"spec {spec.name}: {unverified}; jitattn.selector.select(spec, device).build() gives a backend that serves it")
     dev = device if isinstance(device, torch.device) and device.type == "cuda" and device.index is not None \
         else cuda_device(device)
     return _KERNELS.get((spec, dev.index), lambda: JitKernel(spec, dev))

@@ -52,6 +52,8 @@ HEAD_DIM_MIN, HEAD_DIM_MAX, HEAD_DIM_STEP = 8, 256, 8
 VERIFIED_HEAD_DIM_MIN, VERIFIED_HEAD_DIM_STEP = 32, 16
 LATENT_HEAD_DIM_MIN, LATENT_HEAD_DIM_STEP = 32, 16
 PAGE_SIZE_MAX = 1024
+#: sm_scale is rendered as a float32 constant: float32's normal range (past it: inf, or 0 / denormal).
+SM_SCALE_RANGE = (1.1754943508222875e-38, 3.4028234663852886e38)
 #: Latent (MLA) specs: head dims multiples of 16 up to this (DeepSeek-V2/V3, Kimi-K2: 576 / 512), at most
 #: this many query heads (the whole group shares the one latent row: 128 at TP 1 for DeepSeek-V3).
 LATENT_HEAD_DIM_MAX, LATENT_MAX_QO_HEADS = 1024, 128
@@ -320,6 +322,9 @@ class AttentionSpec:
         _set("logits_soft_cap", _check_float("logits_soft_cap", self.logits_soft_cap, positive=True, allow_zero=True))
         scale = self.head_dim_qk ** -0.5 if self.sm_scale is None else self.sm_scale
         _set("sm_scale", _check_float("sm_scale", scale, positive=True))
+        if not SM_SCALE_RANGE[0] <= self.sm_scale <= SM_SCALE_RANGE[1]:  # the kernels bake it in as a float32
+            raise ValueError(f"sm_scale={self.sm_scale!r}: expected a positive number a float32 holds, in "
+                             f"[{SM_SCALE_RANGE[0]:g}, {SM_SCALE_RANGE[1]:g}]")
         if self.variant is not None and not isinstance(self.variant, Variant):
             raise ValueError(f"variant={self.variant!r}: expected a jitattn.Variant or None")
         if self.variant is not None and not self.variant.softmax and self.sinks:

@@ -197,8 +197,8 @@ def test_selection_passes_the_kernel_backends_over_with_their_reason(device, dis
 def test_plan_and_the_kernel_calls_refuse_a_latent_spec_before_any_work():
     spec, b = _batch(16, 1, 16, "bf16")
     expected = (r"spec h16x1_d576v512_bf16_latent_p16_causal_\w+: kv_storage='latent' \(multi-head latent attention, "
-                r"MLA decode\): no latent-attention .* plan / paged_attention cannot run it; jitattn.select\(spec, "
-                r"device\).build\(\) gives the backend that serves it \(sdpa")
+                r"MLA decode\): no latent-attention .* paged_attention, ragged_attention\) cannot run it; "
+                r"jitattn.selector.select\(spec, device\).build\(\) gives the backend that serves it \(sdpa")
     for call in (lambda: jitattn.plan(spec, b.block_table, b.seq_lens, b.query_start_loc),
                  lambda: jitattn.paged_attention(spec, *b.args()),
                  lambda: jitattn.load_kernel(spec, "cuda")):

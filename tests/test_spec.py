@@ -59,6 +59,8 @@ BAD = [
     (dict(sm_scale=0.0), r"sm_scale=0.0: expected a number > 0"),
     (dict(sm_scale=-0.1), r"sm_scale=-0.1: expected a number > 0"),
     (dict(sm_scale=float("nan")), r"sm_scale=nan: expected a finite number"),
+    (dict(sm_scale=1e39), r"sm_scale=1e\+39: expected a positive number a float32 holds"),
+    (dict(sm_scale=1e-46), r"sm_scale=1e-46: expected a positive number a float32 holds"),
     (dict(variant="soft"), r"variant='soft': expected a jitattn.Variant or None"),
     (dict(kv_storage="varlen"), r"kv_storage='varlen': expected one of \('paged', 'ragged', 'latent'\)"),
     (dict(query_positions="absolute"), r"query_positions='absolute': expected one of \('implicit', 'explicit'\)"),
