@@ -175,6 +175,14 @@ def build_in_parallel(root: Path, work) -> dict:
         return dict(pool.map(build, list(dict.fromkeys(work))))
 
 
+def built(compiled: dict, spec, arch: str):
+    """The entry :func:`build_in_parallel` made for ``(spec, arch)``; the test fails with its build error."""
+    entry = compiled[(spec, arch)]
+    if isinstance(entry, Exception):
+        pytest.fail(f"{type(entry).__name__}: {entry}", pytrace=False)
+    return entry
+
+
 @pytest.fixture
 def record(request):
     """Call ``record(key=value, ...)`` to attach numbers to this test's line in the GPU results file."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from jitattn.render import KERNEL_NAMES
-from tests.conftest import build_in_parallel
+from tests.conftest import build_in_parallel, built
 from tests.explicit_position_cases import explicit_cases
 from tests.test_ragged import prefill_spills
 
@@ -28,9 +28,7 @@ def compiled(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_explicit_spec_compiles_without_new_spills(compiled, name, arch):
     spec = SPECS[name]
-    entry = compiled[(spec, arch)]
-    if isinstance(entry, Exception):
-        pytest.fail(f"{type(entry).__name__}: {entry}", pytrace=False)
+    entry = built(compiled, spec, arch)
     log = entry.manifest["compiler_log"]
     assert f"Compiling entry function '{KERNEL_NAMES['prefill']}' for '{arch}'" in log
     assert KERNEL_NAMES["decode"] not in log  # prefill only

@@ -22,7 +22,7 @@ from jitattn.selector import select
 from jitattn.spec import unverified_head_dim_reason
 from jitattn.testing import random_paged_batch, relative_error
 from jitattn.variant import rotary_embedding
-from tests.conftest import build_in_parallel
+from tests.conftest import build_in_parallel, built
 from tests.test_cache import compile_calls, fake_nvcc
 from tests.test_cli import jitattn as run_cli
 
@@ -188,9 +188,7 @@ def compiled(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("name", sorted(COMPILED))
 def test_padded_head_dim_compiles(compiled, name, arch):
     spec = COMPILED[name]
-    result = compiled[(spec, arch)]
-    if isinstance(result, Exception):
-        pytest.fail(f"{type(result).__name__}: {result}", pytrace=False)
+    result = built(compiled, spec, arch)
     assert verify_entry(result.path) is None
     assert result.cubin.read_bytes()[:4] == b"\x7fELF"
     log = result.manifest["compiler_log"]
