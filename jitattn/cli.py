@@ -853,8 +853,9 @@ def bench(
     case: Annotated[Optional[list[str]], typer.Option(
         "--case", metavar="NAME", help="Case name substring; repeatable (--list shows the cases).")] = None,
     model: Annotated[Optional[list[str]], typer.Option(
-        "--model", metavar="CONFIG", help="A Hugging Face config.json: a decode and a prefill case per layer kind; "
-                                          "repeatable.")] = None,
+        "--model", metavar="CONFIG", help="A Hugging Face config.json: a decode and a prefill case per paged layer "
+                                          "kind, a decode case per latent (MLA) kind, none for a ragged kind (such as "
+                                          "DeepSeek's mla_prefill); repeatable.")] = None,
     anchors: Annotated[Optional[str], typer.Option(
         "--anchors", help="Comma-separated anchors to run, from sdpa, flex, flashinfer (default: all; '' for "
                           "jitattn alone).")] = None,
