@@ -234,7 +234,9 @@ def no_kernel_note(module: Any, arch: str) -> str | None:
     try:
         served = f"served by the {select(module, arch).name} backend on {arch}"
     except (NoBackendError, ValueError) as err:  # ValueError: a JITATTN_BACKEND of no registered backend
-        served = f"no backend serves it on {arch}: {str(err).splitlines()[0]}"
+        why = dict.fromkeys(r for rej in getattr(err, "rejections", ()) for r in rej.reasons)  # the lines below
+        served = f"no backend serves it on {arch}: {str(err).splitlines()[0].rstrip(':')}"
+        served += f": {'; '.join(why)}" if why else ""
     if unverified:
         return f"not built: {unverified}; {served}"
     return f"no kernel to build: no latent-attention (MLA) kernel yet (kv_storage='latent'); {served}"

@@ -135,6 +135,14 @@ def test_gate_on_load_kernel_goes_on_to_build(gate_on, monkeypatch):
     assert built == [(AttentionSpec(8, 8, 88), torch.device("cuda", 0))]
 
 
+def test_the_note_for_a_spec_no_backend_serves_ends_with_the_reasons(gate_off):
+    # warmup --cascade's explicit-position twin of an hd72 spec: the torch backends take no query positions
+    note = no_kernel_note(HD72.replace(query_positions="explicit"), "sm_80")
+    assert note.startswith(f"not built: {REASON_72}; no backend serves it on sm_80: no attention backend can serve ")
+    assert "(phase mixed): jit: head_dim_qk=72" in note and not note.endswith(":")
+    assert "; sdpa: explicit query positions (query_positions='explicit') not supported" in note
+
+
 def test_gate_off_warmup_skips_with_the_note(gate_off, tmp_path):
     assert no_kernel_note(HD72, "sm_90a") == f"not built: {REASON_72}; served by the flex backend on sm_90a"
     assert no_kernel_note(AttentionSpec(32, 8, 80), "sm_90a") is None
