@@ -54,7 +54,8 @@ Both take ``sm_scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5``, times ``
 rope scaling is not the default one (YaRN) and has ``mscale_all_dim``, with ``mscale = 0.1 *
 mscale_all_dim * ln(factor) + 1``: ``yarn_get_mscale`` / ``yarn_apply_mscale`` of transformers'
 ``modeling_deepseek_v3.py`` (also vLLM's and SGLang's ``deepseek_v2.py``). ``factor`` must be a finite
-number >= 1 (transformers' YaRN rule) and ``mscale_all_dim`` a finite number >= 0. ``num_key_value_heads`` is not read (MLA has no separate KV heads).
+number >= 1 (transformers' YaRN rule) and ``mscale_all_dim`` a finite number >= 0.
+``num_key_value_heads`` is not read (MLA has no separate KV heads).
 
 A multimodal config whose attention fields sit under ``text_config`` (Gemma-3, Llava, ...) is read
 from there. Missing fields are not filled from Hugging Face's class defaults: they raise.

@@ -163,7 +163,8 @@ HD8 = AttentionSpec(4, 4, 8, causal=False)
 @pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile")
 @pytest.mark.parametrize("spec, backend", [
     pytest.param(spec, backend, id=f"{name}-{backend}")
-    for name, spec in [("hd72-gqa4", HD72), ("hd8-noncausal", HD8), ("hd88-fp16", AttentionSpec(8, 2, 88, q_dtype="float16"))]
+    for name, spec in [("hd72-gqa4", HD72), ("hd8-noncausal", HD8),
+                       ("hd88-fp16", AttentionSpec(8, 2, 88, q_dtype="float16"))]
     for backend in ("sdpa", "flex") if not (backend == "flex" and spec is HD8)])  # flex: below 16, next test
 def test_torch_backends_match_reference_at_padded_dims(spec, backend):
     batch = random_paged_batch(spec, [5, 1, 0, 17], [9, 30, 4, 17], seed=5)
