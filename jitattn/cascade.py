@@ -107,9 +107,10 @@ def cascade_pays(num_requests: int, prefix_len: int, suffix_len: float, *, mode:
 def _check_cascade_spec(spec: Any, call: str) -> None:
     """A spec the cascade's split preserves (:func:`cascade_attention`'s Raises)."""
     check_spec(spec, call)
-    if spec.ragged or spec.explicit_positions:
-        fail(f"spec: cascade attention takes a paged spec with implicit query positions, got "
-             f"kv_storage={spec.kv_storage!r}, query_positions={spec.query_positions!r}")
+    if spec.kv_storage != "paged" or spec.explicit_positions:  # latent too: its levels would need a latent twin
+        fail(f"spec: cascade attention takes a paged spec with implicit query positions (kv_storage='paged', "
+             f"query_positions='implicit'), got kv_storage={spec.kv_storage!r}, "
+             f"query_positions={spec.query_positions!r}")
     v = spec.variant
     if v is not None and not v.softmax:
         fail(f"spec.variant={v.name!r} has no softmax: its levels' weighted sums have no lse to merge by")
@@ -398,7 +399,7 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: Any, level
         ``out`` ``(total_q, num_qo_heads, head_dim_vo)`` in ``spec.o_dtype`` and, if asked, the lse.
 
     Raises:
-        ValueError: a spec the split cannot preserve (explicit positions already, ragged K/V, no softmax,
+        ValueError: a spec the split cannot preserve (explicit positions already, ragged or latent K/V, no softmax,
             an output hook, a CUDA-string hook reading ``qo_len`` / ``kv_len``), bad levels (their
             shapes always; their values with ``validate=True``), bad ``chunks``, a ``plan`` for another
             layout, an ``out`` that requires grad, or an argument the plain call refuses (before any launch).

@@ -55,7 +55,6 @@ from jitattn._version import __version__
 from jitattn.build import BuildError, CompileError, normalize_arch, nvcc_version
 from jitattn.cache import MANIFEST, CacheWriteError, KernelCache, point_root_elsewhere
 from jitattn.commands import models_warmup_command
-from jitattn.append_kv_module import AppendKvModule
 from jitattn.merge_module import MergeModule
 from jitattn.modules import KernelModule
 
@@ -270,6 +269,7 @@ def collect_targets(models: list[Path], spec_args: list[str], *, dtype: str | No
     the passes' states), after the spec itself. ``tensor_parallel_size`` makes a model's specs one
     rank's (``--spec`` values are taken as given).
     """
+    from jitattn.doctor import model_modules
     from jitattn.models import load_model_config
 
     targets: dict[KernelModule, Target] = {}
@@ -283,13 +283,8 @@ def collect_targets(models: list[Path], spec_args: list[str], *, dtype: str | No
     for path in models:
         model = load_model_config(path, dtype=dtype, kv_layout=kv_layout, page_size=page_size, kv_dtype=kv_dtype,
                                   tensor_parallel_size=tensor_parallel_size)
-        for kind in model.layer_kinds:
-            add(kind.spec, f"{Path(path).stem}/{kind.name}")
-        for out_dtype in dict.fromkeys(kind.spec.o_dtype for kind in model.layer_kinds):
-            add(MergeModule(out_dtype), f"{Path(path).stem}/merge_state")  # jitattn.merge_state on its outputs
-        for pair in dict.fromkeys((kind.spec.q_dtype, kind.spec.kv_dtype) for kind in model.layer_kinds
-                                  if kind.spec.kv_storage == "paged"):  # a latent cache's writes are torch's
-            add(AppendKvModule(*pair), f"{Path(path).stem}/append_kv")  # jitattn.append_kv into its cache
+        for module, part in model_modules(model):  # doctor checks the same list
+            add(module, f"{Path(path).stem}/{part}")
     for i, text in enumerate(spec_args, start=1):
         for spec in parse_spec_arg(text):
             add(spec, f"--spec #{i}")
@@ -858,8 +853,9 @@ def bench(
     case: Annotated[Optional[list[str]], typer.Option(
         "--case", metavar="NAME", help="Case name substring; repeatable (--list shows the cases).")] = None,
     model: Annotated[Optional[list[str]], typer.Option(
-        "--model", metavar="CONFIG", help="A Hugging Face config.json: a decode and a prefill case per layer kind; "
-                                          "repeatable.")] = None,
+        "--model", metavar="CONFIG", help="A Hugging Face config.json: a decode and a prefill case per paged layer "
+                                          "kind, a decode case per latent (MLA) kind, none for a ragged kind (such as "
+                                          "DeepSeek's mla_prefill); repeatable.")] = None,
     anchors: Annotated[Optional[str], typer.Option(
         "--anchors", help="Comma-separated anchors to run, from sdpa, flex, flashinfer (default: all; '' for "
                           "jitattn alone).")] = None,

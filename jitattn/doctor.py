@@ -7,7 +7,8 @@ It reports, without compiling anything and without needing torch or a GPU:
 - torch: its version and the CUDA it was built with, or "torch not installed";
 - every cache layer: its root, whether it exists and is writable, its entries and the corrupt ones;
 - for each model (``--model``), each kernel it needs (its layer kinds' specs, per rank under
-  ``--tensor-parallel-size``, and the ``merge_state`` module of its output dtype) and the archs it
+  ``--tensor-parallel-size``, the ``merge_state`` module of its output dtype and the ``append_kv``
+  module of its paged kinds: :func:`model_modules`, what warm-up builds) and the archs it
   is cached for. A spec jitattn compiles no kernel for (a latent, MLA, spec; a head dim whose kernels
   wait for the GPU suite) counts as served, with a note naming the backend that serves it
   (:func:`no_kernel_note`).
@@ -34,8 +35,9 @@ from jitattn.archs import archs_for_capability, normalize_arch
 from jitattn.build import BuildError, nvcc_version
 from jitattn.cache import KernelCache, check_entry
 from jitattn.commands import models_warmup_command
+from jitattn.append_kv_module import AppendKvModule
 from jitattn.merge_module import MergeModule
-from jitattn.models import load_model_config
+from jitattn.models import ModelAttention, load_model_config
 from jitattn.spec import AttentionSpec, unverified_head_dim_reason
 
 
@@ -232,10 +234,26 @@ def no_kernel_note(module: Any, arch: str) -> str | None:
     try:
         served = f"served by the {select(module, arch).name} backend on {arch}"
     except (NoBackendError, ValueError) as err:  # ValueError: a JITATTN_BACKEND of no registered backend
-        served = f"no backend serves it on {arch}: {str(err).splitlines()[0]}"
+        why = dict.fromkeys(r for rej in getattr(err, "rejections", ()) for r in rej.reasons)  # the lines below
+        served = f"no backend serves it on {arch}: {str(err).splitlines()[0].rstrip(':')}"
+        served += f": {'; '.join(why)}" if why else ""
     if unverified:
         return f"not built: {unverified}; {served}"
     return f"no kernel to build: no latent-attention (MLA) kernel yet (kv_storage='latent'); {served}"
+
+
+def model_modules(model: ModelAttention) -> list[tuple[Any, str]]:
+    """Every module serving ``model`` loads, in build order, each with the part of the model that needs it:
+    its layer kinds' specs (the kind's name), the ``merge_state`` module of each output dtype
+    (``"merge_state"``) and the ``append_kv`` module of each (K/V dtype, cache dtype) pair of its paged
+    kinds (``"append_kv"``; a latent cache's writes are torch's). ``jitattn warmup --model`` builds
+    these, ``jitattn cache export`` ships them and ``jitattn doctor`` checks them. A module may repeat."""
+    out: list[tuple[Any, str]] = [(kind.spec, kind.name) for kind in model.layer_kinds]
+    out += [(MergeModule(o), "merge_state") for o in dict.fromkeys(kind.spec.o_dtype for kind in model.layer_kinds)]
+    out += [(AppendKvModule(*pair), "append_kv")
+            for pair in dict.fromkeys((kind.spec.q_dtype, kind.spec.kv_dtype) for kind in model.layer_kinds
+                                      if kind.spec.kv_storage == "paged")]
+    return out
 
 
 def model_kernels(path: Path, cache: KernelCache, archs: Sequence[str], any_arch: bool, *, dtype: str | None,
@@ -252,10 +270,8 @@ def model_kernels(path: Path, cache: KernelCache, archs: Sequence[str], any_arch
     model = load_model_config(path, dtype=dtype, page_size=page_size, kv_layout=kv_layout, kv_dtype=kv_dtype,
                               tensor_parallel_size=tensor_parallel_size)
     needed: dict[Any, list[str]] = {}
-    for kind in model.layer_kinds:
-        needed.setdefault(kind.spec, []).append(kind.name)
-    for out_dtype in dict.fromkeys(kind.spec.o_dtype for kind in model.layer_kinds):
-        needed.setdefault(MergeModule(out_dtype), []).append("merge_state")
+    for module, part in model_modules(model):
+        needed.setdefault(module, []).append(part)
     kernels = []
     with settings.scope(JITATTN_DISABLE_JIT="1"):  # what a serving node finds: any nvcc's build, no compile
         for module, sources in needed.items():

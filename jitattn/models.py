@@ -52,9 +52,10 @@ kinds, each listing every layer, as serving engines run them:
 
 Both take ``sm_scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5``, times ``mscale ** 2`` when the
 rope scaling is not the default one (YaRN) and has ``mscale_all_dim``, with ``mscale = 0.1 *
-mscale_all_dim * ln(factor) + 1`` for ``factor > 1`` (else 1): ``yarn_get_mscale`` /
-``yarn_apply_mscale`` of transformers' ``modeling_deepseek_v3.py`` (also vLLM's and SGLang's
-``deepseek_v2.py``). ``num_key_value_heads`` is not read (MLA has no separate KV heads).
+mscale_all_dim * ln(factor) + 1``: ``yarn_get_mscale`` / ``yarn_apply_mscale`` of transformers'
+``modeling_deepseek_v3.py`` (also vLLM's and SGLang's ``deepseek_v2.py``). ``factor`` must be a finite
+number >= 1 (transformers' YaRN rule) and ``mscale_all_dim`` a finite number >= 0.
+``num_key_value_heads`` is not read (MLA has no separate KV heads).
 
 A multimodal config whose attention fields sit under ``text_config`` (Gemma-3, Llava, ...) is read
 from there. Missing fields are not filled from Hugging Face's class defaults: they raise.
@@ -476,7 +477,8 @@ def mla_sm_scale(cfg: Mapping[str, Any], source: str) -> float:
 
     Raises:
         ValueError: a head dim missing or not a positive int; a rope scaling that is not an object, or
-            with ``mscale_all_dim`` but no positive ``factor``.
+            a YaRN one whose ``mscale_all_dim`` is not a finite number >= 0, or (with ``mscale_all_dim``
+            nonzero) whose ``factor`` is not a finite number >= 1, naming ``rope_scaling.<field>``.
     """
     qk = _int_field(cfg, "qk_nope_head_dim", source) + _int_field(cfg, "qk_rope_head_dim", source)
     name = "rope_scaling" if _has(cfg, "rope_scaling") else "rope_parameters"
@@ -486,16 +488,23 @@ def mla_sm_scale(cfg: Mapping[str, Any], source: str) -> float:
     if not isinstance(rope, Mapping):
         raise ValueError(f"{source}: {name}={rope!r}: expected an object or null")
     kind = rope.get("rope_type", rope.get("type", "default"))
-    all_dim = rope.get("mscale_all_dim") or 0
-    if kind == "default" or not all_dim:
+    if kind == "default" or rope.get("mscale_all_dim") is None:
         return qk ** -0.5
-    factor = rope.get("factor")
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0 \
-            or isinstance(all_dim, bool) or not isinstance(all_dim, (int, float)):
-        raise ValueError(f"{source}: {name} with mscale_all_dim={all_dim!r}, factor={factor!r}: expected numbers, "
-                         f"factor > 0 (the YaRN softmax scale is (0.1 * mscale_all_dim * ln(factor) + 1) ** 2)")
-    mscale = 0.1 * all_dim * math.log(factor) + 1.0 if factor > 1 else 1.0
+    all_dim = _yarn_number(rope, name, "mscale_all_dim", 0, source)
+    if all_dim == 0:
+        return qk ** -0.5
+    factor = _yarn_number(rope, name, "factor", 1, source)
+    mscale = 0.1 * all_dim * math.log(factor) + 1.0
     return qk ** -0.5 * mscale * mscale
+
+
+def _yarn_number(rope: Mapping[str, Any], name: str, field: str, least: int, source: str) -> float:
+    """A YaRN field of ``rope`` (the config's ``name`` object): a finite number >= ``least``, else ValueError."""
+    value = rope.get(field)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < least:
+        raise ValueError(f"{source}: {name}.{field}={value!r}: expected a finite number >= {least} (YaRN: factor >= 1, "
+                         f"mscale_all_dim >= 0; the softmax scale is (0.1 * mscale_all_dim * ln(factor) + 1) ** 2)")
+    return float(value)
 
 
 def mla_layer_kinds(cfg: Mapping[str, Any], num_layers: int, source: str, *, q_dtype: str, page_size: int = 16,

@@ -16,6 +16,7 @@ import torch
 from jitattn import AttentionSpec, Variant, reference
 from jitattn.backends import DeviceInfo, Requirements, get_backend
 from jitattn.backends import flashinfer as fi_mod
+from jitattn.selector import select
 from jitattn.testing import random_paged_batch, relative_error
 from jitattn.variant import document_mask, rotary_embedding, sigmoid_attention
 from tests.gpu_cases import DOC_MASK, HIDE_HEAD, OUTPUT_GATE, REL_BIAS, TRACED_DISTANCE, _doc_params
@@ -85,6 +86,15 @@ def test_sdpa_reasons_name_each_feature():
     ]
     assert reasons("sdpa", PLAIN, CPU) == [] and reasons("sdpa", PLAIN, H100) == []
     assert reasons("sdpa", AttentionSpec(8, 2, 96, causal=False), CPU) == []
+
+
+def test_flex_passes_over_head_dims_below_16_on_cuda():
+    # torch inductor's CUDA lowering raises NotImplementedError below 16; the default path must not pick flex
+    assert reasons("flex", AttentionSpec(8, 2, 8)) == [
+        "flex: head_dim_qk=8 not supported (torch's compiled FlexAttention needs head dims >= 16)",
+        "flex: head_dim_vo=8 not supported (torch's compiled FlexAttention needs head dims >= 16)"]
+    assert reasons("flex", AttentionSpec(8, 2, 24)) == []  # padded to 32 inside the kernel
+    assert select(AttentionSpec(8, 2, 8), "h100").backend.name != "flex"
 
 
 def test_flex_reasons():

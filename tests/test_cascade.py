@@ -162,6 +162,9 @@ def test_bad_levels_are_named(mutate, match):
 @pytest.mark.parametrize("spec, match", [
     (AttentionSpec(4, 2, 32, variant=variant.sigmoid_attention()), r"has no softmax"),
     (AttentionSpec(4, 2, 32, query_positions="explicit"), r"implicit query positions"),
+    (AttentionSpec(4, 1, 64, 32, kv_storage="latent", sm_scale=0.1),  # not the explicit twin's error: a field never set
+     r"^spec: cascade attention takes a paged spec with implicit query positions \(kv_storage='paged', "
+     r"query_positions='implicit'\), got kv_storage='latent', query_positions='implicit'$"),
 ])
 def test_specs_the_split_cannot_preserve_are_refused(spec, match):
     b = random_cascade_batch(AttentionSpec(4, 2, 32), [16], [2], [1, 1], [1, 1], seed=2)
@@ -340,6 +343,8 @@ def test_a_cascade_plan_runs_every_layer_through_one_jit_plan(kernels):
     (lambda b, s: ("spec", b.levels, 4), r"spec: expected a jitattn.AttentionSpec, got str .*plan_cascade\(spec"),
     (lambda b, s: (AttentionSpec(8, 2, 32, kv_storage="ragged"), b.levels, 4),
      r"spec: cascade attention takes a paged"),
+    (lambda b, s: (AttentionSpec(8, 1, 64, 32, kv_storage="latent", sm_scale=0.1, page_size=4), b.levels, 4),
+     r"spec: cascade attention takes a paged .*got kv_storage='latent'"),
     (lambda b, s: (s, [], 4), r"levels: expected a non-empty list of CascadeLevel, got \[\]"),
     (lambda b, s: (s, b.levels, -1), r"total_q=-1: expected an int >= 0"),
     (lambda b, s: (s, b.levels, 4.0), r"total_q=4.0: expected an int >= 0"),

@@ -373,6 +373,17 @@ def test_bench_names_an_unknown_case_before_the_missing_gpu(tmp_path):
     assert proc.stderr.startswith("jitattn: error: --case 'nope' matches no case")
 
 
+def test_bench_model_help_says_which_kinds_get_cases():
+    """A DeepSeek config gives one latent decode case and none for its ragged mla_prefill kind: the help says so."""
+    from typer.main import get_command
+
+    from jitattn.cli import app
+
+    help_text = next(p.help for p in get_command(app).commands["bench"].params if p.name == "model")
+    assert "a decode and a prefill case per paged layer kind, a decode case per latent (MLA) kind, none for a " \
+           "ragged kind" in help_text
+
+
 def test_bench_forwards_its_arguments(monkeypatch):
     from typer.testing import CliRunner
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from jitattn.append_kv_module import AppendKvModule
 from jitattn.cache import KernelCache, MissingKernelError
 from jitattn.doctor import diagnose
 from jitattn.merge_module import MergeModule
@@ -25,8 +26,10 @@ LLAMA_70B = Path(__file__).resolve().parent / "models" / "llama-3-70b.json"
 
 
 def model_modules(config: Path, **kwargs) -> list:
+    """What warm-up builds for the model: its specs, merge_state and append_kv (llama: one of each)."""
     model = load_model_config(config, **kwargs)
-    return [*model.specs(), MergeModule(model.layer_kinds[0].spec.o_dtype)]
+    return [*model.specs(), MergeModule(model.layer_kinds[0].spec.o_dtype),
+            AppendKvModule(model.layer_kinds[0].spec.q_dtype)]
 
 
 def no_gpu(monkeypatch) -> None:
@@ -51,6 +54,24 @@ def test_doctor_says_ok_only_when_every_kernel_is_cached_for_every_arch(tmp_path
     assert not both.ok  # a node without a GPU checks each arch it ships for
     assert all(set(k.found) == {"sm_90a"} for k in both.models[0].kernels)
     assert both.warmup_command == f"jitattn warmup --model {LLAMA_8B} --arch sm_80 --arch sm_90a"
+
+
+def test_doctor_checks_the_append_kv_module_warmup_builds(tmp_path):
+    """A node with the attention and merge_state kernels but no append_kv fails doctor (export would too)."""
+    root = tmp_path / "c"
+    cache = KernelCache(root=root, layers=())
+    spec, merge, append = model_modules(LLAMA_8B)
+    for module in (spec, merge):
+        publish_fake(cache, module, "sm_90a")
+    proc = jitattn("doctor", "--model", str(LLAMA_8B), "--arch", "sm_90a", cache=root,
+                   env={"JITATTN_DISABLE_JIT": "1"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    kernels = json.loads(jitattn("doctor", "--model", str(LLAMA_8B), "--arch", "sm_90a", "--json", cache=root,
+                                 env={"JITATTN_DISABLE_JIT": "1"}).stdout)["models"][0]["kernels"]
+    assert [(k["name"], k["served"]) for k in kernels] == [(spec.name, True), (merge.name, True), (append.name, False)]
+    publish_fake(cache, append, "sm_90a")
+    assert jitattn("doctor", "--model", str(LLAMA_8B), "--arch", "sm_90a", cache=root,
+                   env={"JITATTN_DISABLE_JIT": "1"}).returncode == 0
 
 
 def test_doctor_on_a_gpu_node_takes_any_arch_the_gpu_runs(tmp_path, monkeypatch):
@@ -93,9 +114,9 @@ def test_doctor_reports_corrupt_entries_of_every_layer(tmp_path, monkeypatch):
     report = diagnose([LLAMA_8B], ["sm_90a"], cache=cache)
     writable, layer = report.layers
     assert (writable.kind, writable.exists, writable.entries) == ("writable", False, 0)
-    assert (layer.kind, layer.entries, len(layer.corrupt)) == ("read-only", 2, 1)
+    assert (layer.kind, layer.entries, len(layer.corrupt)) == ("read-only", 3, 1)
     assert layer.corrupt[0].startswith(f"{entries[0].path}: artifact kernel.sm_90a.cubin does not match its sha256")
-    assert [k.served for k in report.models[0].kernels] == [False, True] and not report.ok
+    assert [k.served for k in report.models[0].kernels] == [False, True, True] and not report.ok
     assert entries[0].path.exists()  # the doctor never moves anything
 
 
@@ -137,7 +158,7 @@ def test_cli_doctor_exit_codes_json_and_the_fill_command(tmp_path):
     data = json.loads(jitattn("doctor", "--model", str(LLAMA_70B), "--tp", "8", "--arch", "sm_90a", "--json",
                               cache=root, env=env).stdout)
     assert data["ok"] is True and data["models"][0]["tensor_parallel_size"] == 8
-    assert data["nvcc"]["path"] and data["layers"][0]["entries"] == 2
+    assert data["nvcc"]["path"] and data["layers"][0]["entries"] == 3
     assert data["torch"]["version"]  # installed in the test venv
 
 
@@ -145,7 +166,7 @@ def test_cli_doctor_without_a_model_fails_on_a_corrupt_entry_and_names_it(tmp_pa
     """No --model: the cache itself is the health check, so a corrupt entry fails it (exit 1, as a gap does)."""
     root = tmp_path / "c"
     cache = KernelCache(root=root, layers=())
-    good, bad = (publish_fake(cache, m, "sm_90a") for m in model_modules(LLAMA_8B))
+    good, _, bad = (publish_fake(cache, m, "sm_90a") for m in model_modules(LLAMA_8B))
     assert jitattn("doctor", cache=root).returncode == 0  # every entry verifies
     flip_cubin(bad)
     proc = jitattn("doctor", cache=root)

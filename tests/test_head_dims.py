@@ -135,6 +135,14 @@ def test_gate_on_load_kernel_goes_on_to_build(gate_on, monkeypatch):
     assert built == [(AttentionSpec(8, 8, 88), torch.device("cuda", 0))]
 
 
+def test_the_note_for_a_spec_no_backend_serves_ends_with_the_reasons(gate_off):
+    # warmup --cascade's explicit-position twin of an hd72 spec: the torch backends take no query positions
+    note = no_kernel_note(HD72.replace(query_positions="explicit"), "sm_80")
+    assert note.startswith(f"not built: {REASON_72}; no backend serves it on sm_80: no attention backend can serve ")
+    assert "(phase mixed): jit: head_dim_qk=72" in note and not note.endswith(":")
+    assert "; sdpa: explicit query positions (query_positions='explicit') not supported" in note
+
+
 def test_gate_off_warmup_skips_with_the_note(gate_off, tmp_path):
     assert no_kernel_note(HD72, "sm_90a") == f"not built: {REASON_72}; served by the flex backend on sm_90a"
     assert no_kernel_note(AttentionSpec(32, 8, 80), "sm_90a") is None
@@ -148,17 +156,29 @@ def test_gate_off_warmup_skips_with_the_note(gate_off, tmp_path):
     assert f"FAILED {HD72.name}" not in proc.stderr and len(compile_calls(log)) == 1
 
 
+HD8 = AttentionSpec(4, 4, 8, causal=False)
+
+
 # ---- the torch backends at a padded dim, on the CPU ---------------------------------------------------
 @pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile")
-@pytest.mark.parametrize("backend", ["sdpa", "flex"])
-@pytest.mark.parametrize("spec", [HD72, AttentionSpec(4, 4, 8, causal=False), AttentionSpec(8, 2, 88, q_dtype="float16")],
-                         ids=["hd72-gqa4", "hd8-noncausal", "hd88-fp16"])
+@pytest.mark.parametrize("spec, backend", [
+    pytest.param(spec, backend, id=f"{name}-{backend}")
+    for name, spec in [("hd72-gqa4", HD72), ("hd8-noncausal", HD8),
+                       ("hd88-fp16", AttentionSpec(8, 2, 88, q_dtype="float16"))]
+    for backend in ("sdpa", "flex") if not (backend == "flex" and spec is HD8)])  # flex: below 16, next test
 def test_torch_backends_match_reference_at_padded_dims(spec, backend):
     batch = random_paged_batch(spec, [5, 1, 0, 17], [9, 30, 4, 17], seed=5)
     want = reference.paged_attention(spec, *batch.args(), **batch.kwargs())
     got = get_backend(backend).build(spec, CPU)(*batch.args(), **batch.kwargs())
     assert got.shape == (23, spec.num_qo_heads, spec.head_dim_vo)
     assert relative_error(got, want) < 1e-2
+
+
+def test_flex_refuses_hd8_before_compiling():
+    # torch inductor's CUDA FlexAttention lowering raises NotImplementedError below 16
+    with pytest.raises(ValueError, match=r"flex: head_dim_qk=8 not supported \(torch's compiled FlexAttention needs "
+                                         r"head dims >= 16\)"):
+        get_backend("flex").build(HD8, H100)
 
 
 # ---- nvcc: the padded-tile kernels compile for sm_80 and sm_90a --------------------------------------

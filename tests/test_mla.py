@@ -318,8 +318,19 @@ def test_mla_softmax_scale_follows_yarn_mscale(rope, scale):
     ({"qk_rope_head_dim": 0}, r"qk_rope_head_dim=0: expected a positive int"),
     ({"kv_lora_rank": 500}, r"layer kind 'mla_decode' \(kv_lora_rank=500, .*head_dim_qk=564: expected a multiple "
                             r"of 16"),
-    ({"rope_scaling": {"type": "yarn", "mscale_all_dim": 1.0}}, r"rope_scaling with mscale_all_dim=1.0, "
-                                                               r"factor=None: expected numbers"),
+    ({"rope_scaling": {"type": "yarn", "mscale_all_dim": 1.0}}, r"rope_scaling.factor=None: expected a finite "
+                                                               r"number >= 1 \(YaRN: factor >= 1, mscale_all_dim >= 0"),
+    # not "layer kind 'mla_decode' ...: sm_scale=inf": the rope_scaling field that made it
+    ({"rope_scaling": {"type": "yarn", "factor": math.inf, "mscale_all_dim": 1.0}},
+     r"rope_scaling.factor=inf: expected a finite number >= 1"),
+    ({"rope_scaling": {"type": "yarn", "factor": 40, "mscale_all_dim": math.nan}},
+     r"rope_scaling.mscale_all_dim=nan: expected a finite number >= 0"),
+    ({"rope_scaling": {"type": "yarn", "factor": 1e8, "mscale_all_dim": -20}},  # once sm_scale 92.7, silently
+     r"rope_scaling.mscale_all_dim=-20: expected a finite number >= 0"),
+    ({"rope_scaling": {"type": "yarn", "factor": 0.5, "mscale_all_dim": 1.0}},
+     r"rope_scaling.factor=0.5: expected a finite number >= 1"),
+    ({"rope_scaling": None, "rope_parameters": {"rope_type": "yarn", "factor": 40, "mscale_all_dim": "1"}},
+     r"rope_parameters.mscale_all_dim='1': expected a finite number >= 0"),
 ])
 def test_mla_fields_that_do_not_fit_are_clear_errors(change, match):
     cfg = {**json.loads(DEEPSEEK_V3.read_text()), **change}

@@ -58,6 +58,7 @@ class FlexBackend(Backend):
         out += unsupported_reasons(n, spec, sinks="FlexAttention's softmax has no sink term in the denominator",
                                    ragged="it feeds FlexAttention from the paged cache")
         out += _variant_reasons(n, spec)
+        out += _head_dim_reasons(n, spec, device)
         return out + dtype_reasons(n, spec)
 
     def build(self, spec: AttentionSpec, device: DeviceInfo) -> PagedAttentionFn:
@@ -98,6 +99,20 @@ class FlexBackend(Backend):
             return finish(result, lse[0].transpose(0, 1).float().contiguous(), out, return_lse)
 
         return flex_paged_attention
+
+
+#: The smallest head dim torch inductor's CUDA FlexAttention lowering compiles (tl.dot needs K >= 16);
+#: other dims are padded to the next power of two in the kernel.
+FLEX_CUDA_HEAD_DIM_MIN = 16
+
+
+def _head_dim_reasons(n: str, spec: AttentionSpec, device: DeviceInfo) -> list[str]:
+    """Head dims the compiled (CUDA) FlexAttention kernel refuses: inductor raises NotImplementedError below 16."""
+    if device.type != "cuda":
+        return []
+    return [f"{n}: {name}={value} not supported (torch's compiled FlexAttention needs head dims >= "
+            f"{FLEX_CUDA_HEAD_DIM_MIN})" for name in ("head_dim_qk", "head_dim_vo")
+            if (value := getattr(spec, name)) < FLEX_CUDA_HEAD_DIM_MIN]
 
 
 def _variant_reasons(n: str, spec: AttentionSpec) -> list[str]:

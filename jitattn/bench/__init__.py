@@ -44,7 +44,8 @@ class BenchOptions:
 
     Attributes:
         cases: case name substrings (``--case``); with ``models`` empty too, every case.
-        models: Hugging Face config paths (``--model``): a decode and a prefill case per layer kind.
+        models: Hugging Face config paths (``--model``): the cases of :func:`~jitattn.bench.cases.model_cases`
+            (a decode and a prefill case per paged layer kind, a decode case per latent kind, none for a ragged one).
         anchors: the anchors to run, a subset of :data:`ANCHORS` in that order (``--anchors``).
         json: write environment, cases, results and compile figures here after every case (``--json``).
         md: replace the "Latest" section of this BENCHMARKS.md (``--md``).
