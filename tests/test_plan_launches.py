@@ -183,16 +183,22 @@ def test_graph_mode_decides_from_shapes_only(kernels, monkeypatch):
     assert len(reads) == 1 and eager.decode_rows and eager.prefill_rows is False  # the one host read
 
 
-def test_mixed_plan_forks_the_decode_onto_a_side_stream(monkeypatch):
-    """With mixed_on_two_streams, a run with both kernels launches the decode on the side stream (after
-    it waits for the caller's) and the prefill on the caller's, which then waits for the side stream."""
+def _two_stream_plan(monkeypatch):
+    """The split_kv_mixed case planned on a recording kernel with mixed_on_two_streams, torch's current
+    stream and the kernel's side stream replaced by fakes that record what they waited for."""
     case = lc.cases()["split_kv_mixed"]
     t = case.tensors
     kernel, module = fake_kernel(case.spec, two_streams=True)
     main, side = _FakeStream(lc.STREAM), _FakeStream(8)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
     kernel.side_stream = lambda main=None: side
-    plan = kernel.plan(t["block_table"], t["seq_lens"], t["query_start_loc"])
+    return t, module, main, side, kernel.plan(t["block_table"], t["seq_lens"], t["query_start_loc"])
+
+
+def test_mixed_plan_forks_the_decode_onto_a_side_stream(monkeypatch):
+    """With mixed_on_two_streams, a run with both kernels launches the decode on the side stream (after
+    it waits for the caller's) and the prefill on the caller's, which then waits for the side stream."""
+    t, module, main, side, plan = _two_stream_plan(monkeypatch)
     runtime.run(t["q"], t["kv_cache"], plan)
     assert [(x["kernel"], x["stream"]) for x in module.launches] == [("decode", 8), ("prefill", lc.STREAM)]
     assert side.waited_for == [lc.STREAM] and main.waited_for == [8]
@@ -202,13 +208,7 @@ def test_mixed_plan_forks_the_decode_onto_a_side_stream(monkeypatch):
 def test_mixed_run_joins_the_side_stream_when_a_launch_raises(monkeypatch, fails):
     """A launch that raises between the fork and the join still joins the side stream back into the
     caller's (else the caller's stream would run ahead of a queued decode, and a capture end unjoined)."""
-    case = lc.cases()["split_kv_mixed"]
-    t = case.tensors
-    kernel, module = fake_kernel(case.spec, two_streams=True)
-    main, side = _FakeStream(lc.STREAM), _FakeStream(8)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
-    kernel.side_stream = lambda main=None: side
-    plan = kernel.plan(t["block_table"], t["seq_lens"], t["query_start_loc"])
+    t, module, main, side, plan = _two_stream_plan(monkeypatch)
     real = plan.for_spec(None)._launch
 
     def launch(name, *args):
