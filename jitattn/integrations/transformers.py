@@ -421,7 +421,18 @@ class PagedCache(_cache_base()):
                              torch.device(device) if device is not None else None)
                   for _ in range(text.num_hidden_layers)]
         super().__init__(layers=layers)
-        self.max_batch_size, self.max_cache_len, self.page_size = max_batch_size, max_cache_len, page_size
+        self._max_batch_size, self._max_cache_len, self.page_size = max_batch_size, max_cache_len, page_size
+
+    # Own properties: transformers up to 5.17 defines both on Cache as read-only (deprecated) properties.
+    @property
+    def max_batch_size(self) -> int:
+        """The most sequences one ``generate`` call may bring."""
+        return self._max_batch_size
+
+    @property
+    def max_cache_len(self) -> int:
+        """The most positions a sequence may reach."""
+        return self._max_cache_len
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
