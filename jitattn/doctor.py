@@ -38,7 +38,7 @@ from jitattn.commands import models_warmup_command
 from jitattn.append_kv_module import AppendKvModule
 from jitattn.merge_module import MergeModule
 from jitattn.models import ModelAttention, load_model_config
-from jitattn.spec import AttentionSpec, unverified_head_dim_reason
+from jitattn.spec import AttentionSpec
 
 
 @dataclass(frozen=True)
@@ -221,13 +221,11 @@ def cache_layers(cache: KernelCache) -> tuple[Layer, ...]:
 
 
 def no_kernel_note(module: Any, arch: str) -> str | None:
-    """Why ``module`` has no kernel to build, cache or ship (a latent spec: :data:`jitattn.spec.LATENT_NO_KERNEL`;
-    a head dim not yet through the GPU suite: :func:`jitattn.spec.unverified_head_dim_reason`),
+    """Why ``module`` has no kernel to build, cache or ship (a latent spec: :data:`jitattn.spec.LATENT_NO_KERNEL`),
     naming the backend the selector picks for it on ``arch``; None for a module that compiles."""
     if not isinstance(module, AttentionSpec):
         return None
-    unverified = unverified_head_dim_reason(module)
-    if not (module.latent or unverified):
+    if not module.latent:
         return None
     from jitattn.selector import NoBackendError, select
 
@@ -237,8 +235,6 @@ def no_kernel_note(module: Any, arch: str) -> str | None:
         why = dict.fromkeys(r for rej in getattr(err, "rejections", ()) for r in rej.reasons)  # the lines below
         served = f"no backend serves it on {arch}: {str(err).splitlines()[0].rstrip(':')}"
         served += f": {'; '.join(why)}" if why else ""
-    if unverified:
-        return f"not built: {unverified}; {served}"
     return f"no kernel to build: no latent-attention (MLA) kernel yet (kv_storage='latent'); {served}"
 
 

@@ -42,7 +42,7 @@ from jitattn.dtypes import default_alibi_slopes
 from jitattn.planning import (ParamsLayout, Plan, SpecPlan, capturing, make_paged_plan,  # noqa: F401
                               make_ragged_plan, params_packer)
 from jitattn.render import KERNEL_NAMES
-from jitattn.spec import LATENT_NO_KERNEL, AttentionSpec, unverified_head_dim_reason
+from jitattn.spec import LATENT_NO_KERNEL, AttentionSpec
 
 _GEOMETRY = ("decode_threads", "decode_smem", "decode_tile_keys", "prefill_threads", "prefill_smem",
              "prefill_block_m", "prefill_block_n", "params_size")
@@ -553,16 +553,12 @@ def load_kernel(spec: AttentionSpec, device: torch.device | str | int | None = N
     Threads loading different kernels do not wait for each other (:class:`LoadedOnce`).
 
     Raises:
-        ValueError: a latent (MLA) spec (no kernel yet; the message names the backend that serves it), or a
-            head dim whose kernels have not passed the GPU suite (:func:`jitattn.spec.unverified_head_dim_reason`).
+        ValueError: a latent (MLA) spec (no kernel yet; the message names the backend that serves it).
     """
     if spec.latent:  # before any device, cache or compile work: plan / run / paged_attention land here
         fail(f"spec {spec.name}: kv_storage='latent' (multi-head latent attention, MLA decode): {LATENT_NO_KERNEL}, so "
              f"its kernel calls (load_kernel, plan, paged_attention, ragged_attention) cannot run it; jitattn.selector.select(spec, device).build() gives the "
              f"backend that serves it (sdpa; reference with return_lse)")
-    unverified = unverified_head_dim_reason(spec)
-    if unverified:
-        fail(f"spec {spec.name}: {unverified}; jitattn.selector.select(spec, device).build() gives a backend that serves it")
     dev = device if isinstance(device, torch.device) and device.type == "cuda" and device.index is not None \
         else cuda_device(device)
     return _KERNELS.get((spec, dev.index), lambda: JitKernel(spec, dev))

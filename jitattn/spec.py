@@ -27,7 +27,6 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from jitattn import settings
 from jitattn.constants import template_constant
 from jitattn.variant import Variant
 
@@ -47,9 +46,6 @@ _LIVE_SPECS: "weakref.WeakValueDictionary[str, AttentionSpec]" = weakref.WeakVal
 #: Head dims the templates are built for: multiples of HEAD_DIM_STEP in this range (the MMA tiles pad a
 #: multiple of 8 to 16 in shared memory and registers). A latent spec keeps multiples of 16 from 32.
 HEAD_DIM_MIN, HEAD_DIM_MAX, HEAD_DIM_STEP = 8, 256, 8
-#: Head dims the jit backend served before the padded tiles (multiples of 16 from 32): the others wait
-#: for the GPU suite behind JITATTN_UNVERIFIED_HEAD_DIMS (:func:`unverified_head_dim_reason`).
-VERIFIED_HEAD_DIM_MIN, VERIFIED_HEAD_DIM_STEP = 32, 16
 LATENT_HEAD_DIM_MIN, LATENT_HEAD_DIM_STEP = 32, 16
 PAGE_SIZE_MAX = 1024
 #: sm_scale is rendered as a float32 constant: float32's normal range (past it: inf, or 0 / denormal).
@@ -126,24 +122,6 @@ def decode_block_problem(head_dim: int, kv_dtype: str, group_size: int) -> str |
     return None
 
 
-def unverified_head_dim_reason(spec: "AttentionSpec") -> str | None:
-    """Why the jit backend does not serve ``spec`` yet: a head dim outside the multiples of 16 from 32,
-    whose padded-tile kernels compile but have not passed the GPU suite, while
-    ``JITATTN_UNVERIFIED_HEAD_DIMS`` is off; None otherwise (and for latent specs, which have no kernel).
-
-    The jit backend's reason, load_kernel's refusal and warm-up's note all give this text.
-    """
-    if spec.latent or settings.unverified_head_dims():
-        return None
-    for name in ("head_dim_qk", "head_dim_vo"):
-        value = getattr(spec, name)
-        if value % VERIFIED_HEAD_DIM_STEP or value < VERIFIED_HEAD_DIM_MIN:
-            tiles = "padded-tile kernels" if value % 16 else "kernels"
-            return (f"{name}={value}: its {tiles} compile but have not passed the GPU suite yet; "
-                    f"JITATTN_UNVERIFIED_HEAD_DIMS=1 uses them")
-    return None
-
-
 def _check_float(field: str, value: Any, *, positive: bool, allow_zero: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{field}={value!r}: expected a finite number")
@@ -164,8 +142,7 @@ class AttentionSpec:
             (:func:`decode_block_problem`): every group up to 60 heads (16-bit KV) / 62 (FP8) at every
             head dim, up to 128 / 64 at head dims from 64 up; ragged specs take any group.
         head_dim_qk: query/key head dim, a multiple of 8 in [8, 256] (a multiple of 16 in [32, 1024] for a
-            latent spec; with an FP8 cache a multiple of 16). Dims other than the multiples of 16 from 32 wait
-            for the GPU suite: :func:`unverified_head_dim_reason`.
+            latent spec; with an FP8 cache a multiple of 16).
         head_dim_vo: value/output head dim, a multiple of 8 in [8, 256] (a multiple of 16 in [32, 1024],
             below ``head_dim_qk``, for a latent spec); defaults to ``head_dim_qk``.
             The paged cache stores K and V in one tensor, so a paged spec needs it equal to

@@ -1,8 +1,7 @@
 """Every head dim that is a multiple of 8 (8 .. 256) against the reference on the GPU (``pytest -m gpu``).
 
 The padded-tile kernels (the prefill and the tensor-core decode pad a multiple of 8 to 16 in shared memory
-and registers; the CUDA-core decode guards its lanes) serve these dims only under
-JITATTN_UNVERIFIED_HEAD_DIMS=1, which every test here sets: they are the suite that lifts the gate.
+and registers; the CUDA-core decode guards its lanes) serve these dims.
 
 Each dim runs the GPU suite's mixed batch (decode rows, prefill rows, a split-KV decode row of 5000 keys:
 tests/gpu_cases.py MIXED_Q / MIXED_KV) with NaN planted where a kernel reading past a row would find
@@ -51,11 +50,6 @@ RAGGED = [Case(f"ragged-{qk}x{vo}", AttentionSpec(8, 2, qk, vo, kv_storage="ragg
 @pytest.fixture(scope="module", autouse=True)
 def compiled(session_cache_dir):
     precompile([c.spec for c in MIXED + SPECIAL + RAGGED], session_cache_dir)
-
-
-@pytest.fixture(autouse=True)
-def unverified_head_dims(monkeypatch):
-    monkeypatch.setenv("JITATTN_UNVERIFIED_HEAD_DIMS", "1")
 
 
 def _nan_past_q(q: torch.Tensor) -> torch.Tensor:

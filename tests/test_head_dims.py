@@ -1,6 +1,5 @@
-"""Head dims that are multiples of 8 (8 .. 256): the spec's rule, the JITATTN_UNVERIFIED_HEAD_DIMS gate
-that keeps the jit backend off the new dims until the GPU suite passes them, the torch backends that
-serve them meanwhile, and nvcc compiling their padded-tile kernels for sm_80 and sm_90a (slow).
+"""Head dims that are multiples of 8 (8 .. 256): the spec's rule, the jit backend serving them, the torch
+backends serving them too, and nvcc compiling their padded-tile kernels for sm_80 and sm_90a (slow).
 
 The kernels' numbers at these dims: tests/test_gpu_head_dims.py (GPU).
 """
@@ -13,13 +12,12 @@ import pytest
 import torch
 
 import jitattn
-from jitattn import AttentionSpec, reference, runtime, settings
+from jitattn import AttentionSpec, reference, runtime
 from jitattn.backends import DeviceInfo, get_backend
 from jitattn.cache import verify_entry
 from jitattn.doctor import no_kernel_note
 from jitattn.render import KERNEL_NAMES
 from jitattn.selector import select
-from jitattn.spec import unverified_head_dim_reason
 from jitattn.testing import random_paged_batch, relative_error
 from jitattn.variant import rotary_embedding
 from tests.conftest import build_in_parallel, built
@@ -29,20 +27,6 @@ from tests.test_cli import jitattn as run_cli
 CPU = DeviceInfo.parse("cpu")
 H100 = DeviceInfo.parse("h100")
 HD72 = AttentionSpec(32, 8, 72)
-REASON_72 = ("head_dim_qk=72: its padded-tile kernels compile but have not passed the GPU suite yet; "
-             "JITATTN_UNVERIFIED_HEAD_DIMS=1 uses them")
-
-
-@pytest.fixture
-def gate_off():
-    with settings.scope(JITATTN_UNVERIFIED_HEAD_DIMS=None):
-        yield
-
-
-@pytest.fixture
-def gate_on():
-    with settings.scope(JITATTN_UNVERIFIED_HEAD_DIMS="1"):
-        yield
 
 
 # ---- the spec ---------------------------------------------------------------------------------------
@@ -68,66 +52,18 @@ def test_fp8_cache_takes_whole_16_byte_rows_only():
             AttentionSpec(8, 2, d, kv_dtype="fp8")
 
 
-# ---- the gate ---------------------------------------------------------------------------------------
-def test_gate_names_each_unverified_dim(gate_off):
-    assert unverified_head_dim_reason(HD72) == REASON_72
-    assert unverified_head_dim_reason(AttentionSpec(8, 2, 16)) == (
-        "head_dim_qk=16: its kernels compile but have not passed the GPU suite yet; JITATTN_UNVERIFIED_HEAD_DIMS=1 "
-        "uses them")  # a multiple of 16 below 32: no pad, still new
-    assert unverified_head_dim_reason(AttentionSpec(8, 2, 128, 88, kv_storage="ragged")).startswith("head_dim_vo=88")
-    for d in range(32, 257, 16):
-        assert unverified_head_dim_reason(AttentionSpec(8, 2, d)) is None
-
-
-def test_gate_off_jit_passes_over_and_the_selector_picks_a_torch_backend(gate_off):
-    assert get_backend("jit").spec_reasons(HD72, H100, "mixed") == [f"jit: {REASON_72}"]
-    chosen = select(HD72, H100, "mixed")
-    assert chosen.backend.name in ("flex", "sdpa", "reference")
-    assert any(r.backend == "jit" and REASON_72 in r.reasons[0] for r in chosen.passed_over)
+# ---- serving ------------------------------------------------------------------------------------------
+def test_jit_serves_every_multiple_of_8():
+    for d in range(8, 257, 8):
+        spec = AttentionSpec(8, 2, d)
+        assert get_backend("jit").spec_reasons(spec, H100, "mixed") == [], d
+        assert select(spec, H100, "mixed").backend.name == "jit", d
+    assert get_backend("jit").spec_reasons(AttentionSpec(8, 2, 128, 88, kv_storage="ragged"), H100, "prefill") == []
     for name in ("sdpa", "flex", "reference"):  # none refuses a head dim that is a multiple of 8
         assert not [r for r in get_backend(name).spec_reasons(HD72, H100, "mixed") if "head_dim" in r], name
 
 
-def test_gate_on_jit_serves(gate_on):
-    assert get_backend("jit").spec_reasons(HD72, H100, "mixed") == []
-    assert select(HD72, H100, "mixed").backend.name == "jit"
-    assert unverified_head_dim_reason(HD72) is None
-
-
-def test_gate_setting_is_validated():
-    with settings.scope(JITATTN_UNVERIFIED_HEAD_DIMS="maybe"), \
-            pytest.raises(ValueError, match=r"JITATTN_UNVERIFIED_HEAD_DIMS='maybe': expected one of 1/0"):
-        unverified_head_dim_reason(HD72)
-
-
-def _no_kernel(monkeypatch):
-    """Make any kernel construction or device lookup fail loudly: the gate must refuse before them."""
-    def boom(*args, **kwargs):
-        raise AssertionError("reached the device / compile step")
-
-    monkeypatch.setattr(runtime, "JitKernel", boom)
-    monkeypatch.setattr(runtime, "cuda_device", boom)
-
-
-def test_gate_off_load_kernel_plan_and_one_call_refuse_before_any_compile(gate_off, monkeypatch):
-    _no_kernel(monkeypatch)
-    batch = random_paged_batch(HD72, [3, 1], [5, 9])
-    msg = re.escape(REASON_72)
-    with pytest.raises(ValueError, match=msg):
-        jitattn.load_kernel(HD72, "cuda")
-    with pytest.raises(ValueError, match=msg):
-        jitattn.plan(HD72, batch.block_table, batch.seq_lens, batch.query_start_loc)
-    with pytest.raises(ValueError, match=msg):
-        jitattn.paged_attention(HD72, *batch.args())
-    ragged = AttentionSpec(8, 2, 128, 88, kv_storage="ragged")
-    q = torch.zeros(4, 8, 128, dtype=torch.bfloat16)
-    loc = torch.tensor([0, 4], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"head_dim_vo=88: its padded-tile kernels compile"):
-        jitattn.ragged_attention(ragged, q, torch.zeros(4, 2, 128, dtype=torch.bfloat16),
-                                 torch.zeros(4, 2, 88, dtype=torch.bfloat16), loc, loc)
-
-
-def test_gate_on_load_kernel_goes_on_to_build(gate_on, monkeypatch):
+def test_load_kernel_goes_on_to_build(monkeypatch):
     built = []
     monkeypatch.setattr(runtime, "cuda_device", lambda device: torch.device("cuda", 0))
     monkeypatch.setattr(runtime, "JitKernel", lambda spec, dev: built.append((spec, dev)) or "kernel")
@@ -135,25 +71,13 @@ def test_gate_on_load_kernel_goes_on_to_build(gate_on, monkeypatch):
     assert built == [(AttentionSpec(8, 8, 88), torch.device("cuda", 0))]
 
 
-def test_the_note_for_a_spec_no_backend_serves_ends_with_the_reasons(gate_off):
-    # warmup --cascade's explicit-position twin of an hd72 spec: the torch backends take no query positions
-    note = no_kernel_note(HD72.replace(query_positions="explicit"), "sm_80")
-    assert note.startswith(f"not built: {REASON_72}; no backend serves it on sm_80: no attention backend can serve ")
-    assert "(phase mixed): jit: head_dim_qk=72" in note and not note.endswith(":")
-    assert "; sdpa: explicit query positions (query_positions='explicit') not supported" in note
-
-
-def test_gate_off_warmup_skips_with_the_note(gate_off, tmp_path):
-    assert no_kernel_note(HD72, "sm_90a") == f"not built: {REASON_72}; served by the flex backend on sm_90a"
-    assert no_kernel_note(AttentionSpec(32, 8, 80), "sm_90a") is None
+def test_warmup_builds_padded_dims(tmp_path):
+    assert no_kernel_note(HD72, "sm_90a") is None
     nvcc, log = fake_nvcc(tmp_path, "no-compile")
-    proc = run_cli("warmup", "--spec", HD72.canonical_json(), "--spec", AttentionSpec(32, 8, 80).canonical_json(),
-                   "--arch", "sm_80", cache=tmp_path / "c", env={"JITATTN_NVCC": str(nvcc)})
-    out = " ".join(proc.stdout.split())
-    assert f"not compiled: {HD72.name} (needed by --spec #1): not built: {REASON_72}; served by the flex backend " \
-           f"on sm_80" in out, proc.stdout + proc.stderr
-    assert "1 specs x 1 archs (sm_80)" in proc.stderr  # hd80 only: its compile fails under the refusing nvcc
-    assert f"FAILED {HD72.name}" not in proc.stderr and len(compile_calls(log)) == 1
+    proc = run_cli("warmup", "--spec", HD72.canonical_json(), "--arch", "sm_80", cache=tmp_path / "c",
+                   env={"JITATTN_NVCC": str(nvcc)})
+    assert "1 specs x 1 archs (sm_80)" in proc.stderr, proc.stdout + proc.stderr
+    assert len(compile_calls(log)) == 1  # hd72 reaches nvcc (the refusing fake fails it)
 
 
 HD8 = AttentionSpec(4, 4, 8, causal=False)

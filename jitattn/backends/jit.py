@@ -1,8 +1,7 @@
 """``jit``: jitattn's own kernels, rendered for the spec, compiled by nvcc, cached, launched through the driver API.
 
 Serves every spec feature (soft-cap, windows, sinks, ALiBi, every variant hook, GQA of any group
-size, head dims 8..256 in steps of 8 (all but the multiples of 16 from 32 behind JITATTN_UNVERIFIED_HEAD_DIMS:
-:func:`jitattn.spec.unverified_head_dim_reason`), NHD/HND, any page size, every KV dtype the spec takes, ragged
+size, head dims 8..256 in steps of 8, NHD/HND, any page size, every KV dtype the spec takes, ragged
 K/V with head_dim_qk != head_dim_vo; not yet latent MLA specs, :data:`jitattn.spec.LATENT_NO_KERNEL`) on
 CUDA devices whose compute capability runs one of the archs jitattn builds (:func:`jitattn.build.archs_for_capability`:
 today 8.0 and newer). Launches are CUDA-graph capturable and return the lse.
@@ -21,7 +20,7 @@ from typing import Any
 from jitattn import settings
 from jitattn.archs import ARCHS, archs_for_capability
 from jitattn.backends.base import Backend, DeviceInfo, PagedAttentionFn, cuda_reasons, dtype_reasons
-from jitattn.spec import KV_DTYPES, LATENT_NO_KERNEL, AttentionSpec, unverified_head_dim_reason
+from jitattn.spec import KV_DTYPES, LATENT_NO_KERNEL, AttentionSpec
 
 
 class JitBackend(Backend):
@@ -40,9 +39,6 @@ class JitBackend(Backend):
             out.append(f"{self.name}: no build target runs on compute capability {cap} ({device.name}); "
                        f"jitattn builds {', '.join(ARCHS)}")
         out += dtype_reasons(self.name, spec, kv=KV_DTYPES)
-        unverified = unverified_head_dim_reason(spec)
-        if unverified:
-            out.append(f"{self.name}: {unverified}")
         if not out and settings.disable_jit() and not spec.latent:  # no latent kernel to look up
             out += self.missing_kernel_reasons(spec, device)
         return out

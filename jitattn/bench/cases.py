@@ -153,9 +153,7 @@ def ragged_cases() -> list[BenchCase]:
 
 
 def head_dim_cases() -> list[BenchCase]:
-    """Head dims that are multiples of 8 only (72: SigLIP; 88), on the padded tiles: the hd128 design shapes.
-
-    The jit kernels of these dims run only under JITATTN_UNVERIFIED_HEAD_DIMS=1 (tests/run_gpu.sh sets it)."""
+    """Head dims that are multiples of 8 only (72: SigLIP; 88), on the padded tiles: the hd128 design shapes."""
     out = []
     for d in (72, 88):
         spec = AttentionSpec(32, 8, d)
