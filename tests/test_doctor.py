@@ -189,6 +189,26 @@ def test_cli_doctor_without_torch_says_so(tmp_path):
     assert "torch not installed" in text
 
 
+def test_cli_doctor_without_torch_says_a_latent_kind_needs_it(tmp_path):
+    """DeepSeek-V3's latent decode kind has no kernel to ship: the torch backends serve it, so a node
+    without torch is told that serving it needs torch."""
+    from tests.test_cli import _without
+
+    config = Path(__file__).resolve().parent / "models" / "deepseek-v3.json"
+    proc = jitattn("doctor", "--model", str(config), "--arch", "sm_90a", "--json", cache=tmp_path / "c",
+                   env=_without(tmp_path, "torch"))
+    [model] = json.loads(proc.stdout)["models"]
+    [latent] = [k for k in model["kernels"] if "latent" in k["name"]]
+    assert latent["note"].endswith("served by the sdpa backend on sm_90a, which needs torch: not installed here "
+                                   "(pip install 'jitattn[torch]' where it serves)"), latent["note"]
+    text = jitattn("doctor", "--model", str(config), "--arch", "sm_90a", cache=tmp_path / "c",
+                   env=_without(tmp_path, "torch")).stdout
+    assert "which needs torch: not installed here" in text
+    with_torch = json.loads(jitattn("doctor", "--model", str(config), "--arch", "sm_90a", "--json",
+                                    cache=tmp_path / "c").stdout)
+    assert all("needs torch" not in k["note"] for k in with_torch["models"][0]["kernels"])
+
+
 def test_cli_doctor_with_nvcc_missing(tmp_path):
     proc = jitattn("doctor", "--json", cache=tmp_path / "c", env={"JITATTN_NVCC": "/nonexistent/nvcc"})
     data = json.loads(proc.stdout)
