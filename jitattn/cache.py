@@ -199,18 +199,27 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+#: What a manifest must hold for a reader to trust and use it (:func:`check_entry`; :class:`CacheEntry`
+#: reads ``key_inputs.arch`` and ``key_inputs.spec``).
+MANIFEST_KEYS = ("key", "key_inputs", "artifacts")
+KEY_INPUTS_KEYS = ("spec", "arch")
+
+
 def check_entry(path: Path) -> tuple[str | None, dict[str, Any]]:
     """``(problem, manifest)``: problem is None when the entry at ``path`` is complete, its manifest
-    matches its address, and every artifact matches its sha256."""
+    holds :data:`MANIFEST_KEYS` and matches its address, and every artifact matches its sha256.
+    A problem names ``manifest.json`` (the entry's path precedes it wherever it is printed) and, for
+    a manifest lacking keys, each one missing."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
-        artifacts = manifest["artifacts"]
-        inputs = manifest["key_inputs"]
-        if not isinstance(artifacts, dict) or not artifacts:
-            raise TypeError("no artifacts")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return f"unreadable manifest ({exc})", {}
-    if manifest.get("key") != path.name or _sha256_json(inputs) != path.name:
+    except (OSError, ValueError) as exc:
+        return f"unreadable {MANIFEST} ({exc})", {}
+    shape = _manifest_shape_problem(manifest)
+    if shape:
+        return f"{MANIFEST} {shape} (written by another jitattn version, or altered)", \
+            manifest if isinstance(manifest, dict) else {}
+    artifacts, inputs = manifest["artifacts"], manifest["key_inputs"]
+    if manifest["key"] != path.name or _sha256_json(inputs) != path.name:
         return "manifest does not match the entry's key (altered or misplaced)", manifest
     for name, digest in artifacts.items():
         file = path / name
@@ -223,6 +232,22 @@ def check_entry(path: Path) -> tuple[str | None, dict[str, Any]]:
         if actual != digest:
             return f"artifact {name} does not match its sha256 (truncated or altered)", manifest
     return None, manifest
+
+
+def _manifest_shape_problem(manifest: Any) -> str | None:
+    """What a parsed manifest lacks of the keys every reader takes from it, or None."""
+    if not isinstance(manifest, dict):
+        return f"is not a JSON object (a {type(manifest).__name__})"
+    inputs = manifest.get("key_inputs")
+    missing = [k for k in MANIFEST_KEYS if k not in manifest]
+    missing += [f"key_inputs.{k}" for k in KEY_INPUTS_KEYS if isinstance(inputs, dict) and k not in inputs]
+    if missing:
+        return f"lacks key{'s' if len(missing) > 1 else ''} {', '.join(repr(k) for k in missing)}"
+    if not isinstance(inputs, dict):
+        return f"has a key_inputs that is not a JSON object (a {type(inputs).__name__})"
+    if not isinstance(manifest["artifacts"], dict) or not manifest["artifacts"]:
+        return "lists no artifacts"
+    return None
 
 
 def verify_entry(path: Path) -> str | None:

@@ -458,6 +458,12 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
+#: What to do about corrupt cache entries (``doctor``, ``cache ls``).
+CORRUPT_FIX = ("`jitattn cache verify` moves those of the writable root to quarantine, and the next request (or "
+               "`jitattn warmup`) rebuilds them; rebuild or re-ship those of a read-only layer (`jitattn cache export` "
+               "/ `import`)")
+
+
 def cache_rows(cache: KernelCache) -> list[dict]:
     """One dict per entry in every layer, the writable root first; ``status`` is ``ok`` or the problem."""
     roots = {str(cache.root): "writable", **{str(r): "read-only" for r in cache.layers}}
@@ -467,7 +473,8 @@ def cache_rows(cache: KernelCache) -> list[dict]:
             manifest = json.loads((path / MANIFEST).read_text())
         except (OSError, ValueError):
             manifest = {}
-        inputs = manifest.get("key_inputs") or {}
+        manifest = manifest if isinstance(manifest, dict) else {}  # what it lacks is the row's status
+        inputs = manifest.get("key_inputs") if isinstance(manifest.get("key_inputs"), dict) else {}
         root = str(path.parents[3])
         rows.append({
             "key": path.name,
@@ -524,10 +531,11 @@ def cache_ls(as_json: Annotated[bool, typer.Option("--json", help="One JSON list
                       escape(f"{r['root']} ({r['layer']})"), status)
     out.print(table)
     out.print(f"{len(rows)} entries, {_human(sum(r['size'] for r in rows))}", markup=False, highlight=False)
-    for r in rows:
-        if r["status"] != "ok":  # never loaded: a lookup in the writable root moves it to quarantine/
-            out.print(f"corrupt {r['key'][:12]} ({r['path']}): {r['status']}", markup=False, highlight=False,
-                      soft_wrap=True)
+    corrupt = [r for r in rows if r["status"] != "ok"]
+    for r in corrupt:  # never loaded: a lookup in the writable root moves it to quarantine/
+        _say(out, f"corrupt {r['key'][:12]} ({r['path']}): {r['status']}")
+    if corrupt:
+        _say(out, f"corrupt entries are never loaded. {CORRUPT_FIX}.")
 
 
 def _say(console: Console, text: str) -> None:
@@ -832,8 +840,7 @@ def _print_report(report, out: Console) -> None:
                   f"(jitattn cache export / import).")
     if report.corrupt:
         what = "1 cache entry is" if len(report.corrupt) == 1 else f"{len(report.corrupt)} cache entries are"
-        _say(out, f"NOT OK: {what} corrupt (listed above; never loaded). `jitattn cache verify` moves those of "
-                  f"the writable root to quarantine; rebuild or re-ship those of a read-only layer.")
+        _say(out, f"NOT OK: {what} corrupt (listed above; never loaded). {CORRUPT_FIX}.")
 
 
 # ---- bench -------------------------------------------------------------------------------------

@@ -222,16 +222,19 @@ def cache_layers(cache: KernelCache) -> tuple[Layer, ...]:
 
 def no_kernel_note(module: Any, arch: str) -> str | None:
     """Why ``module`` has no kernel to build, cache or ship (a latent spec: :data:`jitattn.spec.LATENT_NO_KERNEL`),
-    naming the backend the selector picks for it on ``arch``; None for a module that compiles."""
+    naming the backend the selector picks for it on ``arch`` (and that it needs torch, when this
+    machine has none: those backends are torch's); None for a module that compiles."""
     if not isinstance(module, AttentionSpec):
         return None
     if not module.latent:
         return None
-    from jitattn.selector import NoBackendError, select
+    from jitattn import selector
 
     try:
-        served = f"served by the {select(module, arch).name} backend on {arch}"
-    except (NoBackendError, ValueError) as err:  # ValueError: a JITATTN_BACKEND of no registered backend
+        served = f"served by the {selector.select(module, arch).name} backend on {arch}"
+        if not selector.torch_installed():  # a named arch is not judged by this machine's imports: say it here
+            served += ", which needs torch: not installed here (pip install 'jitattn[torch]' where it serves)"
+    except (selector.NoBackendError, ValueError) as err:  # ValueError: a JITATTN_BACKEND of no registered backend
         why = dict.fromkeys(r for rej in getattr(err, "rejections", ()) for r in rej.reasons)  # the lines below
         served = f"no backend serves it on {arch}: {str(err).splitlines()[0].rstrip(':')}"
         served += f": {'; '.join(why)}" if why else ""

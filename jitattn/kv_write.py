@@ -31,6 +31,7 @@ from jitattn import append_kv_module as _am
 from jitattn.checks import check_scale, fail
 from jitattn.merge import params_packer
 from jitattn.runtime import LoadedOnce, cuda_device
+from jitattn.spec import AttentionSpec
 
 __all__ = ["append_kv", "append_latent_kv"]
 
@@ -294,8 +295,8 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: Any, slot_mapping: tor
 
 
 # ---- the latent (MLA) cache ----------------------------------------------------------------------
-def check_append_latent(c_kv: Any, k_pe: Any, latent_cache: Any, slot_mapping: Any, k_scale: Any
-                        ) -> tuple[torch.Tensor, torch.Tensor, float]:
+def check_append_latent(c_kv: Any, k_pe: Any, latent_cache: Any, slot_mapping: Any, k_scale: Any,
+                        spec: AttentionSpec | None = None) -> tuple[torch.Tensor, torch.Tensor, float]:
     """The checks of :func:`append_latent_kv` (no device sync). Returns the cache's c_kv and k_pe views
     ``(num_pages, page_size, kv_lora_rank / rope_dim)`` and the scale."""
     for name, t in (("c_kv", c_kv), ("k_pe", k_pe)):
@@ -305,6 +306,8 @@ def check_append_latent(c_kv: Any, k_pe: Any, latent_cache: Any, slot_mapping: A
     if k_pe.shape[0] != c_kv.shape[0] or k_pe.dtype != c_kv.dtype or k_pe.device != c_kv.device:
         fail(f"k_pe: {k_pe.shape[0]} tokens, {k_pe.dtype} on {k_pe.device}; must match c_kv's {c_kv.shape[0]}, "
              f"{c_kv.dtype} on {c_kv.device}")
+    if spec is not None:
+        _check_latent_against_spec(c_kv, k_pe, latent_cache, spec)
     rank, width = c_kv.shape[1], c_kv.shape[1] + k_pe.shape[1]
     if not isinstance(latent_cache, torch.Tensor) or latent_cache.dim() != 3 or latent_cache.shape[2] != width:
         got = tuple(latent_cache.shape) if isinstance(latent_cache, torch.Tensor) else type(latent_cache).__name__
@@ -320,8 +323,29 @@ def check_append_latent(c_kv: Any, k_pe: Any, latent_cache: Any, slot_mapping: A
     return latent_cache[..., :rank], latent_cache[..., rank:], scale
 
 
+def _check_latent_against_spec(c_kv: torch.Tensor, k_pe: torch.Tensor, latent_cache: Any, spec: Any) -> None:
+    """Each part's width, and the cache's page size and dtype, against the latent spec that reads them:
+    only these tell a c_kv / k_pe split of 448 / 128 from 512 / 64 in a 576-wide row."""
+    if not isinstance(spec, AttentionSpec) or not spec.latent:
+        fail(f"spec: expected the latent AttentionSpec (kv_storage='latent') that reads the cache, got "
+             f"{spec.describe() if isinstance(spec, AttentionSpec) else type(spec).__name__}")
+    rope = spec.head_dim_qk - spec.head_dim_vo
+    if c_kv.shape[1] != spec.head_dim_vo:
+        fail(f"c_kv: width {c_kv.shape[1]}, but the spec's kv_lora_rank (head_dim_vo) is {spec.head_dim_vo}")
+    if k_pe.shape[1] != rope:
+        fail(f"k_pe: width {k_pe.shape[1]}, but the spec's qk_rope_head_dim (head_dim_qk - head_dim_vo) is {rope}")
+    if _SRC[c_kv.dtype] != spec.q_dtype:
+        fail(f"c_kv: dtype {c_kv.dtype}, but the spec's q_dtype is {spec.q_dtype}")
+    if isinstance(latent_cache, torch.Tensor) and latent_cache.dim() == 3:
+        if latent_cache.shape[1] != spec.page_size:
+            fail(f"latent_cache: page size {latent_cache.shape[1]} (dim 1), but the spec's page_size is "
+                 f"{spec.page_size}")
+        if str(latent_cache.dtype).removeprefix("torch.") != spec.kv_dtype:
+            fail(f"latent_cache: dtype {latent_cache.dtype}, but the spec's kv_dtype is {spec.kv_dtype}")
+
+
 def append_latent_kv(c_kv: torch.Tensor, k_pe: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                     *, k_scale: float = 1.0) -> None:
+                     *, k_scale: float = 1.0, spec: AttentionSpec | None = None) -> None:
     """Write new tokens' latent rows into a latent (MLA) cache, in place: token ``t``'s row ``[c_kv[t],
     k_pe[t]]`` goes to page ``slot_mapping[t] // page_size``, offset ``slot_mapping[t] % page_size``
     (vLLM's ``concat_and_cache_mla``, FlashInfer's ``append_paged_mla_kv_cache``).
@@ -335,14 +359,19 @@ def append_latent_kv(c_kv: torch.Tensor, k_pe: torch.Tensor, latent_cache: torch
         slot_mapping: int64 ``(num_tokens,)``, ``page_id * page_size + offset``; ``-1`` skips a token.
         k_scale: an FP8 cache holds ``x * float32(1 / k_scale)`` rounded to nearest e4m3 and saturated to
             +-448, as :func:`append_kv` writes K; a Python float; 1.0 for a 16-bit cache.
+        spec: the latent spec that reads the cache (optional): c_kv's width must be its ``head_dim_vo``
+            (kv_lora_rank, 512 for DeepSeek), k_pe's ``head_dim_qk - head_dim_vo`` (qk_rope_head_dim,
+            64), c_kv's dtype its ``q_dtype``, the cache's page size and dtype its ``page_size`` and
+            ``kv_dtype``. Without it only the sum of the two widths is checked (against the cache's
+            last dim): where c_kv ends and k_pe begins is then the caller's to get right.
 
     Torch only (advanced-index assignment, any device; on a GPU, slots out of range are dropped with a
-    device sync). What is checked, before any write: shapes, dtypes, devices, the scale, and for CPU
-    tensors the slot range.
+    device sync). What is checked, before any write: shapes, dtypes, devices, the scale, ``spec`` if
+    given, and for CPU tensors the slot range.
 
     Raises:
         ValueError: naming the argument, what was given and what is allowed.
     """
-    ckv_cache, kpe_cache, k_scale = check_append_latent(c_kv, k_pe, latent_cache, slot_mapping, k_scale)
+    ckv_cache, kpe_cache, k_scale = check_append_latent(c_kv, k_pe, latent_cache, slot_mapping, k_scale, spec)
     if c_kv.shape[0]:  # the row's two parts are views of one cache: the K/V path writes each
         _append_torch(c_kv, k_pe, ckv_cache, kpe_cache, slot_mapping, k_scale, k_scale)

@@ -17,8 +17,9 @@ others refuse it), head dims, features (windows, soft-cap, sinks, ALiBi, custom 
 the phase, and two call requirements: the lse (``need_lse``) and CUDA-graph capture
 (``cuda_graph``).
 
-A backend on the CPU needs torch installed (:func:`import_reasons`): without it every backend is
-passed over with that reason (a named GPU is planned for another machine and not judged so).
+A backend on this machine's devices (the CPU, ``cuda`` / ``cuda:N``) needs torch installed
+(:func:`import_reasons`): without it every backend is passed over with that reason (a named GPU,
+``h100`` or ``sm_90``, is planned for another machine and not judged so).
 
 Nothing falls back silently:
 
@@ -159,19 +160,31 @@ def select(spec: AttentionSpec, device: DeviceInfo | str | Any = None, phase: st
 
 def import_reasons(device: DeviceInfo) -> tuple[str, ...]:
     """What this machine lacks to run any backend on ``device``: ``("torch is not installed ...",)`` for
-    the CPU when ``import torch`` would fail, else ``()``.
+    a device of this machine when ``import torch`` would fail, else ``()``.
 
-    Every backend's call takes torch tensors. A CPU is always this machine; a named GPU (``h100``,
-    ``sm_90``) may be a serving node that a build box without torch plans for, so it is not judged
-    here (a real CUDA device was found through torch, which is then installed).
+    Every backend's call takes torch tensors (a latent spec's only backends, sdpa and reference, are
+    torch itself). The CPU, ``cuda`` and ``cuda:N`` are this machine's (:func:`names_this_machine`); a
+    named GPU (``h100``, ``sm_90``) may be a serving node that a build box without torch plans for, so
+    it is not judged here.
     """
-    if device.type != "cpu" or _torch_installed():
+    if not names_this_machine(device) or torch_installed():
         return ()
-    return ("torch is not installed (its calls take torch tensors; pip install 'jitattn[torch]')",)
+    return (TORCH_MISSING,)
+
+
+#: Why no backend runs on this machine without torch (:func:`import_reasons`).
+TORCH_MISSING = "torch is not installed (its calls take torch tensors; pip install 'jitattn[torch]')"
+
+
+def names_this_machine(device: DeviceInfo) -> bool:
+    """Whether ``device`` is one of this machine's: the CPU, a CUDA device torch found (it has an
+    index), or ``cuda`` / ``cuda:N`` (this machine's GPU, whose capability is unknown without torch)."""
+    name = device.name.strip().lower()
+    return device.type == "cpu" or device.index is not None or name == "cuda" or name.startswith("cuda:")
 
 
 @functools.lru_cache(maxsize=1)
-def _torch_installed() -> bool:
+def torch_installed() -> bool:
     """Whether ``import torch`` would find torch, without importing it (a process neither gains nor loses it)."""
     if "torch" in sys.modules:
         return True

@@ -202,3 +202,33 @@ def test_fp8_scales_float32_cannot_hold_are_refused_before_any_write(scales):
         with pytest.raises(ValueError, match=r"k_scale="):
             jitattn.append_latent_kv(c_kv, k_pe, latent, torch.tensor([0, 1]), k_scale=scales["k_scale"])
         assert not latent.float().any()
+
+
+# ---- append_latent_kv against the latent spec ------------------------------------------------------
+LATENT = jitattn.AttentionSpec(16, 1, 576, 512, kv_storage="latent", sm_scale=0.1, page_size=4)
+
+
+@pytest.mark.parametrize("c_kv_width, k_pe_width, cache_kw, spec, match", [
+    (448, 128, {}, LATENT, r"c_kv: width 448, but the spec's kv_lora_rank \(head_dim_vo\) is 512"),
+    (512, 32, {}, LATENT.replace(head_dim_qk=544), None),  # the spec's own split: accepted
+    (512, 64, {"page_size": 8}, LATENT, r"latent_cache: page size 8 \(dim 1\), but the spec's page_size is 4"),
+    (512, 64, {"dtype": FP8}, LATENT, r"latent_cache: dtype torch.float8_e4m3fn, but the spec's kv_dtype is bfloat16"),
+    (512, 64, {}, LATENT.replace(q_dtype="float16"), r"c_kv: dtype torch.bfloat16, but the spec's q_dtype is float16"),
+    (512, 64, {}, jitattn.AttentionSpec(8, 2, 64), r"spec: expected the latent AttentionSpec \(kv_storage='latent'\)"),
+], ids=["split-448-128", "own-split", "page-size", "cache-dtype", "q-dtype", "not-latent"])
+def test_append_latent_kv_checks_each_part_against_the_spec(c_kv_width, k_pe_width, cache_kw, spec, match):
+    """The cache's last dim only checks the sum of the widths: a 448 / 128 split fills a 576-wide row
+    as well as 512 / 64 does. With ``spec`` each part is checked, naming the field, before any write."""
+    c_kv = torch.randn(3, c_kv_width, dtype=torch.bfloat16)
+    k_pe = torch.randn(3, k_pe_width, dtype=torch.bfloat16)
+    cache = torch.zeros(4, cache_kw.get("page_size", 4), c_kv_width + k_pe_width,
+                        dtype=cache_kw.get("dtype", torch.bfloat16))
+    slots = torch.tensor([0, 5, 9])
+    if match is None:
+        jitattn.append_latent_kv(c_kv, k_pe, cache, slots, spec=spec)
+        assert torch.equal(cache.view(-1, cache.shape[-1])[slots], torch.cat([c_kv, k_pe], 1))
+        return
+    with pytest.raises(ValueError, match=match):
+        jitattn.append_latent_kv(c_kv, k_pe, cache, slots, spec=spec)
+    assert not cache.float().any()
+    jitattn.append_latent_kv(c_kv, k_pe, cache, slots)  # without the spec the split is the caller's

@@ -97,6 +97,13 @@ def test_flex_passes_over_head_dims_below_16_on_cuda():
     assert select(AttentionSpec(8, 2, 8), "h100").backend.name != "flex"
 
 
+@pytest.mark.parametrize("num_qo_heads, num_kv_heads", [(6, 2), (10, 2), (12, 2), (28, 4), (7, 1)])
+def test_flex_serves_gqa_groups_that_are_not_a_power_of_two(num_qo_heads, num_kv_heads):
+    """torch's flex dispatch sends a group that is not a power of two to its main kernel (the decode
+    kernel takes only powers of two): nothing fails, so flex refuses none (module doc of backends.flex)."""
+    assert reasons("flex", AttentionSpec(num_qo_heads, num_kv_heads, 64)) == []
+
+
 def test_flex_reasons():
     assert reasons("flex", GEMMA2) == []
     assert reasons("flex", AttentionSpec(12, 12, 64, alibi=True, variant=DOC_MASK)) == []
@@ -189,6 +196,7 @@ CASES = [
     ("window-softcap", AttentionSpec(8, 2, 64, window_left=20, logits_soft_cap=30.0), {}),
     ("windows-both", AttentionSpec(8, 2, 64, causal=False, window_left=9, window_right=5), {}),
     ("alibi", AttentionSpec(12, 12, 64, alibi=True, q_dtype="float16"), {}),
+    ("group6", AttentionSpec(12, 2, 64, window_left=30), {}),  # a GQA group that is not a power of two
     ("rel-bias", AttentionSpec(8, 2, 64, variant=REL_BIAS), {"bias": torch.linspace(-0.2, 0.3, 8), "max_dist": 16.0}),
     ("doc-mask", AttentionSpec(8, 2, 64, variant=DOC_MASK, causal=False), _doc_params("cpu", 400)),
     ("empty-rows", AttentionSpec(8, 2, 64, variant=HIDE_HEAD), {"hidden": 3}),

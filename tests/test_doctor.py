@@ -17,12 +17,14 @@ from jitattn.cache import KernelCache, MissingKernelError
 from jitattn.doctor import diagnose
 from jitattn.merge_module import MergeModule
 from jitattn.models import load_model_config
+from jitattn.spec import AttentionSpec
 from tests.fake_entries import flip_cubin, publish_fake
 from tests.test_cli import jitattn
 
 REPO = Path(__file__).resolve().parent.parent
 LLAMA_8B = REPO / "examples" / "models" / "llama-3-8b.json"
 LLAMA_70B = Path(__file__).resolve().parent / "models" / "llama-3-70b.json"
+SMALL = AttentionSpec(8, 2, 64)
 
 
 def model_modules(config: Path, **kwargs) -> list:
@@ -178,6 +180,46 @@ def test_cli_doctor_without_a_model_fails_on_a_corrupt_entry_and_names_it(tmp_pa
     assert bad.path.exists()  # reported, never moved
 
 
+def _drop(*keys):
+    def edit(m):
+        for k in keys:
+            holder, name = (m["key_inputs"], k.split(".")[1]) if k.startswith("key_inputs.") else (m, k)
+            del holder[name]
+        return m
+    return edit
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (_drop("artifacts"), "manifest.json lacks key 'artifacts'"),
+    (_drop("key", "key_inputs.arch"), "manifest.json lacks keys 'key', 'key_inputs.arch'"),
+    (lambda m: [m], "manifest.json is not a JSON object (a list)"),
+], ids=["no-artifacts", "no-key-no-arch", "a-list"])
+def test_cli_a_manifest_missing_keys_is_named_with_the_fix_and_no_traceback(tmp_path, edit, problem):
+    """doctor, cache ls and cache export on an entry whose manifest lacks what readers take from it:
+    the entry's path, manifest.json, the missing keys and what to run; never a KeyError."""
+    root = tmp_path / "c"
+    entry = publish_fake(KernelCache(root=root, layers=()), SMALL, "sm_90a")
+    manifest = entry.path / "manifest.json"
+    manifest.write_text(json.dumps(edit(json.loads(manifest.read_text()))))
+    fix = "`jitattn cache verify` moves those of the writable root to quarantine, and the next request (or " \
+          "`jitattn warmup`) rebuilds them"
+    doctor = jitattn("doctor", cache=root)
+    assert doctor.returncode == 1 and "Traceback" not in doctor.stderr, doctor.stderr
+    assert f"corrupt, not loaded: {entry.path}: {problem} (written by another jitattn version, or altered)" \
+        in doctor.stdout, doctor.stdout
+    assert fix in doctor.stdout and "KeyError" not in doctor.stdout
+    ls = jitattn("cache", "ls", cache=root)
+    assert ls.returncode == 0 and "Traceback" not in ls.stderr, ls.stderr
+    assert f"({entry.path}): {problem}" in ls.stdout and fix in ls.stdout
+    [row] = json.loads(jitattn("cache", "ls", "--json", cache=root).stdout)
+    assert row["status"].startswith(problem)
+    export = jitattn("cache", "export", "-o", str(tmp_path / "out.tar"), "--spec", SMALL.canonical_json(),
+                     "--arch", "sm_90a", cache=root)
+    assert export.returncode != 0 and "Traceback" not in export.stderr, export.stderr
+    assert f"{SMALL.name} sm_90a" in export.stderr and "jitattn warmup --spec" in export.stderr
+    assert not (tmp_path / "out.tar").exists()
+
+
 def test_cli_doctor_without_torch_says_so(tmp_path):
     from tests.test_cli import _without
 
@@ -187,6 +229,26 @@ def test_cli_doctor_without_torch_says_so(tmp_path):
     assert data["torch"]["version"] is None
     text = jitattn("doctor", cache=tmp_path / "c", env=_without(tmp_path, "torch")).stdout
     assert "torch not installed" in text
+
+
+def test_cli_doctor_without_torch_says_a_latent_kind_needs_it(tmp_path):
+    """DeepSeek-V3's latent decode kind has no kernel to ship: the torch backends serve it, so a node
+    without torch is told that serving it needs torch."""
+    from tests.test_cli import _without
+
+    config = Path(__file__).resolve().parent / "models" / "deepseek-v3.json"
+    proc = jitattn("doctor", "--model", str(config), "--arch", "sm_90a", "--json", cache=tmp_path / "c",
+                   env=_without(tmp_path, "torch"))
+    [model] = json.loads(proc.stdout)["models"]
+    [latent] = [k for k in model["kernels"] if "latent" in k["name"]]
+    assert latent["note"].endswith("served by the sdpa backend on sm_90a, which needs torch: not installed here "
+                                   "(pip install 'jitattn[torch]' where it serves)"), latent["note"]
+    text = jitattn("doctor", "--model", str(config), "--arch", "sm_90a", cache=tmp_path / "c",
+                   env=_without(tmp_path, "torch")).stdout
+    assert "which needs torch: not installed here" in text
+    with_torch = json.loads(jitattn("doctor", "--model", str(config), "--arch", "sm_90a", "--json",
+                                    cache=tmp_path / "c").stdout)
+    assert all("needs torch" not in k["note"] for k in with_torch["models"][0]["kernels"])
 
 
 def test_cli_doctor_with_nvcc_missing(tmp_path):

@@ -210,3 +210,28 @@ def test_decode_cuda_graph_replay(spec, session_cache, record, seed):
         assert not torch.isnan(out).any()
     record(rel_errs=errors)
     assert max(errors) < TOL[spec.q_dtype]
+
+
+FLEX_GROUPS = [(12, 2), (10, 2), (7, 1), (32, 8)]  # groups 6, 5, 7, and 4 (a power of two: the decode kernel)
+
+
+@pytest.mark.parametrize("q_lens", [[1] * 16, [1, 5, 1, 3]], ids=["decode", "short-mixed"])
+@pytest.mark.parametrize("num_qo_heads, num_kv_heads", FLEX_GROUPS, ids=[f"{h}x{k}" for h, k in FLEX_GROUPS])
+def test_flex_serves_any_gqa_group_on_device(num_qo_heads, num_kv_heads, q_lens, record, seed):
+    """Fewer than 128 query rows take torch's flex decode kernel, which packs a GQA group per program and
+    takes only powers of two; torch's dispatch sends other groups to its main kernel (module doc of
+    jitattn.backends.flex). On a torch that does not, this raises, and flex would have to refuse them."""
+    spec = AttentionSpec(num_qo_heads, num_kv_heads, 128)
+    device = DeviceInfo.from_torch("cuda")
+    why = get_backend("flex").reasons(spec, device)
+    if why:
+        pytest.skip("; ".join(why))
+    kv_lens = [(97 * i) % 700 + len(q_lens) for i in range(1, len(q_lens) + 1)]
+    batch = random_paged_batch(spec, q_lens, kv_lens, device="cuda", seed=seed)
+    out, lse = get_backend("flex").build(spec, device)(*batch.args(), **batch.kwargs(), return_lse=True)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = reference.paged_attention(spec, *batch.args(), **batch.kwargs(), return_lse=True)
+    err = relative_error(out, ref_out)
+    record(torch=torch.__version__, group_size=spec.group_size, rel_err=err)
+    assert not torch.isnan(out).any() and err < TOL[spec.q_dtype], f"group {spec.group_size}: {err:.3e}"
+    assert (lse - ref_lse).abs().max().item() < 2e-2

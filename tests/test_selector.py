@@ -366,7 +366,7 @@ def test_explain_names_what_forced_the_backend():
 def test_without_torch_the_cpu_backends_are_passed_over_with_the_reason(monkeypatch):
     """Every backend's call takes torch tensors: on the CPU without torch none serves, and each that
     would have says so; a named GPU (planned for another machine) is not judged by this machine's imports."""
-    monkeypatch.setattr(selector, "_torch_installed", lambda: False)
+    monkeypatch.setattr(selector, "torch_installed", lambda: False)
     with pytest.raises(NoBackendError) as err:
         select(PLAIN, "cpu", "decode")
     reasons = {r.backend: r.reasons for r in err.value.rejections}
@@ -374,6 +374,38 @@ def test_without_torch_the_cpu_backends_are_passed_over_with_the_reason(monkeypa
     assert reasons["sdpa"] == (f"sdpa: {want}",) and reasons["reference"] == (f"reference: {want}",)
     assert reasons["jit"] == ("jit: runs on CUDA devices only, device is cpu",)  # its own reason is enough
     assert select(PLAIN, "h100", "decode").name == "jit"
+
+
+LATENT = AttentionSpec(16, 1, 576, 512, kv_storage="latent", sm_scale=0.1)
+DEEPSEEK_V3 = Path(__file__).resolve().parent / "models" / "deepseek-v3.json"
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "cuda:1"])
+@pytest.mark.parametrize("spec", [LATENT, PLAIN], ids=["latent", "paged"])
+def test_without_torch_this_machines_gpu_is_judged_like_its_cpu(monkeypatch, device, spec):
+    """``cuda`` / ``cuda:N`` name this machine's GPU: without torch no backend runs on it, and the torch
+    backends (a latent spec's only ones) say that torch is missing rather than being picked."""
+    monkeypatch.setattr(selector, "torch_installed", lambda: False)
+    with pytest.raises(NoBackendError) as err:
+        select(spec, device, "decode")
+    reasons = {r.backend: r.reasons for r in err.value.rejections}
+    want = "torch is not installed (its calls take torch tensors; pip install 'jitattn[torch]')"
+    assert reasons["sdpa"] == (f"sdpa: {want}",) and reasons["reference"] == (f"reference: {want}",)
+    assert select(spec, "h100", "decode").name == ("sdpa" if spec.latent else "jit")  # planned for another node
+
+
+def test_select_device_cuda_0_without_torch_names_no_backend_for_a_latent_kind(tmp_path):
+    """`jitattn select --device cuda:0` for DeepSeek-V3 (its decode kind latent) without torch."""
+    from tests.test_cli import _without, jitattn
+
+    proc = jitattn("select", "--model", str(DEEPSEEK_V3), "--device", "cuda:0", "--json",
+                   cache=tmp_path / "c", env=_without(tmp_path, "torch"))
+    assert proc.returncode == 1, proc.stderr
+    kinds = {k["layer_kind"]: k for k in json.loads(proc.stdout)["layer_kinds"]}
+    assert kinds["mla_decode"]["backend"] is None
+    for name in ("sdpa", "reference"):
+        assert f"{name}: torch is not installed (its calls take torch tensors; pip install 'jitattn[torch]')" in \
+            kinds["mla_decode"]["passed_over"]
 
 
 def test_select_device_cpu_without_torch_names_no_backend(tmp_path):

@@ -15,6 +15,14 @@ to its own sequence's valid keys. So each call gathers the block table's pages i
 copy (including the unused tail of each row) and builds a block mask over the
 ``total_q x batch * max_pages * page_size`` grid; both cost more than the attention itself for
 small decode batches. The returned lse is FlexAttention's, natural log.
+
+Any GQA group size (``num_qo_heads // num_kv_heads``) is served. FlexAttention's decode kernel
+(inductor's ``flex_decoding``, taken for fewer than 128 query rows, so for most decode batches fed
+as above) packs each group into one program and raises for a group that is not a power of two;
+torch's dispatch (``_use_flex_decoding``, read in torch 2.13) sends such a group to the main
+kernel instead, one program per query head, so none fails there. Torch releases without that
+check raised "Number of shared query heads sharing the same KV head must be power of 2" at
+compile time (pytorch/pytorch#151359); tests/test_gpu_integrations.py runs such groups on the GPU.
 """
 
 from __future__ import annotations
