@@ -50,6 +50,7 @@ sequences) are not translated.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -58,7 +59,7 @@ import torch.nn.functional as F
 from jitattn.backends import DeviceInfo
 from jitattn.kv_write import append_kv
 from jitattn.ops import register_spec, spec_from_json
-from jitattn.selector import select
+from jitattn.selector import select_cached
 from jitattn.spec import AttentionSpec
 
 NAME = "jitattn"
@@ -150,16 +151,24 @@ def _spec_text(num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch
     if dtype not in _DTYPES:
         raise ValueError(f"jitattn: the model runs in {dtype}; jitattn's kernels take float16 or bfloat16: load the "
                          f"model with dtype=torch.bfloat16 (or float16)")
+    return _layer_spec(num_qo_heads, num_kv_heads, head_dim, _DTYPES[dtype], scaling, softcap, sliding_window, causal,
+                       sinks, page_size)[0]
+
+
+@functools.lru_cache(maxsize=256)  # every layer of every step asks: build and register each spec once
+def _layer_spec(num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: str, scaling: float | None,
+                softcap: float | None, sliding_window: int | None, causal: bool, sinks: bool,
+                page_size: int) -> tuple[str, AttentionSpec]:
     spec = AttentionSpec(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim,
-                         q_dtype=_DTYPES[dtype], page_size=page_size, causal=causal,
+                         q_dtype=dtype, page_size=page_size, causal=causal,
                          window_left=sliding_window - 1 if sliding_window else -1,
                          logits_soft_cap=float(softcap or 0.0), sm_scale=scaling, sinks=sinks)
-    return register_spec(spec)
+    return register_spec(spec), spec  # the spec is kept alive with its text
 
 
 @torch.compiler.assume_constant_result
 def _backend(spec_text: str, device: torch.device, phase: str) -> str:
-    return select(spec_from_json(spec_text), DeviceInfo.from_torch(device), phase).name
+    return select_cached(spec_from_json(spec_text), DeviceInfo.from_torch(device), phase).name
 
 
 def _pages(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
