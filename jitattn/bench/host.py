@@ -35,8 +35,8 @@ HOST_ANCHORS = ("sdpa", "flashinfer")
 
 def plan_run_call(spec: AttentionSpec, batch: PagedBatch, out: torch.Tensor, max_query_len: int
                   ) -> Callable[[], torch.Tensor]:
-    """``jitattn.run(q, kv_cache, plan, out=out, **scales)`` with ``plan = jitattn.plan(...)`` made once, here
-    (``scales``: an FP8 cache's k_scale / v_scale).
+    """``jitattn.run(q, kv_cache, plan, out=out, **batch.kwargs())`` with ``plan = jitattn.plan(...)`` made
+    once, here (the batch's sinks, ALiBi slopes, params and an FP8 cache's k_scale / v_scale).
 
     The plan/run API's call as the bench uses it, in one place (its names may still change).
 
@@ -46,7 +46,7 @@ def plan_run_call(spec: AttentionSpec, batch: PagedBatch, out: torch.Tensor, max
     import jitattn
 
     plan = jitattn.plan(spec, batch.block_table, batch.seq_lens, batch.query_start_loc, max_query_len=max_query_len)
-    return lambda: jitattn.run(batch.q, batch.kv_cache, plan, out=out, **batch.scales)
+    return lambda: jitattn.run(batch.q, batch.kv_cache, plan, out=out, **batch.kwargs())
 
 
 def jitattn_host_runners(case: BenchCase, batch: PagedBatch) -> dict[str, Runner]:

@@ -86,6 +86,10 @@ def _cell(x: float, fmt: str) -> str:
 REL_ERR_HEADER = f"rel err (prefill > {FULL_CHECK_MAX_SEQS} seqs: 1st seq only)"
 
 
+#: jitattn's rows that are never a case's baseline: the call itself and its plan/run form (same kernels).
+NOT_ANCHORS = ("jitattn", "jitattn-run")
+
+
 def best_anchor_rates(results: list[Result]) -> dict[str, float]:
     """Per case, the best rate among anchors that ran and were not WRONG (nan when none).
 
@@ -94,7 +98,7 @@ def best_anchor_rates(results: list[Result]) -> dict[str, float]:
     """
     best: dict[str, float] = {}
     for r in results:
-        ok = (r.impl != "jitattn" and r.status == "ok" and not math.isnan(r.rate)
+        ok = (r.impl not in NOT_ANCHORS and r.status == "ok" and not math.isnan(r.rate)
               and not (r.rel_err > MAX_REL_ERR))
         best.setdefault(r.case, math.nan)
         if not ok:

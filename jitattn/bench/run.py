@@ -51,6 +51,11 @@ def jitattn_runner(case: BenchCase, batch: PagedBatch) -> Runner | dict[str, Run
     if case.ragged_twin:
         return {"jitattn": Runner(call, note=f"{kernel.entry.arch}, paged (page {case.spec.page_size})"),
                 "jitattn-ragged": ragged_twin_runner(case, batch)}
+    if case.is_decode:  # the serving loop's form too: plan once per step, run per layer (eager vs graph)
+        from jitattn.bench.host import plan_run_call
+
+        return {"jitattn": Runner(call, note=f"{kernel.entry.arch}"),
+                "jitattn-run": Runner(plan_run_call(case.spec, batch, out, 1), note="plan once, jitattn.run")}
     if case.phase != "mixed":
         return Runner(call, note=f"{kernel.entry.arch}")
     # The same batch as two calls, the prefill sequences then the decode rows: what one call must beat.
