@@ -200,3 +200,38 @@ def test_bad_sizes_are_refused():
         jt.PagedCache(config, 2, 0)
     with pytest.raises(ValueError, match=r"page_size=1.5; expected a positive int"):
         jt.PagedCache(config, 2, 64, page_size=1.5)
+
+
+@pytest.mark.parametrize("name", ["llama-3-8b", "gemma-2-9b", "gpt-oss-20b"])  # one spec; sliding + full; sinks
+def test_jit_path_plans_once_per_step_and_runs_per_layer(name, monkeypatch):
+    """On the jit backend each forward makes one jitattn.plan (its first layer) and every layer runs it,
+    a sliding layer's spec too; here plan / run are stand-ins over the reference, so the generated
+    tokens must equal the op path's (the reference's) exactly, padded row included."""
+    from jitattn import reference
+
+    eager, jit = build_pair(small_config(CONFIGS[name]))
+    ids, mask = padded_batch()
+    want = generate(jit, ids, mask, new_tokens=6, past_key_values=jt.PagedCache(jit.config, 2, PROMPT + 6))
+    plans, runs = [], []
+
+    def fake_plan(spec, block_table, seq_lens, qsl, *, total_q, max_query_len):
+        assert total_q == int(qsl[-1]) and block_table.shape[0] == seq_lens.shape[0] == qsl.shape[0] - 1
+        plans.append(max_query_len)
+        return block_table, seq_lens, qsl
+
+    def fake_run(q, kv_cache, step_plan, *, spec, sinks):
+        runs.append(spec)
+        return reference.paged_attention(spec, q, kv_cache, *step_plan, sinks=sinks)
+
+    monkeypatch.setattr(jt, "_runs_planned", lambda backend, query: True)
+    monkeypatch.setattr(jt, "plan", fake_plan)
+    monkeypatch.setattr(jt, "run", fake_run)
+    cache = jt.PagedCache(jit.config, max_batch_size=2, max_cache_len=PROMPT + 6)
+    got = generate(jit, ids, mask, new_tokens=6, past_key_values=cache)
+    layers = jit.config.num_hidden_layers
+    assert plans == [PROMPT] + [1] * 5  # the prefill forward, then 5 decode steps: one plan each
+    assert len(runs) == 6 * layers
+    assert len(set(runs)) == len(set(getattr(jit.config, "layer_types", None) or ["full"]))
+    assert torch.equal(got.sequences, want.sequences)
+    assert cache.layers[0].seq_lens.tolist() == [PROMPT + 5, PROMPT + 5 - PAD]
+    assert all(layer.seq_lens is cache.layers[0].seq_lens for layer in cache.layers)  # one shared tensor

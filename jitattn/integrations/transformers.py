@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from jitattn.backends import DeviceInfo
 from jitattn.kv_write import append_kv
 from jitattn.ops import register_spec, spec_from_json
+from jitattn.runtime import plan, run
 from jitattn.selector import select_cached
 from jitattn.spec import AttentionSpec
 
@@ -127,21 +128,34 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if attention_mask is not None and attention_mask.dim() != 2:
         raise NotImplementedError(f"jitattn: expected no mask or a 2D padding mask (from the 'jitattn' mask "
                                   f"hook), got shape {tuple(attention_mask.shape)}")
+    sinks = s_aux.float().contiguous() if s_aux is not None else None
     if paged is not None and paged.pending_key is key:  # a PagedCache layer: append the new tokens, read the pages
         packed = paged.append_and_pack(query, key, value, attention_mask)
+        if _runs_planned(backend, query):
+            out = paged.run_planned(spec_from_json(text), packed[0], sinks, n)
+            return _unpad(out, packed[5], batch, n), None
     elif attention_mask is None:
         packed = _pack_dense(query, key, value)
     else:
         packed = _pack_padded(query, key, value, attention_mask)
     q, kv_cache, block_table, seq_lens, qsl, rows = packed
-    sinks = s_aux.float().contiguous() if s_aux is not None else None
     out, _ = torch.ops.jitattn.paged_attention(q, kv_cache, block_table, seq_lens, qsl, text, backend, sinks, None,
                                                [], [], False, 1 if n == 1 else -1)
-    if rows is not None:  # padded: scatter the valid rows back, padding rows are 0
+    return _unpad(out, rows, batch, n), None
+
+
+def _runs_planned(backend: str, query: torch.Tensor) -> bool:
+    """Whether a PagedCache layer runs through the step's plan (the jit kernels, eagerly) rather than the op."""
+    return backend == "jit" and query.is_cuda and not torch.compiler.is_compiling()
+
+
+def _unpad(out: torch.Tensor, rows: torch.Tensor | None, batch: int, n: int) -> torch.Tensor:
+    """The call's rows ``(total_q, H, D)`` as ``(B, N, H, D)``; with ``rows`` (padded), padding rows are 0."""
+    if rows is not None:
         full = out.new_zeros(batch * n, *out.shape[1:])
         full[rows] = out
         out = full
-    return out.view(batch, n, *out.shape[1:]), None  # (B, N, H, D)
+    return out.view(batch, n, *out.shape[1:])
 
 
 @torch.compiler.assume_constant_result
@@ -249,6 +263,24 @@ def _valid_runs(mask: torch.Tensor) -> list[tuple[int, int]]:
 _PENDING: dict[int, "PagedLayer"] = {}
 
 
+class _Step:
+    """What the layers of one :class:`PagedCache` share: one block table and ``seq_lens`` (every layer
+    stores the same tokens at the same slots), and per forward the new tokens' slots, the paged call's
+    metadata and, on the jit backend, its :func:`jitattn.plan`: made by the step's first layer, reused by
+    the others (FlashInfer's plan-once-per-step, run-per-layer)."""
+
+    def __init__(self):
+        self.block_table: torch.Tensor | None = None
+        self.seq_lens: torch.Tensor | None = None
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop the last forward's metadata (a new ``generate`` after :meth:`PagedCache.reset`)."""
+        self.key: tuple | None = None
+        self.slots = self.qsl = self.rows = None
+        self.plan: Any = None
+
+
 def _cache_layer_base():
     from transformers.cache_utils import CacheLayerMixin
 
@@ -273,8 +305,9 @@ class PagedLayer(_cache_layer_base()):
     is_sliding = False  # every layer keeps all its positions: full-length masks for all
 
     def __init__(self, max_batch_size: int, max_cache_len: int, page_size: int,
-                 dtype: torch.dtype | None = None, device: torch.device | None = None):
+                 dtype: torch.dtype | None = None, device: torch.device | None = None, step: _Step | None = None):
         super().__init__()
+        self.step = step if step is not None else _Step()
         self.max_batch_size, self.max_cache_len, self.page_size = max_batch_size, max_cache_len, page_size
         self.pages_per_seq = -(-max_cache_len // page_size)
         self.dtype, self.device = dtype, device
@@ -299,9 +332,12 @@ class PagedLayer(_cache_layer_base()):
         self.kv_cache = torch.zeros(self.max_batch_size * self.pages_per_seq, 2, self.page_size, heads, dim,
                                     dtype=self.dtype, device=self.device)
         self.keys, self.values = self.kv_cache[:, 0], self.kv_cache[:, 1]
-        self.block_table = torch.arange(self.max_batch_size * self.pages_per_seq, dtype=torch.int32,
-                                        device=self.device).view(self.max_batch_size, self.pages_per_seq)
-        self.seq_lens = torch.zeros(self.max_batch_size, dtype=torch.int32, device=self.device)
+        step = self.step
+        if step.block_table is None or step.block_table.device != self.device:
+            step.block_table = torch.arange(self.max_batch_size * self.pages_per_seq, dtype=torch.int32,
+                                            device=self.device).view(self.max_batch_size, self.pages_per_seq)
+            step.seq_lens = torch.zeros(self.max_batch_size, dtype=torch.int32, device=self.device)
+        self.block_table, self.seq_lens = step.block_table, step.seq_lens
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -325,11 +361,23 @@ class PagedLayer(_cache_layer_base()):
                         mask: torch.Tensor | None):
         """Append the pending tokens (one :func:`jitattn.append_kv`) and return the paged call's inputs
         ``(q, kv_cache, block_table, seq_lens, query_start_loc, rows)`` (``rows``: the valid query rows
-        of the ``B * N`` ones when ``mask`` marks padding, else None)."""
+        of the ``B * N`` ones when ``mask`` marks padding, else None). The step's first layer works out
+        the slots and the metadata (and advances the shared ``seq_lens``); the others reuse them."""
         _PENDING.pop(id(key), None)
         self.pending_key = self.pending_value = None
         batch, heads, n, dim = query.shape
-        dev = query.device
+        step = self.step
+        # every layer of a forward has seen the same positions: that count names the step
+        if step.key != (self.cumulative_length, batch, n):
+            self._plan_step(step, batch, n, mask, query.device)
+        append_kv(key.transpose(1, 2).reshape(batch * n, key.shape[1], dim),
+                  value.transpose(1, 2).reshape(batch * n, value.shape[1], dim), self.kv_cache, step.slots)
+        q = query.transpose(1, 2).reshape(batch * n, heads, dim)
+        if step.rows is not None:
+            q = q[step.rows]
+        return q, self.kv_cache, self.block_table[:batch], self.seq_lens[:batch], step.qsl, step.rows
+
+    def _plan_step(self, step: _Step, batch: int, n: int, mask: torch.Tensor | None, dev: torch.device) -> None:
         past = self.seq_lens[:batch].long().unsqueeze(1)
         if mask is None:
             valid = None
@@ -344,20 +392,26 @@ class PagedLayer(_cache_layer_base()):
         slots = self.block_table[:batch].long().gather(1, page) * self.page_size + pos % self.page_size
         if valid is not None:
             slots = torch.where(valid, slots, torch.full_like(slots, -1))
-        append_kv(key.transpose(1, 2).reshape(batch * n, key.shape[1], dim),
-                  value.transpose(1, 2).reshape(batch * n, value.shape[1], dim), self.kv_cache,
-                  slots.reshape(-1))
         added = n if valid is None else valid.sum(1, dtype=torch.int32)
         self.seq_lens[:batch] += added
-        q = query.transpose(1, 2).reshape(batch * n, heads, dim)
+        step.forget()
+        step.slots = slots.reshape(-1)
         if valid is None:
-            qsl = torch.arange(0, batch * n + 1, n, dtype=torch.int32, device=dev)
-            rows = None
+            step.qsl = torch.arange(0, batch * n + 1, n, dtype=torch.int32, device=dev)
         else:
-            rows = torch.nonzero(valid.reshape(-1)).flatten()
-            q = q[rows]
-            qsl = F.pad(added.cumsum(0, dtype=torch.int32), (1, 0))
-        return q, self.kv_cache, self.block_table[:batch], self.seq_lens[:batch], qsl, rows
+            step.rows = torch.nonzero(valid.reshape(-1)).flatten()
+            step.qsl = F.pad(added.cumsum(0, dtype=torch.int32), (1, 0))
+        step.key = (self.cumulative_length, batch, n)
+
+    def run_planned(self, spec: AttentionSpec, q: torch.Tensor, sinks: torch.Tensor | None, n: int) -> torch.Tensor:
+        """The jit kernels on this step's metadata through the step's :func:`jitattn.plan` (made by the
+        first layer that runs, for its spec; another spec, a sliding layer's, is planned on first use)."""
+        step = self.step
+        batch = step.qsl.shape[0] - 1
+        if step.plan is None:
+            step.plan = plan(spec, self.block_table[:batch], self.seq_lens[:batch], step.qsl, total_q=q.shape[0],
+                             max_query_len=n)
+        return run(q, self.kv_cache, step.plan, spec=spec, sinks=sinks)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.cumulative_length + query_length, 0
@@ -372,6 +426,7 @@ class PagedLayer(_cache_layer_base()):
         super().reset()
         if self.seq_lens is not None:
             self.seq_lens.zero_()
+        self.step.forget()
         self.pending_key = self.pending_value = None
 
     def _unsupported(self, *args: Any, **kwargs: Any) -> None:
@@ -426,8 +481,9 @@ class PagedCache(_cache_base()):
         if dtype is not None and dtype not in _DTYPES:
             raise ValueError(f"PagedCache: dtype={dtype}; jitattn's kernels take torch.float16 or torch.bfloat16")
         text = config.get_text_config(decoder=True)
+        step = _Step()
         layers = [PagedLayer(max_batch_size, max_cache_len, page_size, dtype,
-                             torch.device(device) if device is not None else None)
+                             torch.device(device) if device is not None else None, step)
                   for _ in range(text.num_hidden_layers)]
         super().__init__(layers=layers)
         self._max_batch_size, self._max_cache_len, self.page_size = max_batch_size, max_cache_len, page_size
