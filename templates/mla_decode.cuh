@@ -1,0 +1,249 @@
+// jitattn: multi-head latent attention (MLA) decode on tensor cores, over the paged latent cache.
+//
+// Absorbed form (FlashMLA, FlashInfer's MLA kernels, vLLM): each token's cache row is c_kv
+// (kHeadDimVO values) then k_pe (kHeadDimQK - kHeadDimVO), one "KV head" shared by every query head;
+// a score is one kHeadDimQK-long dot product and the output is the softmax-weighted sum of the first
+// kHeadDimVO values of the same rows (V is a view of K, so each row is loaded once).
+//
+// One block serves (sequence, tile of 16 query rows, split): the rows are 16 query heads of one query
+// token (a group of fewer heads pads the tile with zero rows), the m16 tile of every mma.sync; a block
+// loops over its sequence's tiles (q_len * ceil(heads / 16) of them) in steps of gridDim.y. Per tile of
+// kTileKeys keys, warp w computes S = Q K^T for keys 8w .. 8w + 7 (Q re-read from shared memory per
+// k-step: its A fragments would take 144 registers), the scores meet in shared memory, and every warp
+// runs the same online-softmax step on all of them (so the 4 warps' states are equal and need no
+// merge), then O += P V for its quarter of the output dims: a 16 x 512 fp32 accumulator is 256
+// registers per lane in one warp, 64 split over 4.
+// sm_80 and sm_90a run the same mma.sync code (a wgmma version for sm_90a is later work).
+#pragma once
+
+#include "common.cuh"
+#include "decode.cuh"
+#include "decode_mma.cuh"
+#include "kv_load.cuh"
+#include "softmax.cuh"
+#include "variant.cuh"
+
+namespace jitattn {
+
+// Most dynamic shared memory one block may take on sm_80 (163 KB; sm_90 allows kSmemPerSm).
+constexpr int kSmemMaxSm80 = 163 * 1024;
+
+template <class S>
+struct MlaDecodeTraits {
+  using DT = typename S::DTypeQ;
+  using KV = typename S::DTypeKV;
+  using MT = DT;  // mma operand type: the 16-bit cache is q's dtype
+  static constexpr bool kFp8 = false;  // (decode_mma_out_pair's fragment layout: the 16-bit one)
+  static constexpr int kRows = 16;     // query rows per tile: the m16 of mma.sync
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kHeadTiles = ceil_div(S::kNumQoHeads, kRows);  // tiles per query token
+  // Fragment rows g + 8 are padding when the group has at most 8 heads (decode_mma_softmax_step skips them).
+  static constexpr int kRowHalves = S::kNumQoHeads <= 8 ? 1 : 2;
+  static constexpr int kChunks = S::kHeadDimQK / 8;  // 16-byte chunks of a q row and of a latent row
+  static constexpr int kKSteps = S::kHeadDimQK / 16;
+  static constexpr int kWarpKeys = 8;                   // S = Q K^T: one n-tile of keys per warp
+  static constexpr int kTileKeys = kWarps * kWarpKeys;  // keys per pipeline stage
+  static constexpr int kDTiles = S::kHeadDimVO / 8;
+  static constexpr int kWarpDTiles = kDTiles / kWarps;  // O = P V: this warp's n-tiles of output dims
+  // Latent rows unpadded and XOR-swizzled (chunk c of row r at c ^ (r % 8)): ldmatrix of 8 rows at one
+  // chunk hits 8 bank groups. Q rows padded by one chunk instead (an odd chunk count per row).
+  static constexpr int kRowStride = S::kHeadDimQK;
+  static constexpr int kQRowStride = S::kHeadDimQK + 8;
+  static constexpr int kQBytes = kRows * kQRowStride * 2;
+  static constexpr int kScoreStride = kTileKeys + 8;  // floats; conflict-free float2 reads of the score rows
+  static constexpr int kScoreBytes = kRows * kScoreStride * 4;
+  static constexpr int kStageBytes = kTileKeys * kRowStride * static_cast<int>(sizeof(KV));
+  static constexpr int kStages = kQBytes + kScoreBytes + 3 * kStageBytes <= kSmemMaxSm80 ? 3 : 2;
+  static constexpr int kSmemBytes = kQBytes + kScoreBytes + kStages * kStageBytes;
+  static constexpr int kMinBlocksPerSM = 1;
+
+  static_assert(sizeof(KV) == 2 && kSameType<KV, DT>, "MLA decode: a 16-bit latent cache of q's dtype");
+  static_assert(S::kNumKvHeads == 1, "MLA decode: one latent row per token");
+  static_assert(kChunks % 8 == 0, "swizzled latent rows: a multiple of 8 chunks (head_dim_qk % 64 == 0)");
+  static_assert(S::kHeadDimVO % (16 * kWarps) == 0, "each warp's output dims are whole pairs of n-tiles");
+  static_assert(S::kHeadDimVO < S::kHeadDimQK, "V is a proper prefix of the latent row");
+  static_assert(kSmemBytes <= kSmemMaxSm80, "MLA decode: the stages must fit one sm_80 block's shared memory");
+};
+
+// cp.async of the latent rows of keys [start, start + kTileKeys) into one stage (row r: key start + r),
+// swizzled; page ids from KvPages (fetched a tile ahead), a page id out of range sets `bad` and reads
+// page 0 (kv_row_in_page), rows at or past `end` zero-filled.
+template <class S>
+__device__ __forceinline__ void mla_load_tile(const Params& p, typename S::DTypeKV* stage, int start, int end,
+                                              const KvPages<S, MlaDecodeTraits<S>::kTileKeys,
+                                                            MlaDecodeTraits<S>::kThreads>& pages,
+                                              bool& bad) {
+  using T = MlaDecodeTraits<S>;
+  using Pages = KvPages<S, T::kTileKeys, T::kThreads>;
+  static_assert(Pages::kChunks == T::kChunks, "KvPages walks the same chunks");
+#pragma unroll
+  for (int j = 0; j < Pages::kIters; ++j) {
+    const int c = threadIdx.x + j * T::kThreads;
+    if (c < T::kTileKeys * T::kChunks) {
+      const int row = c / T::kChunks, chunk = c % T::kChunks;
+      const int kv_idx = start + row;
+      const bool in = kv_idx < end;
+      const auto* src = in ? kv_row_in_page<S>(p, pages.page[j], 0, kv_idx, 0, bad) + chunk * 8 : p.kv_cache;
+      cp_async_16(stage + row * T::kRowStride + (chunk ^ (row % 8)) * 8, src, in);
+    }
+  }
+}
+
+// The 16 query rows of tile (token, head0): q[q_row + token, head0 + i] for i < 16 (rows past the
+// group zero-filled) into shared memory, 16 bytes a copy.
+template <class S>
+__device__ __forceinline__ void mla_load_q(const Params& p, typename S::DTypeQ* sq, int q_row, int head0) {
+  using T = MlaDecodeTraits<S>;
+  const typename S::DTypeQ* base = p.q + q_row * p.q_stride_token;
+  for (int e = threadIdx.x; e < T::kRows * T::kChunks; e += T::kThreads) {
+    const int i = e / T::kChunks, c = e % T::kChunks;
+    const bool in = head0 + i < S::kNumQoHeads;
+    cp_async_16(sq + i * T::kQRowStride + c * 8, in ? base + (head0 + i) * S::kHeadDimQK + c * 8 : p.q, in);
+  }
+}
+
+// One tile of 16 query rows (query token q_row, its position qo_idx, heads head0 ..) over keys [lo, hi)
+// of sequence `batch`: the pipeline, then the output (num_splits == 1).
+template <class S>
+__device__ __forceinline__ void mla_decode_tile(const Params& p, uint8_t* smem, int batch, int q_row, int qo_idx,
+                                                int head0, int kv_len, int lo, int hi, bool bad) {
+  using T = MlaDecodeTraits<S>;
+  using DT = typename T::DT;
+  using KV = typename S::DTypeKV;
+  using MT = typename T::MT;
+  DT* sq = reinterpret_cast<DT*>(smem);
+  float* ss = reinterpret_cast<float*>(smem + T::kQBytes);
+  auto stage = [&](int s) { return reinterpret_cast<KV*>(smem + T::kQBytes + T::kScoreBytes + s * T::kStageBytes); };
+  using Pages = KvPages<S, T::kTileKeys, T::kThreads>;
+
+  // Prologue: Q with the first stage's group, kStages - 1 tiles in flight; page ids a tile ahead.
+  mla_load_q<S>(p, sq, q_row, head0);
+  Pages pages;
+#pragma unroll
+  for (int s = 0; s < T::kStages - 1; ++s) {
+    const int start = lo + s * T::kTileKeys;
+    pages.fetch(p, batch, start, hi);
+    if (start < hi) mla_load_tile<S>(p, stage(s), start, hi, pages, bad);
+    cp_async_commit();
+  }
+  pages.fetch(p, batch, lo + (T::kStages - 1) * T::kTileKeys, hi);
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, tig = lane % 4;
+  auto chunk_at = [&](int chunk) { return chunk ^ (lane % 8); };  // ldmatrix rows start at multiples of 8
+  float qk_scale[2];
+  qk_scale[0] = qk_scale[1] = q_prescale<S>() * p.k_scale;
+  float o[T::kWarpDTiles][4];
+  zero_fill(o);
+  SoftmaxState st[2] = {softmax_initial<S>(), softmax_initial<S>()};
+
+  int it = 0;
+  for (int start = lo; start < hi; start += T::kTileKeys, ++it) {
+    cp_async_wait<T::kStages - 2>();
+    __syncthreads();  // tile `it` (and Q) landed; every warp is done with the previous tile and its scores
+    {
+      const int next = start + (T::kStages - 1) * T::kTileKeys;
+      if (next < hi) mla_load_tile<S>(p, stage((it + T::kStages - 1) % T::kStages), next, hi, pages, bad);
+      cp_async_commit();
+      pages.fetch(p, batch, next + T::kTileKeys, hi);
+    }
+    const KV* sk = stage(it % T::kStages);
+    // S = Q K^T for this warp's 8 keys: one ldmatrix_x4 of K gives two k-steps' B fragments.
+    float s_own[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int kk = 0; kk < T::kKSteps; kk += 2) {
+      uint32_t b[4];
+      ldmatrix_x4(b, sk + (warp * T::kWarpKeys + lane % 8) * T::kRowStride + chunk_at(kk * 2 + lane / 8) * 8);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        uint32_t a[4];
+        ldmatrix_x4(a, sq + (lane % 16) * T::kQRowStride + (kk + h) * 16 + (lane / 16) * 8);
+        mma_16816<MT>(s_own, a, b[2 * h], b[2 * h + 1]);
+      }
+    }
+    *reinterpret_cast<float2*>(ss + g * T::kScoreStride + warp * 8 + 2 * tig) = make_float2(s_own[0], s_own[1]);
+    *reinterpret_cast<float2*>(ss + (g + 8) * T::kScoreStride + warp * 8 + 2 * tig) = make_float2(s_own[2], s_own[3]);
+    __syncthreads();
+    constexpr int kN = T::kTileKeys / 8;  // n-tiles of the whole tile, as every warp reads them
+    float s[kN][4];
+#pragma unroll
+    for (int n = 0; n < kN; ++n) {
+      const float2 top = *reinterpret_cast<const float2*>(ss + g * T::kScoreStride + n * 8 + 2 * tig);
+      const float2 bottom = *reinterpret_cast<const float2*>(ss + (g + 8) * T::kScoreStride + n * 8 + 2 * tig);
+      s[n][0] = top.x;
+      s[n][1] = top.y;
+      s[n][2] = bottom.x;
+      s[n][3] = bottom.y;
+    }
+    decode_mma_softmax_step<S, T>(p, s, st, o, qk_scale, batch, 0, qo_idx, kv_len, start, hi, g, tig, bad);
+#pragma unroll
+    for (int j = 0; j < kN / 2; ++j) {  // P of 16 keys as the A operand of one k-step
+      uint32_t a[4];
+      a[0] = pack2<MT>(s[2 * j][0], s[2 * j][1]);
+      a[1] = T::kRowHalves == 2 ? pack2<MT>(s[2 * j][2], s[2 * j][3]) : 0u;
+      a[2] = pack2<MT>(s[2 * j + 1][0], s[2 * j + 1][1]);
+      a[3] = T::kRowHalves == 2 ? pack2<MT>(s[2 * j + 1][2], s[2 * j + 1][3]) : 0u;
+#pragma unroll
+      for (int d2 = 0; d2 < T::kWarpDTiles / 2; ++d2) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, sk + (16 * j + lane % 8 + ((lane / 8) % 2) * 8) * T::kRowStride +
+                                 chunk_at(warp * T::kWarpDTiles + d2 * 2 + lane / 16) * 8);
+        if constexpr (T::kRowHalves == 1) {  // rows g + 8 are padding: their accumulators are scratch
+          o[2 * d2][2] = o[2 * d2][3] = o[2 * d2 + 1][2] = o[2 * d2 + 1][3] = 0.f;
+        }
+        mma_16816<MT>(o[2 * d2], a, b[0], b[1]);
+        mma_16816<MT>(o[2 * d2 + 1], a, b[2], b[3]);
+      }
+    }
+  }
+  cp_async_wait<0>();
+  // Any thread's bad metadata poisons every output of the tile; past this barrier no warp reads shared
+  // memory, so the next tile may load into it.
+  const float poison = __syncthreads_or(bad) ? quiet_nan() : 0.f;
+#pragma unroll
+  for (int r = 0; r < T::kRowHalves; ++r) {
+    const int head = head0 + g + 8 * r;
+    const float d = group_sum<4>(st[r].d);  // every lane of the quad holds the row's sum
+    if (head >= S::kNumQoHeads) continue;
+    float lse;
+    const float scale = finalize_state<S>(p, head, SoftmaxState{st[r].m, d}, lse) * p.v_scale;
+    const long long row = static_cast<long long>(q_row) * S::kNumQoHeads + head;
+    if (warp == 0 && tig == 0 && p.lse != nullptr) p.lse[row] = lse + poison;
+#pragma unroll
+    for (int dt = 0; dt < T::kWarpDTiles; ++dt) {
+      int dim;
+      float value[2];
+      decode_mma_out_pair<T>(o, warp * T::kWarpDTiles, dt, r, tig, dim, value);
+      store2<typename S::DTypeO>(p.o + row * S::kHeadDimVO + dim, value[0] * scale + poison,
+                                 value[1] * scale + poison);
+    }
+  }
+}
+
+// Grid (num_splits, row-tile slots, batch). Every query of a sequence is served here (speculative /
+// MTP decode brings several): query token t sits at position kv_len - q_len + t and sees the keys up
+// to it. A sequence whose metadata fails (more queries than keys, more keys than its block_table row
+// holds, a page id out of range) writes NaN; one whose rows lie outside q writes nothing.
+template <class S>
+__device__ __forceinline__ void mla_decode_kernel(const Params& p) {
+  using T = MlaDecodeTraits<S>;
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int split = blockIdx.x, batch = blockIdx.z;
+  const int q_row0 = p.query_start_loc[batch];
+  const int q_end = p.query_start_loc[batch + 1];
+  const int kv_len = p.seq_lens[batch];
+  if (q_row0 < 0 || q_end > p.total_q || q_end <= q_row0) return;
+  const int qo_len = q_end - q_row0;
+  const bool ok = sequence_ok<S>(p, qo_len, kv_len);
+  for (int tile = blockIdx.y; tile < qo_len * T::kHeadTiles; tile += gridDim.y) {
+    const int token = tile / T::kHeadTiles, head0 = (tile % T::kHeadTiles) * T::kRows;
+    const int qo_idx = kv_len - qo_len + token;
+    int kv_begin, kv_end, lo, hi;
+    const bool bad = visible_keys<S>(ok, qo_idx, qo_idx, kv_len, kv_begin, kv_end);
+    split_range<T::kTileKeys>(kv_begin, kv_end, split, p.num_splits, lo, hi);
+    mla_decode_tile<S>(p, smem, batch, q_row0 + token, qo_idx, head0, kv_len, lo, hi, bad);
+  }
+}
+
+}  // namespace jitattn
