@@ -4,7 +4,8 @@
   (``--spec``) need, for every target arch, into the cache. nvcc only: no GPU, no torch. A model
   also gets the ``merge_state`` utility module of its output dtype (:mod:`jitattn.merge_module`) and
   the ``append_kv`` module of its paged layers' K/V and cache dtypes (:mod:`jitattn.append_kv_module`);
-  a latent (MLA decode) spec compiles nothing yet: warmup names the backend that serves it;
+  a spec whose kernel waits for the GPU suite (a latent, MLA decode, spec; the padded head dims) or that its
+  kernel cannot serve (an FP8 latent cache) compiles nothing: warmup names the backend that serves it;
   ``--spec '{"kind":"merge_state","dtype":"bfloat16"}'`` names one directly.
 - ``jitattn cache ls | verify | prune | clear | export | import``: list the entries of every layer;
   check every checksum (quarantining corrupt entries); remove what no lookup uses; empty the

@@ -45,6 +45,10 @@ from jitattn.spec import AttentionSpec
 MODES = ("eager", "graph")
 
 _STRUCT_CODE = {"ptr": "Q", "i64": "q", "i32": "i", "f32": "f"}
+#: Query heads per tile of the MLA decode kernel (templates/mla_decode.cuh: the m16 of mma.sync), and the most
+#: query tokens per sequence whose tiles get blocks of their own (a latent grid's row-tile slots; the kernel
+#: loops over any more: speculative / MTP decode brings 1..8).
+LATENT_TILE_ROWS, LATENT_MAX_QUERY_SLOTS = 16, 8
 
 #: The ``Params`` fields a run writes (the per-layer tensors, their strides and sizes, the scales), in
 #: the order :meth:`SpecPlan.pack` gives their values; the variant's parameters follow.
@@ -439,8 +443,11 @@ class SpecPlan:
         fields = {k: _ptr(t) for k, t in md.items()}
         fields.update(batch_size=plan.batch, total_q=plan.total_q, num_splits=1, prefill_skip_decode_rows=0,
                       k_scale=1.0, v_scale=1.0)
-        tiles = math.ceil(plan.total_q * spec.group_size / g["prefill_block_m"]) + plan.batch
         self.decode = None
+        if spec.latent:  # a paged batch; the run checks q's head stride: the spec's
+            fields.update(block_table_stride=md["block_table"].stride(0), q_stride_head=spec.head_dim_qk)
+            return self._latent_fields(plan, g, fields)
+        tiles = math.ceil(plan.total_q * spec.group_size / g["prefill_block_m"]) + plan.batch
         self.prefill = (tiles, spec.num_kv_heads, 1), g["prefill_threads"], g["prefill_smem"]
         if plan.kind == "ragged":
             return fields
@@ -459,6 +466,17 @@ class SpecPlan:
         if splits > 1:
             fields.update(self._split_scratch(splits, shared_scratch))
         self.decode = (splits, spec.num_kv_heads, plan.batch), g["decode_threads"], g["decode_smem"]
+        return fields
+
+    def _latent_fields(self, plan: Plan, g: Mapping[str, int], fields: dict[str, Any]) -> dict[str, Any]:
+        """A latent spec's launch: the MLA decode kernel alone serves every row, in one split (its split-KV merge
+        is later work); grid ``(1, row-tile slots, batch)``. The kernel loops over a sequence's tiles (one per
+        query token and 16 heads) in steps of the slots, so the slots set the parallelism, not what is served:
+        up to :data:`LATENT_MAX_QUERY_SLOTS` queries' tiles per sequence (all of them below that)."""
+        queries = plan.max_query_len if plan.max_query_len is not None else plan.total_q  # graph mode: any may
+        slots = max(1, min(queries, LATENT_MAX_QUERY_SLOTS)) * -(-self.spec.num_qo_heads // LATENT_TILE_ROWS)
+        self.prefill = None
+        self.decode = (1, slots, plan.batch), g["decode_threads"], g["decode_smem"]
         return fields
 
     def _split_scratch(self, splits: int, shared: bool) -> dict[str, int]:
