@@ -57,6 +57,10 @@ struct MlaDecodeTraits {
   static constexpr int kStages = kQBytes + kScoreBytes + 3 * kStageBytes <= kSmemMaxSm80 ? 3 : 2;
   static constexpr int kSmemBytes = kQBytes + kScoreBytes + kStages * kStageBytes;
   static constexpr int kMinBlocksPerSM = 1;
+  // Split-KV (partial states merged by the last split block, merge_splits_last_block) where the tiles are whole
+  // groups of 16 heads, so that a tile's rows are consecutive rows of o: groups of 16, 32, 64, 128 (DeepSeek at
+  // TP 8 .. 1). Other groups run one split whatever num_splits says (jitattn/planning.py plans one).
+  static constexpr bool kSplitKV = S::kNumQoHeads % kRows == 0;
 
   static_assert(sizeof(KV) == 2 && kSameType<KV, DT>, "MLA decode: a 16-bit latent cache of q's dtype");
   static_assert(S::kNumKvHeads == 1, "MLA decode: one latent row per token");
@@ -103,11 +107,27 @@ __device__ __forceinline__ void mla_load_q(const Params& p, typename S::DTypeQ* 
   }
 }
 
-// One tile of 16 query rows (query token q_row, its position qo_idx, heads head0 ..) over keys [lo, hi)
-// of sequence `batch`: the pipeline, then the output (num_splits == 1).
+// merge_splits_last_block's view of a latent spec (MlaDecodeTraits::kSplitKV): each tile of 16 heads is a "KV
+// head" of a GQA group of 16, and each query row (not each sequence) a "sequence": the partial states are
+// (num_splits, total_q, heads, head_dim_vo), one counter per (query row, tile).
 template <class S>
-__device__ __forceinline__ void mla_decode_tile(const Params& p, uint8_t* smem, int batch, int q_row, int qo_idx,
-                                                int head0, int kv_len, int lo, int hi, bool bad) {
+struct MlaMergeSpec {
+  using DTypeO = typename S::DTypeO;
+  static constexpr int kGroupSize = MlaDecodeTraits<S>::kRows;
+  static constexpr int kNumQoHeads = S::kNumQoHeads;
+  static constexpr int kNumKvHeads = S::kNumQoHeads / kGroupSize;
+  static constexpr int kHeadDimVO = S::kHeadDimVO;
+  static constexpr bool kSoftmax = true;
+  static constexpr bool kHasSinks = false;
+  static constexpr bool kHasOutTransform = false;
+};
+
+// One tile of 16 query rows (query token q_row, its position qo_idx, heads head0 ..) over keys [lo, hi)
+// of sequence `batch`: the pipeline, then the output, or with num_splits > 1 this split's partial state
+// and, in the last split block of the tile, the merge.
+template <class S>
+__device__ __forceinline__ void mla_decode_tile(const Params& p, uint8_t* smem, int split, int batch, int q_row,
+                                                int qo_idx, int head0, int kv_len, int lo, int hi, bool bad) {
   using T = MlaDecodeTraits<S>;
   using DT = typename T::DT;
   using KV = typename S::DTypeKV;
@@ -201,22 +221,45 @@ __device__ __forceinline__ void mla_decode_tile(const Params& p, uint8_t* smem, 
   // Any thread's bad metadata poisons every output of the tile; past this barrier no warp reads shared
   // memory, so the next tile may load into it.
   const float poison = __syncthreads_or(bad) ? quiet_nan() : 0.f;
+  const bool split_kv = T::kSplitKV && p.num_splits > 1;
 #pragma unroll
   for (int r = 0; r < T::kRowHalves; ++r) {
     const int head = head0 + g + 8 * r;
     const float d = group_sum<4>(st[r].d);  // every lane of the quad holds the row's sum
     if (head >= S::kNumQoHeads) continue;
-    float lse;
-    const float scale = finalize_state<S>(p, head, SoftmaxState{st[r].m, d}, lse) * p.v_scale;
     const long long row = static_cast<long long>(q_row) * S::kNumQoHeads + head;
-    if (warp == 0 && tig == 0 && p.lse != nullptr) p.lse[row] = lse + poison;
+    float scale;
+    float* dst = nullptr;  // split-KV: this split's partial output row (float32), else o's row
+    if (!split_kv) {
+      float lse;
+      scale = finalize_state<S>(p, head, SoftmaxState{st[r].m, d}, lse) * p.v_scale;
+      if (warp == 0 && tig == 0 && p.lse != nullptr) p.lse[row] = lse + poison;
+    } else {  // normalised, base 2 (merge_splits_last_block's convention), rows of all splits total_q apart
+      const long long part = static_cast<long long>(split) * p.total_q * S::kNumQoHeads + row;
+      scale = d > 0.f ? p.v_scale / d : 0.f;
+      if (warp == 0 && tig == 0) p.partial_lse[part] = (d > 0.f ? st[r].m + __log2f(d) : kNegInf) + poison;
+      dst = p.partial_o + part * S::kHeadDimVO;
+    }
 #pragma unroll
     for (int dt = 0; dt < T::kWarpDTiles; ++dt) {
       int dim;
       float value[2];
       decode_mma_out_pair<T>(o, warp * T::kWarpDTiles, dt, r, tig, dim, value);
-      store2<typename S::DTypeO>(p.o + row * S::kHeadDimVO + dim, value[0] * scale + poison,
-                                 value[1] * scale + poison);
+      if (split_kv) {
+        *reinterpret_cast<float2*>(dst + dim) = make_float2(value[0] * scale + poison, value[1] * scale + poison);
+      } else {
+        store2<typename S::DTypeO>(p.o + row * S::kHeadDimVO + dim, value[0] * scale + poison,
+                                   value[1] * scale + poison);
+      }
+    }
+  }
+  if constexpr (T::kSplitKV) {
+    if (split_kv && p.split_counters != nullptr) {
+      Params merge = p;  // "sequences" are query rows here (MlaMergeSpec): total_q of them
+      merge.batch_size = p.total_q;
+      merge_splits_last_block<MlaMergeSpec<S>, T::kThreads>(merge, reinterpret_cast<float*>(smem), q_row,
+                                                            head0 / T::kRows, q_row, qo_idx);
+      __syncthreads();  // the merge scratch is read until here; the next tile loads into it
     }
   }
 }
@@ -230,6 +273,10 @@ __device__ __forceinline__ void mla_decode_kernel(const Params& p) {
   using T = MlaDecodeTraits<S>;
   extern __shared__ __align__(16) uint8_t smem[];
   const int split = blockIdx.x, batch = blockIdx.z;
+  // Without split-KV one split serves the tile (min, not the constant 1: with a constant key range nvcc
+  // hoisted the prologue's addresses and spilled ~440 bytes at 255 registers, sm_90a).
+  const int num_splits = T::kSplitKV ? p.num_splits : min(p.num_splits, 1);
+  if (split >= num_splits) return;
   const int q_row0 = p.query_start_loc[batch];
   const int q_end = p.query_start_loc[batch + 1];
   const int kv_len = p.seq_lens[batch];
@@ -241,8 +288,8 @@ __device__ __forceinline__ void mla_decode_kernel(const Params& p) {
     const int qo_idx = kv_len - qo_len + token;
     int kv_begin, kv_end, lo, hi;
     const bool bad = visible_keys<S>(ok, qo_idx, qo_idx, kv_len, kv_begin, kv_end);
-    split_range<T::kTileKeys>(kv_begin, kv_end, split, p.num_splits, lo, hi);
-    mla_decode_tile<S>(p, smem, batch, q_row0 + token, qo_idx, head0, kv_len, lo, hi, bad);
+    split_range<T::kTileKeys>(kv_begin, kv_end, split, num_splits, lo, hi);
+    mla_decode_tile<S>(p, smem, split, batch, q_row0 + token, qo_idx, head0, kv_len, lo, hi, bad);
   }
 }
 
