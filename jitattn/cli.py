@@ -293,9 +293,9 @@ def collect_targets(models: list[Path], spec_args: list[str], *, dtype: str | No
 
 
 def without_kernels(targets: list[Target], arch: str) -> tuple[list[Target], list[str]]:
-    """The targets that have a kernel to build or ship, and one line for each that has none (a latent
-    spec, a head dim not yet through the GPU suite: :func:`jitattn.doctor.no_kernel_note`) naming the
-    backend that serves it on ``arch``."""
+    """The targets that have a kernel to build or ship, and one line for each that has none (a kernel not yet
+    through the GPU suite, a head dim or the MLA decode; an FP8 latent cache: :func:`jitattn.doctor.no_kernel_note`)
+    naming the backend that serves it on ``arch``."""
     from jitattn.doctor import no_kernel_note
 
     kept, notes = [], []

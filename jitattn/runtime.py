@@ -20,7 +20,7 @@ decode kernel (split-KV when the batch cannot fill the GPU), the rest to the pre
 the same ``query_start_loc`` / ``seq_lens`` metadata; the two kernels write disjoint rows, so the
 decode kernel runs on a side stream forked from the caller's and joined back before the call
 returns. A ragged spec (``kv_storage="ragged"``) has only the prefill kernel, launched once for
-every row of the batch.
+every row of the batch; a latent (MLA) spec only its MLA decode kernel, likewise for every row.
 """
 
 from __future__ import annotations
@@ -560,7 +560,8 @@ def load_kernel(spec: AttentionSpec, device: torch.device | str | int | None = N
     """
     unverified = unverified_kernel_reason(spec)  # before any device, cache or compile work: plan / run land here
     if unverified:
-        fail(f"spec {spec.name}: {unverified}; jitattn.selector.select(spec, device).build() gives a backend that serves it")
+        fail(f"spec {spec.name}: {unverified}; jitattn.selector.select(spec, device).build() gives a backend that "
+             f"serves it")
     dev = device if isinstance(device, torch.device) and device.type == "cuda" and device.index is not None \
         else cuda_device(device)
     return _KERNELS.get((spec, dev.index), lambda: JitKernel(spec, dev))

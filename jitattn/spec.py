@@ -139,7 +139,8 @@ def latent_kernel_problem(spec: "AttentionSpec") -> str | None:
         value = getattr(spec, name)
         if value % LATENT_KERNEL_DIM_STEP:
             return (f"{name}={value}: the MLA decode kernel takes latent head dims that are multiples of "
-                    f"{LATENT_KERNEL_DIM_STEP} (576 / 512 for DeepSeek); the sdpa and reference backends serve this one")
+                    f"{LATENT_KERNEL_DIM_STEP} (576 / 512 for DeepSeek); the sdpa and reference backends serve "
+                    f"this one")
     return None
 
 
