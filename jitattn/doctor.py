@@ -9,8 +9,8 @@ It reports, without compiling anything and without needing torch or a GPU:
 - for each model (``--model``), each kernel it needs (its layer kinds' specs, per rank under
   ``--tensor-parallel-size``, the ``merge_state`` module of its output dtype and the ``append_kv``
   module of its paged kinds: :func:`model_modules`, what warm-up builds) and the archs it
-  is cached for. A spec jitattn builds no kernel for (a latent, MLA, spec its kernel cannot serve, an FP8
-  latent cache; a kernel that waits for the GPU suite: a head dim, the MLA decode) counts as served, with a
+  is cached for. A spec jitattn builds no kernel for (a latent, MLA, spec whose head dims its kernel does
+  not take; a kernel that waits for the GPU suite: a head dim, the MLA decode) counts as served, with a
   note naming the backend that serves it (:func:`no_kernel_note`).
 
 A node *can serve* a model when, for every kernel, the cache holds it for an arch the node runs:

@@ -555,7 +555,7 @@ def load_kernel(spec: AttentionSpec, device: torch.device | str | int | None = N
 
     Raises:
         ValueError: a kernel not yet through the GPU suite (a head dim, a latent spec's MLA decode kernel) or one
-            that cannot serve the spec (an FP8 latent cache): :func:`jitattn.spec.unverified_kernel_reason`, with the
+            that cannot serve the spec (latent head dims not multiples of 64): :func:`jitattn.spec.unverified_kernel_reason`, with the
             call that gives a backend serving it.
     """
     unverified = unverified_kernel_reason(spec)  # before any device, cache or compile work: plan / run land here

@@ -128,13 +128,10 @@ def decode_block_problem(head_dim: int, kv_dtype: str, group_size: int) -> str |
 
 def latent_kernel_problem(spec: "AttentionSpec") -> str | None:
     """Why the MLA decode kernel (templates/mla_decode.cuh) cannot serve the latent spec ``spec`` at all (the
-    sdpa and reference backends serve it), or None (it can, or ``spec`` is not latent): an FP8 cache, head dims
-    not multiples of :data:`LATENT_KERNEL_DIM_STEP`."""
+    sdpa and reference backends serve it), or None (it can, or ``spec`` is not latent): head dims not multiples
+    of :data:`LATENT_KERNEL_DIM_STEP`. (It reads 16-bit and FP8 e4m3 caches.)"""
     if not spec.latent:
         return None
-    if spec.kv_dtype == "float8_e4m3fn":
-        return ("kv_dtype='float8_e4m3fn': the MLA decode kernel reads a 16-bit latent cache of q's dtype only; an "
-                "FP8 latent cache is served by the sdpa and reference backends")
     for name in ("head_dim_qk", "head_dim_vo"):
         value = getattr(spec, name)
         if value % LATENT_KERNEL_DIM_STEP:
@@ -147,7 +144,7 @@ def latent_kernel_problem(spec: "AttentionSpec") -> str | None:
 def unverified_kernel_reason(spec: "AttentionSpec") -> str | None:
     """Why the jit backend does not serve ``spec`` (yet), or None: the kernels not yet through the GPU suite,
     each behind its switch (:func:`unverified_head_dim_reason`: ``JITATTN_UNVERIFIED_HEAD_DIMS``; a latent spec's
-    MLA decode kernel: ``JITATTN_UNVERIFIED_LATENT``), and what the MLA kernel cannot serve at all
+    MLA decode kernel: ``JITATTN_UNVERIFIED_LATENT``), and the latent head dims the MLA kernel does not take
     (:func:`latent_kernel_problem`).
 
     The jit backend's reason, load_kernel's refusal and warm-up's note all give this text.
@@ -253,8 +250,8 @@ class AttentionSpec:
     ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``, not ``head_dim_qk ** -0.5``); ``causal=True``
     and no window, soft-cap, ALiBi, sinks, variant or explicit positions. Any number of queries per
     sequence (speculative / MTP decode brings 1..8), at its last positions. Its module holds one kernel, the
-    MLA decode (templates/mla_decode.cuh: 16-bit caches, head dims multiples of 64), served by the jit backend
-    once it passes the GPU suite (:func:`unverified_kernel_reason`; meanwhile and for FP8 caches the ``sdpa`` and
+    MLA decode (templates/mla_decode.cuh: 16-bit and FP8 caches, head dims multiples of 64), served by the jit
+    backend once it passes the GPU suite (:func:`unverified_kernel_reason`; meanwhile the ``sdpa`` and
     ``reference`` backends serve it).
 
     Raises:

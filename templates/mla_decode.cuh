@@ -12,7 +12,10 @@
 // k-step: its A fragments would take 144 registers), the scores meet in shared memory, and every warp
 // runs the same online-softmax step on all of them (so the 4 warps' states are equal and need no
 // merge), then O += P V for its quarter of the output dims: a 16 x 512 fp32 accumulator is 256
-// registers per lane in one warp, 64 split over 4.
+// registers per lane in one warp, 64 split over 4. A tile's rows share one query position, so one causal
+// bound (decode_mma_softmax_step's single `hi`); a group below 16 heads with several queries per sequence
+// pads each of its tiles and reads the cache once per query (packing them is later work). An FP8 cache is
+// widened to q's dtype in shared memory once per tile (mla_widen_tile). Split-KV: MlaDecodeTraits::kSplitKV.
 // sm_80 and sm_90a run the same mma.sync code (a wgmma version for sm_90a is later work).
 #pragma once
 
@@ -32,15 +35,21 @@ template <class S>
 struct MlaDecodeTraits {
   using DT = typename S::DTypeQ;
   using KV = typename S::DTypeKV;
-  using MT = DT;  // mma operand type: the 16-bit cache is q's dtype
-  static constexpr bool kFp8 = false;  // (decode_mma_out_pair's fragment layout: the 16-bit one)
+  using MT = DT;  // mma operand type: q's dtype (an FP8 cache is widened to it)
+  // An FP8 (e4m3) cache: raw rows are staged and widened, exactly, to q's dtype in shared memory once per tile
+  // (mla_widen_tile), so the mma code and its fragments are the 16-bit ones (kFp8, which decode_mma_out_pair
+  // reads, stays false); k_scale folds into the logit scale and, as v_scale, into the output's.
+  static constexpr bool kFp8Cache = sizeof(KV) == 1;
+  static constexpr bool kFp8 = false;
   static constexpr int kRows = 16;     // query rows per tile: the m16 of mma.sync
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kHeadTiles = ceil_div(S::kNumQoHeads, kRows);  // tiles per query token
   // Fragment rows g + 8 are padding when the group has at most 8 heads (decode_mma_softmax_step skips them).
   static constexpr int kRowHalves = S::kNumQoHeads <= 8 ? 1 : 2;
-  static constexpr int kChunks = S::kHeadDimQK / 8;  // 16-byte chunks of a q row and of a latent row
+  static constexpr int kChunks = S::kHeadDimQK / 8;  // 16-byte chunks of a q row and of a 16-bit latent row
+  static constexpr int kKvChunks = S::kHeadDimQK * static_cast<int>(sizeof(KV)) / 16;  // of a cache row
+  static constexpr int kKvVec = 16 / static_cast<int>(sizeof(KV));                     // KV elements per chunk
   static constexpr int kKSteps = S::kHeadDimQK / 16;
   static constexpr int kWarpKeys = 8;                   // S = Q K^T: one n-tile of keys per warp
   static constexpr int kTileKeys = kWarps * kWarpKeys;  // keys per pipeline stage
@@ -54,15 +63,17 @@ struct MlaDecodeTraits {
   static constexpr int kScoreStride = kTileKeys + 8;  // floats; conflict-free float2 reads of the score rows
   static constexpr int kScoreBytes = kRows * kScoreStride * 4;
   static constexpr int kStageBytes = kTileKeys * kRowStride * static_cast<int>(sizeof(KV));
-  static constexpr int kStages = kQBytes + kScoreBytes + 3 * kStageBytes <= kSmemMaxSm80 ? 3 : 2;
-  static constexpr int kSmemBytes = kQBytes + kScoreBytes + kStages * kStageBytes;
+  static constexpr int kWideBytes = kFp8Cache ? kTileKeys * kRowStride * 2 : 0;  // the widened tile
+  static constexpr int kFixedBytes = kQBytes + kScoreBytes + kWideBytes;
+  static constexpr int kStages = kFixedBytes + 3 * kStageBytes <= kSmemMaxSm80 ? 3 : 2;
+  static constexpr int kSmemBytes = kFixedBytes + kStages * kStageBytes;
   static constexpr int kMinBlocksPerSM = 1;
   // Split-KV (partial states merged by the last split block, merge_splits_last_block) where the tiles are whole
   // groups of 16 heads, so that a tile's rows are consecutive rows of o: groups of 16, 32, 64, 128 (DeepSeek at
   // TP 8 .. 1). Other groups run one split whatever num_splits says (jitattn/planning.py plans one).
   static constexpr bool kSplitKV = S::kNumQoHeads % kRows == 0;
 
-  static_assert(sizeof(KV) == 2 && kSameType<KV, DT>, "MLA decode: a 16-bit latent cache of q's dtype");
+  static_assert(kSameType<KV, DT> || kSameType<KV, __nv_fp8_e4m3>, "MLA decode: a cache of q's dtype or FP8 e4m3");
   static_assert(S::kNumKvHeads == 1, "MLA decode: one latent row per token");
   static_assert(kChunks % 8 == 0, "swizzled latent rows: a multiple of 8 chunks (head_dim_qk % 64 == 0)");
   static_assert(S::kHeadDimVO % (16 * kWarps) == 0, "each warp's output dims are whole pairs of n-tiles");
@@ -71,8 +82,9 @@ struct MlaDecodeTraits {
 };
 
 // cp.async of the latent rows of keys [start, start + kTileKeys) into one stage (row r: key start + r),
-// swizzled; page ids from KvPages (fetched a tile ahead), a page id out of range sets `bad` and reads
-// page 0 (kv_row_in_page), rows at or past `end` zero-filled.
+// swizzled (16-bit rows; FP8 rows are staged as they are and swizzled when widened); page ids from KvPages
+// (fetched a tile ahead), a page id out of range sets `bad` and reads page 0 (kv_row_in_page), rows at or
+// past `end` zero-filled.
 template <class S>
 __device__ __forceinline__ void mla_load_tile(const Params& p, typename S::DTypeKV* stage, int start, int end,
                                               const KvPages<S, MlaDecodeTraits<S>::kTileKeys,
@@ -80,16 +92,39 @@ __device__ __forceinline__ void mla_load_tile(const Params& p, typename S::DType
                                               bool& bad) {
   using T = MlaDecodeTraits<S>;
   using Pages = KvPages<S, T::kTileKeys, T::kThreads>;
-  static_assert(Pages::kChunks == T::kChunks, "KvPages walks the same chunks");
+  static_assert(Pages::kChunks == T::kKvChunks, "KvPages walks the same chunks");
 #pragma unroll
   for (int j = 0; j < Pages::kIters; ++j) {
     const int c = threadIdx.x + j * T::kThreads;
-    if (c < T::kTileKeys * T::kChunks) {
-      const int row = c / T::kChunks, chunk = c % T::kChunks;
+    if (c < T::kTileKeys * T::kKvChunks) {
+      const int row = c / T::kKvChunks, chunk = c % T::kKvChunks;
       const int kv_idx = start + row;
       const bool in = kv_idx < end;
-      const auto* src = in ? kv_row_in_page<S>(p, pages.page[j], 0, kv_idx, 0, bad) + chunk * 8 : p.kv_cache;
-      cp_async_16(stage + row * T::kRowStride + (chunk ^ (row % 8)) * 8, src, in);
+      const auto* src = in ? kv_row_in_page<S>(p, pages.page[j], 0, kv_idx, 0, bad) + chunk * T::kKvVec : p.kv_cache;
+      const int dst = T::kFp8Cache ? chunk : chunk ^ (row % 8);
+      cp_async_16(stage + row * T::kRowStride + dst * T::kKvVec, src, in);
+    }
+  }
+}
+
+// FP8 cache: the staged raw rows of one tile widened to q's dtype (exact: every e4m3 value is a bf16 and an
+// f16), into the swizzled 16-bit tile the mma code reads; 16 raw values (one chunk) per step.
+template <class S>
+__device__ __forceinline__ void mla_widen_tile(const typename S::DTypeKV* raw, typename S::DTypeQ* wide) {
+  using T = MlaDecodeTraits<S>;
+  using DT = typename S::DTypeQ;
+  for (int e = threadIdx.x; e < T::kTileKeys * T::kKvChunks; e += T::kThreads) {
+    const int row = e / T::kKvChunks, c = e % T::kKvChunks;
+    float x[16];
+    unpack16<typename S::DTypeKV>(*reinterpret_cast<const uint4*>(raw + row * T::kRowStride + c * 16), x);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // 16-bit chunk 2c + half of the row
+      uint4 out;
+      out.x = pack2<DT>(x[8 * half], x[8 * half + 1]);
+      out.y = pack2<DT>(x[8 * half + 2], x[8 * half + 3]);
+      out.z = pack2<DT>(x[8 * half + 4], x[8 * half + 5]);
+      out.w = pack2<DT>(x[8 * half + 6], x[8 * half + 7]);
+      *reinterpret_cast<uint4*>(wide + row * T::kRowStride + ((2 * c + half) ^ (row % 8)) * 8) = out;
     }
   }
 }
@@ -134,7 +169,8 @@ __device__ __forceinline__ void mla_decode_tile(const Params& p, uint8_t* smem, 
   using MT = typename T::MT;
   DT* sq = reinterpret_cast<DT*>(smem);
   float* ss = reinterpret_cast<float*>(smem + T::kQBytes);
-  auto stage = [&](int s) { return reinterpret_cast<KV*>(smem + T::kQBytes + T::kScoreBytes + s * T::kStageBytes); };
+  DT* wide = reinterpret_cast<DT*>(smem + T::kQBytes + T::kScoreBytes);  // FP8 cache: the widened tile
+  auto stage = [&](int s) { return reinterpret_cast<KV*>(smem + T::kFixedBytes + s * T::kStageBytes); };
   using Pages = KvPages<S, T::kTileKeys, T::kThreads>;
 
   // Prologue: Q with the first stage's group, kStages - 1 tiles in flight; page ids a tile ahead.
@@ -168,7 +204,13 @@ __device__ __forceinline__ void mla_decode_tile(const Params& p, uint8_t* smem, 
       cp_async_commit();
       pages.fetch(p, batch, next + T::kTileKeys, hi);
     }
-    const KV* sk = stage(it % T::kStages);
+    if constexpr (T::kFp8Cache) {
+      mla_widen_tile<S>(stage(it % T::kStages), wide);
+      __syncthreads();  // the widened tile is whole (the barrier above: no warp still reads the previous one)
+    }
+    const DT* sk;
+    if constexpr (T::kFp8Cache) sk = wide;
+    else sk = stage(it % T::kStages);
     // S = Q K^T for this warp's 8 keys: one ldmatrix_x4 of K gives two k-steps' B fragments.
     float s_own[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll

@@ -1,7 +1,7 @@
 """Latent (MLA) decode on the GPU (``pytest -m gpu``) against the fp32 reference at the issue's shapes: the
-jit backend's MLA decode kernel (templates/mla_decode.cuh, bf16 / fp16 caches; the suite that lifts its gate,
+jit backend's MLA decode kernel (templates/mla_decode.cuh; the suite that lifts its gate,
 JITATTN_UNVERIFIED_LATENT, which every jit test here sets) and the sdpa backend, which serves latent specs
-while the gate is closed and FP8 caches always.
+while the gate is closed.
 
 Group sizes 1 / 16 / 64 / 128 (DeepSeek-V3 at TP 128 / 8 / 2 / 1), page sizes 1 / 16 / 64, bf16 and FP8
 (e4m3, per-tensor k_scale) caches, 1 and 4 queries per sequence (4: MTP / speculative decode, causal
@@ -77,15 +77,18 @@ def test_the_lse_of_a_latent_spec_comes_from_the_reference_backend(kv_dtype, see
 HEADS, PAGE_SIZES = (1, 16, 64, 128), (1, 16, 64)
 
 
-def jit_latent(heads: int, page_size: int, q_dtype: str = "bfloat16") -> AttentionSpec:
+KV_DTYPES = ("bfloat16", "float8_e4m3fn")
+
+
+def jit_latent(heads: int, page_size: int, q_dtype: str = "bfloat16", kv_dtype: str | None = None) -> AttentionSpec:
     return AttentionSpec(heads, 1, 576, 512, kv_storage="latent", page_size=page_size, q_dtype=q_dtype,
-                         sm_scale=SM_SCALE)
+                         kv_dtype=kv_dtype, sm_scale=SM_SCALE)
 
 
 @pytest.fixture(scope="module")
 def mla_compiled(session_cache_dir):
-    precompile([jit_latent(h, p) for h in HEADS for p in PAGE_SIZES] + [jit_latent(20, 16, "float16")],
-               session_cache_dir)
+    precompile([jit_latent(h, p, kv_dtype=kv) for h in HEADS for p in PAGE_SIZES for kv in KV_DTYPES] +
+               [jit_latent(20, 16, "float16"), jit_latent(20, 16, "float16", "float8_e4m3fn")], session_cache_dir)
 
 
 @pytest.fixture
@@ -94,7 +97,8 @@ def mla_gate_open(monkeypatch, mla_compiled, session_cache):
 
 
 def _check_against_reference(spec, batch, out, lse, record):
-    want, want_lse = reference.paged_attention(spec, *batch.args(), return_lse=True, compute_dtype=torch.float64)
+    want, want_lse = reference.paged_attention(spec, *batch.args(), return_lse=True, compute_dtype=torch.float64,
+                                               **batch.scales)
     err = relative_error(out, want)
     lse_err = (lse.double() - want_lse.double()).abs().max().item() if lse.numel() else 0.0
     record(rel_err=err, lse_max_abs_err=lse_err)
@@ -104,28 +108,32 @@ def _check_against_reference(spec, batch, out, lse, record):
 
 @pytest.mark.parametrize("shape", ["b1x32768", "b129"])
 @pytest.mark.parametrize("q_len", [1, 4])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("heads", HEADS)
-def test_jit_latent_decode_matches_the_reference(mla_gate_open, heads, page_size, q_len, shape, seed, record):
+def test_jit_latent_decode_matches_the_reference(mla_gate_open, heads, page_size, kv_dtype, q_len, shape, seed,
+                                                 record):
     """Every query of the batch through the MLA kernel (one launch), with the lse: splits for 1 x 32,768 (groups
-    of whole 16-head tiles), empty sequences and a sequence with keys but no query this step in the 129."""
-    spec = jit_latent(heads, page_size)
+    of whole 16-head tiles), empty sequences and a sequence with keys but no query this step in the 129; an FP8
+    cache with its k_scale."""
+    spec = jit_latent(heads, page_size, kv_dtype=kv_dtype)
     sel = select(spec, "cuda", need_lse=True)
     assert sel.name == "jit", sel.explain()
     batch = random_paged_batch(spec, *_lens(shape, q_len, seed), device="cuda", seed=seed)
     out = torch.full((batch.q.shape[0], heads, 512), NOT_WRITTEN, dtype=torch.bfloat16, device="cuda")
-    got, lse = sel.build()(*batch.args(), out=out, return_lse=True, max_query_len=q_len)
+    got, lse = sel.build()(*batch.args(), out=out, return_lse=True, max_query_len=q_len, **batch.scales)
     torch.cuda.synchronize()
     _check_against_reference(spec, batch, got, lse, record)
 
 
-def test_jit_latent_decode_without_a_query_length_hint_and_with_fp16(mla_gate_open, seed, record):
+@pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
+def test_jit_latent_decode_without_a_query_length_hint_and_with_fp16(mla_gate_open, kv_dtype, seed, record):
     """A group of 20 (two tiles, the second half padding: one split), fp16, mixed 1..8 queries per sequence,
     no max_query_len (graph-mode slots from total_q)."""
-    spec = jit_latent(20, 16, "float16")
+    spec = jit_latent(20, 16, "float16", kv_dtype)
     batch = random_paged_batch(spec, [1, 8, 3, 0, 5], [9, 4000, 3, 0, 70], device="cuda", seed=seed)
     out = torch.full((batch.q.shape[0], 20, 512), NOT_WRITTEN, dtype=torch.float16, device="cuda")
-    got, lse = jitattn.paged_attention(spec, *batch.args(), out=out, return_lse=True)
+    got, lse = jitattn.paged_attention(spec, *batch.args(), out=out, return_lse=True, **batch.scales)
     torch.cuda.synchronize()
     _check_against_reference(spec, batch, got, lse, record)
 

@@ -67,7 +67,8 @@ def test_the_mla_decode_kernel_compiles_through_the_cache_without_spills(compile
 
 
 SLOW_SPECS = {"h1-p1-f16": latent(1, 1, "float16"), "h128-p16": latent(128, 16), "h20-p64": latent(20, 64),
-              "h64-p1": latent(64, 1)}
+              "h64-p1": latent(64, 1), "h16-p64-fp8": latent(16, 64, kv_dtype="float8_e4m3fn"),
+              "h128-p1-f16-fp8": latent(128, 1, "float16", kv_dtype="float8_e4m3fn")}
 
 
 @pytest.fixture(scope="module")
@@ -97,9 +98,6 @@ def test_the_gate_decides_whether_jit_or_sdpa_serves_a_latent_spec():
 
 
 @pytest.mark.parametrize("kw, problem", [
-    (dict(kv_dtype="float8_e4m3fn"), "kv_dtype='float8_e4m3fn': the MLA decode kernel reads a 16-bit latent cache "
-                                     "of q's dtype only; an FP8 latent cache is served by the sdpa and reference "
-                                     "backends"),
     (dict(head_dim_qk=288, head_dim_vo=256), "head_dim_qk=288: the MLA decode kernel takes latent head dims that "
                                              "are multiples of 64 (576 / 512 for DeepSeek); the sdpa and reference "
                                              "backends serve this one"),
@@ -114,6 +112,15 @@ def test_what_the_kernel_cannot_serve_stays_with_sdpa_with_the_gate_open(kw, pro
         with pytest.raises(ValueError, match=re.escape(problem)):
             jitattn.load_kernel(spec, "cuda")
     assert latent_kernel_problem(AttentionSpec(16, 1, 128)) is None and latent_kernel_problem(latent()) is None
+    assert latent_kernel_problem(latent(kv_dtype="float8_e4m3fn")) is None
+
+
+def test_the_jit_backend_serves_an_fp8_latent_cache_with_the_gate_open():
+    spec = latent(16, 64, kv_dtype="float8_e4m3fn")
+    with settings.scope(JITATTN_UNVERIFIED_LATENT="1"):
+        assert select(spec, "h200").name == "jit" and select(spec, "a100", need_lse=True).name == "jit"
+    text = render(spec).text
+    assert "using DTypeKV = __nv_fp8_e4m3;" in text and "mla_decode_kernel" in text
 
 
 # ---- plan / run -----------------------------------------------------------------------------------------
@@ -123,6 +130,17 @@ def _launch(spec, q_lens, kv_lens, **kw):
     result = kernel.paged_attention(*batch.args(), **kw)
     (launch,) = module.launches
     return kernel, batch, result, launch
+
+
+def test_an_fp8_latent_cache_takes_its_k_scale_as_both_scales():
+    spec = latent(16, 64, kv_dtype="float8_e4m3fn")
+    kernel, module = fake_kernel(spec)
+    batch = random_paged_batch(spec, [1, 2], [100, 50], device="cpu", seed=1)
+    kernel.paged_attention(*batch.args(), k_scale=0.25)
+    (launch,) = module.launches
+    assert (launch["fields"]["k_scale"], launch["fields"]["v_scale"]) == (0.25, 0.25)
+    with pytest.raises(ValueError, match=r"v_scale=0.5: a latent cache has one scale, k_scale"):
+        kernel.paged_attention(*batch.args(), k_scale=0.25, v_scale=0.5)
 
 
 def test_one_launch_of_the_mla_kernel_serves_every_row_of_a_mixed_batch():

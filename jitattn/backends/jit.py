@@ -3,8 +3,8 @@
 Serves every spec feature (soft-cap, windows, sinks, ALiBi, every variant hook, GQA of any group
 size, head dims 8..256 in steps of 8 (all but the multiples of 16 from 32 behind JITATTN_UNVERIFIED_HEAD_DIMS:
 :func:`jitattn.spec.unverified_head_dim_reason`), NHD/HND, any page size, every KV dtype the spec takes, ragged
-K/V with head_dim_qk != head_dim_vo, latent MLA decode over a 16-bit cache behind JITATTN_UNVERIFIED_LATENT:
-:func:`jitattn.spec.unverified_kernel_reason`; FP8 latent caches are left to sdpa / reference) on
+K/V with head_dim_qk != head_dim_vo, latent MLA decode (16-bit or FP8 caches) behind JITATTN_UNVERIFIED_LATENT:
+:func:`jitattn.spec.unverified_kernel_reason`) on
 CUDA devices whose compute capability runs one of the archs jitattn builds (:func:`jitattn.build.archs_for_capability`:
 today 8.0 and newer). Launches are CUDA-graph capturable and return the lse.
 

@@ -5,8 +5,8 @@ random latent cache ``(num_pages, page_size, 576)``: each token's row is ``c_kv`
 (64), one row shared by every query head; V is the row's first 512 values. Its rows, side by side:
 
 - ``jitattn``: ``jitattn.plan`` once, ``jitattn.run`` timed (:func:`jitattn.bench.host.plan_run_call`): the MLA
-  decode kernel (templates/mla_decode.cuh). Where the jit backend does not serve the spec (an FP8 cache; the
-  kernel's GPU-suite gate, ``JITATTN_UNVERIFIED_LATENT``, off) the row is "skipped" with
+  decode kernel (templates/mla_decode.cuh). Where the jit backend does not serve the spec (the kernel's
+  GPU-suite gate, ``JITATTN_UNVERIFIED_LATENT``, off) the row is "skipped" with
   :func:`jitattn.spec.unverified_kernel_reason`'s text.
 - ``sdpa``: :mod:`jitattn.backends`' sdpa backend on the paged batch, what ``jitattn.select`` serves
   today. The timed call includes the gather: per sequence, its latent rows are copied out of the pages,
@@ -81,8 +81,8 @@ def jitattn_latent_runner(case: BenchCase, batch: PagedBatch) -> Runner:
     """``jitattn.plan`` once and ``jitattn.run`` timed, as for any spec.
 
     Raises:
-        Skip: the jit backend does not serve the spec (:func:`jitattn.spec.unverified_kernel_reason`: an FP8
-            latent cache, or the MLA kernel's gate off), with that reason.
+        Skip: the jit backend does not serve the spec (:func:`jitattn.spec.unverified_kernel_reason`: the MLA
+            kernel's gate off, or head dims it does not take), with that reason.
     """
     why = unverified_kernel_reason(case.spec)
     if why:
