@@ -212,7 +212,9 @@ __device__ __forceinline__ void mla_decode_tile(const Params& p, uint8_t* smem, 
     if constexpr (T::kFp8Cache) sk = wide;
     else sk = stage(it % T::kStages);
     // S = Q K^T for this warp's 8 keys: one ldmatrix_x4 of K gives two k-steps' B fragments.
-    float s_own[4] = {0.f, 0.f, 0.f, 0.f};
+    // Two accumulators, one per k-step of a K load: two chains of kKSteps / 2 dependent mma instead of one.
+    float s_acc[2][4];
+    zero_fill(s_acc);
 #pragma unroll
     for (int kk = 0; kk < T::kKSteps; kk += 2) {
       uint32_t b[4];
@@ -221,9 +223,12 @@ __device__ __forceinline__ void mla_decode_tile(const Params& p, uint8_t* smem, 
       for (int h = 0; h < 2; ++h) {
         uint32_t a[4];
         ldmatrix_x4(a, sq + (lane % 16) * T::kQRowStride + (kk + h) * 16 + (lane / 16) * 8);
-        mma_16816<MT>(s_own, a, b[2 * h], b[2 * h + 1]);
+        mma_16816<MT>(s_acc[h], a, b[2 * h], b[2 * h + 1]);
       }
     }
+    float s_own[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s_own[i] = s_acc[0][i] + s_acc[1][i];
     *reinterpret_cast<float2*>(ss + g * T::kScoreStride + warp * 8 + 2 * tig) = make_float2(s_own[0], s_own[1]);
     *reinterpret_cast<float2*>(ss + (g + 8) * T::kScoreStride + warp * 8 + 2 * tig) = make_float2(s_own[2], s_own[3]);
     __syncthreads();
