@@ -178,3 +178,26 @@ def test_the_plan_refuses_a_latent_spec_while_the_gate_is_off():
     with settings.scope(JITATTN_UNVERIFIED_LATENT=None), pytest.raises(ValueError, match=re.escape(GATE_OFF)):
         jitattn.plan(spec, batch.block_table, batch.seq_lens, batch.query_start_loc)
     assert torch.is_tensor(batch.q)
+
+
+# ---- warmup ---------------------------------------------------------------------------------------------
+def test_warmup_builds_the_latent_decode_once_the_gate_is_open(tmp_path):
+    """The refusing nvcc shows the attempts: with JITATTN_UNVERIFIED_LATENT=1 the latent decode spec is built
+    beside the prefill spec and merge_state (and no note says another backend serves it)."""
+    from jitattn.doctor import no_kernel_note
+    from jitattn.models import load_model_config
+    from tests.test_cache import compile_calls, fake_nvcc
+    from tests.test_cli import jitattn as run_cli
+    from tests.test_mla import DEEPSEEK_V3
+
+    nvcc, log = fake_nvcc(tmp_path, "no-compile")
+    proc = run_cli("warmup", "--model", str(DEEPSEEK_V3), "--arch", "sm_90a", "--tensor-parallel-size", "8",
+                   cache=tmp_path / "c", env={"JITATTN_NVCC": str(nvcc), "JITATTN_UNVERIFIED_LATENT": "1"})
+    decode = load_model_config(DEEPSEEK_V3, tensor_parallel_size=8).layer_kinds[0].spec
+    assert decode.latent and proc.returncode == 1
+    assert f"FAILED {decode.name} sm_90a" in proc.stderr and "not compiled" not in proc.stdout
+    assert len(compile_calls(log)) == 3
+    with settings.scope(JITATTN_UNVERIFIED_LATENT="1"):
+        assert no_kernel_note(decode, "sm_90a") is None
+    with settings.scope(JITATTN_UNVERIFIED_LATENT=None):
+        assert no_kernel_note(decode, "sm_90a").startswith(f"not built: {GATE_OFF}; served by the sdpa backend")
