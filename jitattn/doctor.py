@@ -9,9 +9,9 @@ It reports, without compiling anything and without needing torch or a GPU:
 - for each model (``--model``), each kernel it needs (its layer kinds' specs, per rank under
   ``--tensor-parallel-size``, the ``merge_state`` module of its output dtype and the ``append_kv``
   module of its paged kinds: :func:`model_modules`, what warm-up builds) and the archs it
-  is cached for. A spec jitattn compiles no kernel for (a latent, MLA, spec; a head dim whose kernels
-  wait for the GPU suite) counts as served, with a note naming the backend that serves it
-  (:func:`no_kernel_note`).
+  is cached for. A spec jitattn builds no kernel for (a latent, MLA, spec whose head dims its kernel does
+  not take; a kernel that waits for the GPU suite: a head dim, the MLA decode) counts as served, with a
+  note naming the backend that serves it (:func:`no_kernel_note`).
 
 A node *can serve* a model when, for every kernel, the cache holds it for an arch the node runs:
 with GPUs, for each GPU any arch of :func:`jitattn.archs.archs_for_capability` (the runtime takes the
@@ -38,7 +38,7 @@ from jitattn.commands import models_warmup_command
 from jitattn.append_kv_module import AppendKvModule
 from jitattn.merge_module import MergeModule
 from jitattn.models import ModelAttention, load_model_config
-from jitattn.spec import AttentionSpec
+from jitattn.spec import AttentionSpec, latent_kernel_problem, unverified_kernel_reason
 
 
 @dataclass(frozen=True)
@@ -221,12 +221,15 @@ def cache_layers(cache: KernelCache) -> tuple[Layer, ...]:
 
 
 def no_kernel_note(module: Any, arch: str) -> str | None:
-    """Why ``module`` has no kernel to build, cache or ship (a latent spec: :data:`jitattn.spec.LATENT_NO_KERNEL`),
-    naming the backend the selector picks for it on ``arch`` (and that it needs torch, when this
-    machine has none: those backends are torch's); None for a module that compiles."""
+    """Why ``module`` has no kernel to build, cache or ship (a latent spec the MLA kernel cannot serve:
+    :func:`jitattn.spec.latent_kernel_problem`; the MLA decode kernel not yet through the GPU suite:
+    :func:`jitattn.spec.unverified_kernel_reason`), naming the backend the selector picks for it on
+    ``arch`` (and that it needs torch, when this machine has none: those backends are torch's); None for a
+    module that compiles."""
     if not isinstance(module, AttentionSpec):
         return None
-    if not module.latent:
+    unverified = unverified_kernel_reason(module)
+    if not unverified:
         return None
     from jitattn import selector
 
@@ -238,7 +241,9 @@ def no_kernel_note(module: Any, arch: str) -> str | None:
         why = dict.fromkeys(r for rej in getattr(err, "rejections", ()) for r in rej.reasons)  # the lines below
         served = f"no backend serves it on {arch}: {str(err).splitlines()[0].rstrip(':')}"
         served += f": {'; '.join(why)}" if why else ""
-    return f"no kernel to build: no latent-attention (MLA) kernel yet (kv_storage='latent'); {served}"
+    if latent_kernel_problem(module):
+        return f"no kernel to build: {unverified}; {served}"
+    return f"not built: {unverified}; {served}"
 
 
 def model_modules(model: ModelAttention) -> list[tuple[Any, str]]:

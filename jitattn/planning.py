@@ -45,6 +45,10 @@ from jitattn.spec import AttentionSpec
 MODES = ("eager", "graph")
 
 _STRUCT_CODE = {"ptr": "Q", "i64": "q", "i32": "i", "f32": "f"}
+#: Query heads per tile of the MLA decode kernel (templates/mla_decode.cuh: the m16 of mma.sync), and the most
+#: query tokens per sequence whose tiles get blocks of their own (a latent grid's row-tile slots; the kernel
+#: loops over any more: speculative / MTP decode brings 1..8).
+LATENT_TILE_ROWS, LATENT_MAX_QUERY_SLOTS = 16, 8
 
 #: The ``Params`` fields a run writes (the per-layer tensors, their strides and sizes, the scales), in
 #: the order :meth:`SpecPlan.pack` gives their values; the variant's parameters follow.
@@ -439,8 +443,11 @@ class SpecPlan:
         fields = {k: _ptr(t) for k, t in md.items()}
         fields.update(batch_size=plan.batch, total_q=plan.total_q, num_splits=1, prefill_skip_decode_rows=0,
                       k_scale=1.0, v_scale=1.0)
-        tiles = math.ceil(plan.total_q * spec.group_size / g["prefill_block_m"]) + plan.batch
         self.decode = None
+        if spec.latent:  # a paged batch; the run checks q's head stride: the spec's
+            fields.update(block_table_stride=md["block_table"].stride(0), q_stride_head=spec.head_dim_qk)
+            return self._latent_fields(plan, g, fields, shared_scratch)
+        tiles = math.ceil(plan.total_q * spec.group_size / g["prefill_block_m"]) + plan.batch
         self.prefill = (tiles, spec.num_kv_heads, 1), g["prefill_threads"], g["prefill_smem"]
         if plan.kind == "ragged":
             return fields
@@ -461,18 +468,43 @@ class SpecPlan:
         self.decode = (splits, spec.num_kv_heads, plan.batch), g["decode_threads"], g["decode_smem"]
         return fields
 
-    def _split_scratch(self, splits: int, shared: bool) -> dict[str, int]:
+    def _latent_fields(self, plan: Plan, g: Mapping[str, int], fields: dict[str, Any], shared_scratch: bool
+                       ) -> dict[str, Any]:
+        """A latent spec's launch: the MLA decode kernel alone serves every row; grid ``(splits, row-tile slots,
+        batch)``. The kernel loops over a sequence's tiles (one per query token and 16 heads) in steps of the
+        slots, so the slots set the parallelism, not what is served: up to :data:`LATENT_MAX_QUERY_SLOTS`
+        queries' tiles per sequence (all of them below that). Split-KV (the wave rule, :meth:`JitKernel.num_splits`
+        over blocks x slots) for groups that are whole tiles; its partial states are per query row, and one
+        counter per (query row, tile) lets the last split merge (templates/mla_decode.cuh, MlaMergeSpec)."""
+        spec, kernel = self.spec, self.kernel
+        queries = plan.max_query_len if plan.max_query_len is not None else plan.total_q  # graph mode: any may
+        tiles = -(-spec.num_qo_heads // LATENT_TILE_ROWS)
+        slots = max(1, min(queries, LATENT_MAX_QUERY_SLOTS)) * tiles
+        splits = 1
+        if spec.num_qo_heads % LATENT_TILE_ROWS == 0:  # the kernel's kSplitKV
+            splits = kernel.num_splits(plan.batch * slots, kernel.max_decode_keys(plan.max_pages_per_seq))
+        fields["num_splits"] = splits
+        if splits > 1:
+            fields.update(self._split_scratch(splits, shared_scratch, rows=plan.total_q, pairs=plan.total_q * tiles))
+        self.prefill = None
+        self.decode = (splits, slots, plan.batch), g["decode_threads"], g["decode_smem"]
+        return fields
+
+    def _split_scratch(self, splits: int, shared: bool, rows: int | None = None, pairs: int | None = None
+                       ) -> dict[str, int]:
         """Partial outputs and lse of the split-KV decode (one float32 buffer) and the fused merge's counters.
 
         The counters start zeroed; the decode kernel's last split of each (sequence, kv head) merges
         and resets its counter, so they are zero again after every launch. ``shared``: the kernel's
-        per-stream counters (the one-call path, which plans per call).
+        per-stream counters (the one-call path, which plans per call). ``rows`` (default: the batch's
+        sequences) get a partial state per split and head, ``pairs`` (default: sequences x kv heads) a counter.
         """
         spec, plan = self.spec, self.plan
-        n_o = splits * plan.batch * spec.num_qo_heads * spec.head_dim_vo
-        self.partial = torch.empty(n_o + splits * plan.batch * spec.num_qo_heads, dtype=torch.float32,
+        rows = plan.batch if rows is None else rows
+        n_o = splits * rows * spec.num_qo_heads * spec.head_dim_vo
+        self.partial = torch.empty(n_o + splits * rows * spec.num_qo_heads, dtype=torch.float32,
                                    device=plan.device)
-        pairs = plan.batch * spec.num_kv_heads
+        pairs = plan.batch * spec.num_kv_heads if pairs is None else pairs
         if shared:
             self.counters = self.kernel.split_counters(pairs)
         else:

@@ -19,7 +19,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable
 
-from jitattn.spec import LATENT_NO_KERNEL, AttentionSpec
+from jitattn.spec import AttentionSpec
 from jitattn.variant import builtin_symbols, builtin_transforms, structural_mask, trace_hook
 
 TEMPLATE_NAME = "attention.cu.j2"
@@ -267,17 +267,15 @@ FUNCTOR_NAMES = ("soft_cap", "alibi", "logits_transform", "logits_mask", "struct
 
 
 def render(spec: AttentionSpec) -> RenderedSource:
-    """Render the CUDA source of one spec (decode and prefill kernels in one module).
+    """Render the CUDA source of one spec (decode and prefill kernels in one module; a latent (MLA) spec's
+    module holds its decode kernel only, templates/mla_decode.cuh).
 
     The attention kind's renderer; :func:`jitattn.modules.render` renders a module of any kind.
 
     Raises:
-        ValueError: a latent (MLA) spec, which has no template yet (:data:`jitattn.spec.LATENT_NO_KERNEL`).
         FileNotFoundError: the templates are missing.
         jinja2.TemplateError: a broken template (a bug in jitattn, not in the spec).
     """
-    if spec.latent:  # the attention template reads a K/V cache; rendering it would build a wrong kernel
-        raise ValueError(f"{spec.name}: kv_storage='latent': {LATENT_NO_KERNEL}")
     fields = params_fields(spec)
     _, size = params_layout(fields)
     context = {"spec": spec, "fields": fields, "params_size": size, "names": KERNEL_NAMES, **functors(spec)}

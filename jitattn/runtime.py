@@ -20,7 +20,7 @@ decode kernel (split-KV when the batch cannot fill the GPU), the rest to the pre
 the same ``query_start_loc`` / ``seq_lens`` metadata; the two kernels write disjoint rows, so the
 decode kernel runs on a side stream forked from the caller's and joined back before the call
 returns. A ragged spec (``kv_storage="ragged"``) has only the prefill kernel, launched once for
-every row of the batch.
+every row of the batch; a latent (MLA) spec only its MLA decode kernel, likewise for every row.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from jitattn.dtypes import default_alibi_slopes
 from jitattn.planning import (ParamsLayout, Plan, SpecPlan, capturing, make_paged_plan,  # noqa: F401
                               make_ragged_plan, params_packer)
 from jitattn.render import KERNEL_NAMES
-from jitattn.spec import LATENT_NO_KERNEL, AttentionSpec
+from jitattn.spec import AttentionSpec, unverified_kernel_reason
 
 _GEOMETRY = ("decode_threads", "decode_smem", "decode_tile_keys", "prefill_threads", "prefill_smem",
              "prefill_block_m", "prefill_block_n", "params_size")
@@ -205,8 +205,9 @@ class JitKernel:
     def __init__(self, spec: AttentionSpec, device: torch.device | str | int | None = None):
         device = cuda_device(device)
         self.entry = select_entry(spec, torch.cuda.get_device_capability(device))
-        # A ragged spec's module holds only the prefill kernel (attention.cu.j2 builds no decode for it).
-        wanted = ("decode", "prefill") if spec.has_decode else ("prefill",)
+        # A ragged spec's module holds only the prefill kernel (attention.cu.j2 builds no decode for it), a latent
+        # spec's only its MLA decode kernel.
+        wanted = ("decode", "prefill") if spec.has_decode else ("decode",) if spec.latent else ("prefill",)
         kernels = {k: v for k, v in KERNEL_NAMES.items() if k in wanted}
         module = CubinModule(str(self.entry.cubin), device.index, kernels,
                              sha256=self.entry.manifest["artifacts"].get(self.entry.cubin.name))
@@ -222,7 +223,7 @@ class JitKernel:
                 module.set_max_dynamic_smem(name, smem)
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         per_sm = module.blocks_per_sm("decode", geometry["decode_threads"], geometry["decode_smem"]) \
-            if spec.has_decode else 0
+            if "decode" in kernels else 0
         self._setup(spec, device, module, geometry, num_sms, per_sm, _stream_handle(device))
 
     @classmethod
@@ -553,12 +554,14 @@ def load_kernel(spec: AttentionSpec, device: torch.device | str | int | None = N
     Threads loading different kernels do not wait for each other (:class:`LoadedOnce`).
 
     Raises:
-        ValueError: a latent (MLA) spec (no kernel yet; the message names the backend that serves it).
+        ValueError: a kernel not yet through the GPU suite (a latent spec's MLA decode kernel) or one
+            that cannot serve the spec (latent head dims not multiples of 64): :func:`jitattn.spec.unverified_kernel_reason`, with the
+            call that gives a backend serving it.
     """
-    if spec.latent:  # before any device, cache or compile work: plan / run / paged_attention land here
-        fail(f"spec {spec.name}: kv_storage='latent' (multi-head latent attention, MLA decode): {LATENT_NO_KERNEL}, so "
-             f"its kernel calls (load_kernel, plan, paged_attention, ragged_attention) cannot run it; jitattn.selector.select(spec, device).build() gives the "
-             f"backend that serves it (sdpa; reference with return_lse)")
+    unverified = unverified_kernel_reason(spec)  # before any device, cache or compile work: plan / run land here
+    if unverified:
+        fail(f"spec {spec.name}: {unverified}; jitattn.selector.select(spec, device).build() gives a backend that "
+             f"serves it")
     dev = device if isinstance(device, torch.device) and device.type == "cuda" and device.index is not None \
         else cuda_device(device)
     return _KERNELS.get((spec, dev.index), lambda: JitKernel(spec, dev))

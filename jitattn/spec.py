@@ -27,6 +27,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from jitattn import settings
 from jitattn.constants import template_constant
 from jitattn.variant import Variant
 
@@ -53,9 +54,9 @@ SM_SCALE_RANGE = (1.1754943508222875e-38, 3.4028234663852886e38)
 #: Latent (MLA) specs: head dims multiples of 16 up to this (DeepSeek-V2/V3, Kimi-K2: 576 / 512), at most
 #: this many query heads (the whole group shares the one latent row: 128 at TP 1 for DeepSeek-V3).
 LATENT_HEAD_DIM_MAX, LATENT_MAX_QO_HEADS = 1024, 128
-#: Why no kernel is built for a latent spec yet: the jit backend's reason, the runtime's refusal, warmup's note.
-LATENT_NO_KERNEL = ("no latent-attention (MLA decode) kernel yet: jitattn compiles nothing for kv_storage='latent'; "
-                    "the torch backends serve it (sdpa, reference)")
+#: The MLA decode kernel (templates/mla_decode.cuh) takes latent head dims that are multiples of this (each warp's
+#: quarter of the output dims is whole pairs of n-tiles, the latent rows whole groups of 8 swizzled chunks).
+LATENT_KERNEL_DIM_STEP = 64
 
 _DTYPE_ALIASES = {
     "float16": "float16", "fp16": "float16", "half": "float16", "torch.float16": "float16",
@@ -120,6 +121,37 @@ def decode_block_problem(head_dim: int, kv_dtype: str, group_size: int) -> str |
     if bdz * slots * (head_dim + 2) + slots < group_size * (max_splits + 2) + 1:
         return "needs more split-KV merge scratch than its decode block has"
     return None
+
+
+def latent_kernel_problem(spec: "AttentionSpec") -> str | None:
+    """Why the MLA decode kernel (templates/mla_decode.cuh) cannot serve the latent spec ``spec`` at all (the
+    sdpa and reference backends serve it), or None (it can, or ``spec`` is not latent): head dims not multiples
+    of :data:`LATENT_KERNEL_DIM_STEP`. (It reads 16-bit and FP8 e4m3 caches.)"""
+    if not spec.latent:
+        return None
+    for name in ("head_dim_qk", "head_dim_vo"):
+        value = getattr(spec, name)
+        if value % LATENT_KERNEL_DIM_STEP:
+            return (f"{name}={value}: the MLA decode kernel takes latent head dims that are multiples of "
+                    f"{LATENT_KERNEL_DIM_STEP} (576 / 512 for DeepSeek); the sdpa and reference backends serve "
+                    f"this one")
+    return None
+
+
+def unverified_kernel_reason(spec: "AttentionSpec") -> str | None:
+    """Why the jit backend does not serve ``spec`` (yet), or None: a latent spec's MLA decode kernel, not yet
+    through the GPU suite, behind ``JITATTN_UNVERIFIED_LATENT``, and the latent head dims the MLA kernel does
+    not take (:func:`latent_kernel_problem`); None for every other spec.
+
+    The jit backend's reason, load_kernel's refusal and warm-up's note all give this text.
+    """
+    if not spec.latent:
+        return None
+    problem = latent_kernel_problem(spec)
+    if problem or settings.unverified_latent():
+        return problem
+    return ("kv_storage='latent': its MLA decode kernel compiles but has not passed the GPU suite yet; "
+            "JITATTN_UNVERIFIED_LATENT=1 uses it")
 
 
 def _check_float(field: str, value: Any, *, positive: bool, allow_zero: bool = False) -> float:
@@ -196,8 +228,10 @@ class AttentionSpec:
     dequantises V too: ``v_scale`` stays 1.0); ``sm_scale`` given explicitly (MLA's is
     ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``, not ``head_dim_qk ** -0.5``); ``causal=True``
     and no window, soft-cap, ALiBi, sinks, variant or explicit positions. Any number of queries per
-    sequence (speculative / MTP decode brings 1..8), at its last positions. jitattn builds no kernel
-    for it yet (:data:`LATENT_NO_KERNEL`): the ``sdpa`` and ``reference`` backends serve it.
+    sequence (speculative / MTP decode brings 1..8), at its last positions. Its module holds one kernel, the
+    MLA decode (templates/mla_decode.cuh: 16-bit and FP8 caches, head dims multiples of 64), served by the jit
+    backend once it passes the GPU suite (:func:`unverified_kernel_reason`; meanwhile the ``sdpa`` and
+    ``reference`` backends serve it).
 
     Raises:
         ValueError: at construction, naming the field, the value and what is allowed.
@@ -356,13 +390,14 @@ class AttentionSpec:
 
     @property
     def latent(self) -> bool:
-        """True for the latent (MLA) cache (``kv_storage == "latent"``): no jit kernel yet, served by torch."""
+        """True for the latent (MLA) cache (``kv_storage == "latent"``): its module holds the MLA decode kernel."""
         return self.kv_storage == "latent"
 
     @property
     def has_decode(self) -> bool:
-        """Whether the spec's module holds the decode kernel: not for ragged K/V nor explicit query
-        positions (their prefill kernel serves every row), nor latent specs (no module is built)."""
+        """Whether the spec's module holds the paged decode kernel (and a prefill kernel): not for ragged K/V nor
+        explicit query positions (their prefill kernel serves every row), nor latent specs (their module holds the
+        MLA decode kernel alone, which serves every row)."""
         return self.kv_storage == "paged" and not self.explicit_positions
 
     @property

@@ -1,11 +1,12 @@
-"""Latent (MLA) decode on the GPU (``pytest -m gpu``): the sdpa backend, the path that serves latent specs
-until the jit kernel exists, against the fp32 reference at the issue's shapes.
+"""Latent (MLA) decode on the GPU (``pytest -m gpu``) against the fp32 reference at the issue's shapes: the
+jit backend's MLA decode kernel (templates/mla_decode.cuh; the suite that lifts its gate,
+JITATTN_UNVERIFIED_LATENT, which every jit test here sets) and the sdpa backend, which serves latent specs
+while the gate is closed.
 
 Group sizes 1 / 16 / 64 / 128 (DeepSeek-V3 at TP 128 / 8 / 2 / 1), page sizes 1 / 16 / 64, bf16 and FP8
 (e4m3, per-tensor k_scale) caches, 1 and 4 queries per sequence (4: MTP / speculative decode, causal
-among themselves), one 32,768-key sequence and a batch of 129 ragged sequences with empty ones among
-them. Outputs are poisoned before each call; the reference also gives the lse, which the reference
-backend (chosen with ``need_lse``) must return exactly.
+among themselves), one 32,768-key sequence (split-KV) and a batch of 129 ragged sequences with empty ones
+among them. Outputs are poisoned before each call; the lse is checked against the float64 reference.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+import jitattn
 from jitattn import AttentionSpec, reference
 from jitattn.selector import select
 from jitattn.testing import random_paged_batch, relative_error
-from tests.conftest import GPU_TOL, NOT_WRITTEN
+from tests.conftest import GPU_TOL, NOT_WRITTEN, precompile, replay_on_new_q
 
 pytestmark = pytest.mark.gpu
 
@@ -43,8 +45,7 @@ def _lens(shape: str, q_len: int, seed: int) -> tuple[list[int], list[int]]:
 def test_sdpa_latent_decode_matches_the_reference(heads, page_size, kv_dtype, q_len, shape, seed, record):
     spec = AttentionSpec(heads, 1, 576, 512, kv_storage="latent", page_size=page_size, kv_dtype=kv_dtype,
                          sm_scale=SM_SCALE)
-    sel = select(spec, "cuda")
-    assert sel.name == "sdpa", sel.explain()
+    sel = select(spec, "cuda", backend="sdpa")  # (with JITATTN_UNVERIFIED_LATENT=1 jit serves the bf16 ones)
     q_lens, kv_lens = _lens(shape, q_len, seed)
     batch = random_paged_batch(spec, q_lens, kv_lens, device="cuda", seed=seed)
     out = torch.full((batch.q.shape[0], heads, 512), NOT_WRITTEN, dtype=torch.bfloat16, device="cuda")
@@ -57,7 +58,8 @@ def test_sdpa_latent_decode_matches_the_reference(heads, page_size, kv_dtype, q_
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
-def test_the_lse_of_a_latent_spec_comes_from_the_reference_backend(kv_dtype, seed, record):
+def test_the_lse_of_a_latent_spec_comes_from_the_reference_backend(kv_dtype, seed, record, monkeypatch):
+    monkeypatch.delenv("JITATTN_UNVERIFIED_LATENT", raising=False)  # the gate closed: jit does not serve it
     spec = AttentionSpec(16, 1, 576, 512, kv_storage="latent", page_size=64, kv_dtype=kv_dtype, sm_scale=SM_SCALE)
     sel = select(spec, "cuda", need_lse=True)
     assert sel.name == "reference", sel.explain()
@@ -69,3 +71,83 @@ def test_the_lse_of_a_latent_spec_comes_from_the_reference_backend(kv_dtype, see
     lse_err = (lse.double() - want_lse.double()).abs().max().item()
     record(rel_err=err, lse_max_abs_err=lse_err)
     assert err < GPU_TOL["bfloat16"] and lse_err < 2e-2
+
+
+# ---- the jit backend's MLA decode kernel --------------------------------------------------------------
+HEADS, PAGE_SIZES = (1, 16, 64, 128), (1, 16, 64)
+
+
+KV_DTYPES = ("bfloat16", "float8_e4m3fn")
+
+
+def jit_latent(heads: int, page_size: int, q_dtype: str = "bfloat16", kv_dtype: str | None = None) -> AttentionSpec:
+    return AttentionSpec(heads, 1, 576, 512, kv_storage="latent", page_size=page_size, q_dtype=q_dtype,
+                         kv_dtype=kv_dtype, sm_scale=SM_SCALE)
+
+
+@pytest.fixture(scope="module")
+def mla_compiled(session_cache_dir):
+    precompile([jit_latent(h, p, kv_dtype=kv) for h in HEADS for p in PAGE_SIZES for kv in KV_DTYPES] +
+               [jit_latent(20, 16, "float16"), jit_latent(20, 16, "float16", "float8_e4m3fn")], session_cache_dir)
+
+
+@pytest.fixture
+def mla_gate_open(monkeypatch, mla_compiled, session_cache):
+    monkeypatch.setenv("JITATTN_UNVERIFIED_LATENT", "1")
+
+
+def _check_against_reference(spec, batch, out, lse, record):
+    want, want_lse = reference.paged_attention(spec, *batch.args(), return_lse=True, compute_dtype=torch.float64,
+                                               **batch.scales)
+    err = relative_error(out, want)
+    lse_err = (lse.double() - want_lse.double()).abs().max().item() if lse.numel() else 0.0
+    record(rel_err=err, lse_max_abs_err=lse_err)
+    assert torch.isfinite(out).all(), "unwritten (poisoned) or NaN outputs"
+    assert err < GPU_TOL[spec.q_dtype] and lse_err < 2e-2
+
+
+@pytest.mark.parametrize("shape", ["b1x32768", "b129"])
+@pytest.mark.parametrize("q_len", [1, 4])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("heads", HEADS)
+def test_jit_latent_decode_matches_the_reference(mla_gate_open, heads, page_size, kv_dtype, q_len, shape, seed,
+                                                 record):
+    """Every query of the batch through the MLA kernel (one launch), with the lse: splits for 1 x 32,768 (groups
+    of whole 16-head tiles), empty sequences and a sequence with keys but no query this step in the 129; an FP8
+    cache with its k_scale."""
+    spec = jit_latent(heads, page_size, kv_dtype=kv_dtype)
+    sel = select(spec, "cuda", need_lse=True)
+    assert sel.name == "jit", sel.explain()
+    batch = random_paged_batch(spec, *_lens(shape, q_len, seed), device="cuda", seed=seed)
+    out = torch.full((batch.q.shape[0], heads, 512), NOT_WRITTEN, dtype=torch.bfloat16, device="cuda")
+    got, lse = sel.build()(*batch.args(), out=out, return_lse=True, max_query_len=q_len, **batch.scales)
+    torch.cuda.synchronize()
+    _check_against_reference(spec, batch, got, lse, record)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
+def test_jit_latent_decode_without_a_query_length_hint_and_with_fp16(mla_gate_open, kv_dtype, seed, record):
+    """A group of 20 (two tiles, the second half padding: one split), fp16, mixed 1..8 queries per sequence,
+    no max_query_len (graph-mode slots from total_q)."""
+    spec = jit_latent(20, 16, "float16", kv_dtype)
+    batch = random_paged_batch(spec, [1, 8, 3, 0, 5], [9, 4000, 3, 0, 70], device="cuda", seed=seed)
+    out = torch.full((batch.q.shape[0], 20, 512), NOT_WRITTEN, dtype=torch.float16, device="cuda")
+    got, lse = jitattn.paged_attention(spec, *batch.args(), out=out, return_lse=True, **batch.scales)
+    torch.cuda.synchronize()
+    _check_against_reference(spec, batch, got, lse, record)
+
+
+def test_jit_latent_decode_replays_in_a_cuda_graph(mla_gate_open, seed, record):
+    """plan once, run captured: a graph replayed on new q gives the reference's answer for it (split-KV on)."""
+    spec = jit_latent(16, 64)
+    batch = random_paged_batch(spec, [1, 2], [20000, 513], device="cuda", seed=seed)
+    plan = jitattn.plan(spec, batch.block_table, batch.seq_lens, batch.query_start_loc, total_q=batch.q.shape[0],
+                        max_query_len=2, mode="graph")
+    out = torch.empty(batch.q.shape[0], 16, 512, dtype=torch.bfloat16, device="cuda")
+    jitattn.run(batch.q, batch.kv_cache, plan, out=out)  # loaded outside the capture
+    replay_on_new_q(lambda: jitattn.run(batch.q, batch.kv_cache, plan, out=out), batch.q, out, seed)
+    want = reference.paged_attention(spec, *batch.args())
+    err = relative_error(out, want)
+    record(rel_err=err)
+    assert err < GPU_TOL["bfloat16"]

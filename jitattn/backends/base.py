@@ -214,7 +214,7 @@ class Backend(ABC):
         supports_explicit_positions: its paged calls take ``query_positions`` / ``functor_batch`` /
             ``position_offset`` (a spec with ``query_positions="explicit"``); built-ins: jit only.
         supports_latent: its paged calls take a latent (MLA) spec's cache ``(num_pages, page_size,
-            head_dim_qk)``; built-ins: sdpa and reference. Without it, ``latent_refusal`` says why.
+            head_dim_qk)``; built-ins: jit, sdpa and reference. Without it, ``latent_refusal`` says why.
         description: one line for tables and docs.
     """
 

@@ -41,7 +41,7 @@ def plan_run_call(spec: AttentionSpec, batch: PagedBatch, out: torch.Tensor, max
     The plan/run API's call as the bench uses it, in one place (its names may still change).
 
     Raises:
-        ValueError: ``jitattn.plan`` refuses the spec (a latent one: no kernel yet) or the batch.
+        ValueError: ``jitattn.plan`` refuses the spec (one the jit backend does not serve) or the batch.
     """
     import jitattn
 

@@ -4,9 +4,10 @@ A latent (multi-head latent attention) case is :func:`jitattn.bench.cases.mla_ca
 random latent cache ``(num_pages, page_size, 576)``: each token's row is ``c_kv`` (512) then ``k_pe``
 (64), one row shared by every query head; V is the row's first 512 values. Its rows, side by side:
 
-- ``jitattn``: ``jitattn.plan`` once, ``jitattn.run`` timed (:func:`jitattn.bench.host.plan_run_call`).
-  jitattn has no MLA decode kernel yet, so the plan refuses the spec and the row is "skipped" with
-  :data:`jitattn.spec.LATENT_NO_KERNEL`; once ``load_kernel`` takes latent specs the same row times it.
+- ``jitattn``: ``jitattn.plan`` once, ``jitattn.run`` timed (:func:`jitattn.bench.host.plan_run_call`): the MLA
+  decode kernel (templates/mla_decode.cuh). Where the jit backend does not serve the spec (the kernel's
+  GPU-suite gate, ``JITATTN_UNVERIFIED_LATENT``, off) the row is "skipped" with
+  :func:`jitattn.spec.unverified_kernel_reason`'s text.
 - ``sdpa``: :mod:`jitattn.backends`' sdpa backend on the paged batch, what ``jitattn.select`` serves
   today. The timed call includes the gather: per sequence, its latent rows are copied out of the pages,
   then one SDPA call takes the ``q_len x H`` query rows as one head's; it reads the metadata on the host
@@ -39,7 +40,7 @@ from jitattn.bench.harness import Runner, Skip
 from jitattn.bench.host import plan_run_call
 from jitattn.bench.report import Result
 from jitattn.reference import torch_dtype
-from jitattn.spec import LATENT_NO_KERNEL, AttentionSpec
+from jitattn.spec import AttentionSpec, unverified_kernel_reason
 from jitattn.testing import PagedBatch
 
 #: The row name of FlashInfer's MLA wrapper (family "flashinfer").
@@ -80,16 +81,14 @@ def jitattn_latent_runner(case: BenchCase, batch: PagedBatch) -> Runner:
     """``jitattn.plan`` once and ``jitattn.run`` timed, as for any spec.
 
     Raises:
-        Skip: the plan refuses the latent spec because jitattn has no MLA kernel yet (the reason is
-            :data:`jitattn.spec.LATENT_NO_KERNEL`).
+        Skip: the jit backend does not serve the spec (:func:`jitattn.spec.unverified_kernel_reason`: the MLA
+            kernel's gate off, or head dims it does not take), with that reason.
     """
-    try:
-        call = plan_run_call(case.spec, batch, new_out(case.spec, batch), max(case.q_lens))
-    except ValueError as exc:
-        if LATENT_NO_KERNEL in str(exc):
-            raise Skip(LATENT_NO_KERNEL) from None
-        raise
-    return Runner(call, note="jitattn.plan once, jitattn.run timed")
+    why = unverified_kernel_reason(case.spec)
+    if why:
+        raise Skip(why)
+    call = plan_run_call(case.spec, batch, new_out(case.spec, batch), max(case.q_lens))
+    return Runner(call, note="jitattn.plan once, jitattn.run timed (MLA decode kernel, mma.sync)")
 
 
 def sdpa_latent_runner(case: BenchCase, batch: PagedBatch) -> Runner:

@@ -1,0 +1,203 @@
+"""The MLA decode kernel (templates/mla_decode.cuh) on the CPU: it renders, compiles through the cache for sm_80
+and sm_90a without spilling, its gate (JITATTN_UNVERIFIED_LATENT) decides whether jit or sdpa serves a latent
+spec, and plan / run launch it with the grid, split factor and scratch the kernel reads. The kernel's results
+are checked on the GPU (tests/test_gpu_mla.py)."""
+
+from __future__ import annotations
+
+import re
+import struct
+
+import pytest
+import torch
+
+import jitattn
+from jitattn import AttentionSpec, settings
+from jitattn.cache import verify_entry
+from jitattn.planning import LATENT_MAX_QUERY_SLOTS, LATENT_TILE_ROWS
+from jitattn.render import KERNEL_NAMES, render
+from jitattn.selector import select
+from jitattn.spec import latent_kernel_problem, unverified_kernel_reason
+from jitattn.testing import random_paged_batch
+from tests import launch_cases as lc
+from tests.conftest import build_in_parallel, built
+from tests.test_plan_launches import fake_kernel
+
+SCALE = 0.1352337788608801  # DeepSeek-V3's
+GATE_OFF = ("kv_storage='latent': its MLA decode kernel compiles but has not passed the GPU suite yet; "
+            "JITATTN_UNVERIFIED_LATENT=1 uses it")
+
+
+def latent(heads: int = 16, page_size: int = 64, q_dtype: str = "bfloat16", **kw) -> AttentionSpec:
+    return AttentionSpec(heads, 1, 576, 512, kv_storage="latent", page_size=page_size, q_dtype=q_dtype,
+                         sm_scale=SCALE, **kw)
+
+
+# ---- render and compile -------------------------------------------------------------------------------
+def test_a_latent_spec_renders_the_mla_decode_kernel_alone():
+    text = render(latent()).text
+    assert "#include \"mla_decode.cuh\"" in text and "jitattn::mla_decode_kernel<jitattn::Spec>(params)" in text
+    assert KERNEL_NAMES["prefill"] not in text and "prefill.cuh" not in text
+    assert "static constexpr int kNumQoHeads = 16;" in text and "static constexpr int kHeadDimQK = 576;" in text
+    paged = render(AttentionSpec(32, 8, 128)).text
+    assert "mla_decode" not in paged and KERNEL_NAMES["prefill"] in paged
+
+
+def _check_cubin(entry, arch: str) -> None:
+    assert verify_entry(entry.path) is None
+    data = entry.cubin.read_bytes()
+    elf_arch = (struct.unpack_from("<I", data, 48)[0] >> 8) & 0xFF  # e_flags' SM number
+    assert data[:4] == b"\x7fELF" and elf_arch == int(re.sub(r"\D", "", arch))
+    log = entry.manifest["compiler_log"]
+    assert f"Compiling entry function '{KERNEL_NAMES['decode']}' for '{arch}'" in log
+    assert KERNEL_NAMES["prefill"] not in log
+    assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", log)
+    assert not re.search(r"[1-9]\d* bytes spill", log)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> dict:
+    """The DeepSeek-V3 TP 8 decode spec (16 heads, pages of 64) for both archs, in one temporary cache."""
+    return build_in_parallel(tmp_path_factory.mktemp("mla-compile"), [(latent(), a) for a in ("sm_80", "sm_90a")])
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_the_mla_decode_kernel_compiles_through_the_cache_without_spills(compiled, arch):
+    _check_cubin(built(compiled, latent(), arch), arch)
+
+
+SLOW_SPECS = {"h1-p1-f16": latent(1, 1, "float16"), "h128-p16": latent(128, 16), "h20-p64": latent(20, 64),
+              "h64-p1": latent(64, 1), "h16-p64-fp8": latent(16, 64, kv_dtype="float8_e4m3fn"),
+              "h128-p1-f16-fp8": latent(128, 1, "float16", kv_dtype="float8_e4m3fn")}
+
+
+@pytest.fixture(scope="module")
+def compiled_more(tmp_path_factory) -> dict:
+    work = [(s, a) for s in SLOW_SPECS.values() for a in ("sm_80", "sm_90a")]
+    return build_in_parallel(tmp_path_factory.mktemp("mla-compile-more"), work)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("name", sorted(SLOW_SPECS))
+def test_the_group_sizes_and_page_sizes_of_the_gpu_suite_compile(compiled_more, name, arch):
+    _check_cubin(built(compiled_more, SLOW_SPECS[name], arch), arch)
+
+
+# ---- the gate -----------------------------------------------------------------------------------------
+def test_the_gate_decides_whether_jit_or_sdpa_serves_a_latent_spec():
+    spec = latent()
+    with settings.scope(JITATTN_UNVERIFIED_LATENT=None):
+        assert unverified_kernel_reason(spec) == GATE_OFF
+        sel = select(spec, "h200")
+        assert sel.name == "sdpa"
+        assert f"jit: {GATE_OFF}" in {r for rej in sel.passed_over for r in rej.reasons}
+    with settings.scope(JITATTN_UNVERIFIED_LATENT="1"):
+        assert unverified_kernel_reason(spec) is None
+        assert select(spec, "h200").name == "jit" and select(spec, "a100", need_lse=True).name == "jit"
+
+
+@pytest.mark.parametrize("kw, problem", [
+    (dict(head_dim_qk=288, head_dim_vo=256), "head_dim_qk=288: the MLA decode kernel takes latent head dims that "
+                                             "are multiples of 64 (576 / 512 for DeepSeek); the sdpa and reference "
+                                             "backends serve this one"),
+    (dict(head_dim_qk=576, head_dim_vo=496), "head_dim_vo=496: the MLA decode kernel takes latent head dims"),
+])
+def test_what_the_kernel_cannot_serve_stays_with_sdpa_with_the_gate_open(kw, problem):
+    spec = AttentionSpec(16, 1, kv_storage="latent", sm_scale=SCALE, **{"head_dim_qk": 576, "head_dim_vo": 512, **kw})
+    assert latent_kernel_problem(spec).startswith(problem)
+    with settings.scope(JITATTN_UNVERIFIED_LATENT="1"):
+        assert unverified_kernel_reason(spec).startswith(problem)
+        assert select(spec, "h200").name == "sdpa"
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            jitattn.load_kernel(spec, "cuda")
+    assert latent_kernel_problem(AttentionSpec(16, 1, 128)) is None and latent_kernel_problem(latent()) is None
+    assert latent_kernel_problem(latent(kv_dtype="float8_e4m3fn")) is None
+
+
+def test_the_jit_backend_serves_an_fp8_latent_cache_with_the_gate_open():
+    spec = latent(16, 64, kv_dtype="float8_e4m3fn")
+    with settings.scope(JITATTN_UNVERIFIED_LATENT="1"):
+        assert select(spec, "h200").name == "jit" and select(spec, "a100", need_lse=True).name == "jit"
+    text = render(spec).text
+    assert "using DTypeKV = __nv_fp8_e4m3;" in text and "mla_decode_kernel" in text
+
+
+# ---- plan / run -----------------------------------------------------------------------------------------
+def _launch(spec, q_lens, kv_lens, **kw):
+    kernel, module = fake_kernel(spec)
+    batch = random_paged_batch(spec, q_lens, kv_lens, device="cpu", seed=3)
+    result = kernel.paged_attention(*batch.args(), **kw)
+    (launch,) = module.launches
+    return kernel, batch, result, launch
+
+
+def test_an_fp8_latent_cache_takes_its_k_scale_as_both_scales():
+    spec = latent(16, 64, kv_dtype="float8_e4m3fn")
+    kernel, module = fake_kernel(spec)
+    batch = random_paged_batch(spec, [1, 2], [100, 50], device="cpu", seed=1)
+    kernel.paged_attention(*batch.args(), k_scale=0.25)
+    (launch,) = module.launches
+    assert (launch["fields"]["k_scale"], launch["fields"]["v_scale"]) == (0.25, 0.25)
+    with pytest.raises(ValueError, match=r"v_scale=0.5: a latent cache has one scale, k_scale"):
+        kernel.paged_attention(*batch.args(), k_scale=0.25, v_scale=0.5)
+
+
+def test_one_launch_of_the_mla_kernel_serves_every_row_of_a_mixed_batch():
+    """1 and 4 queries per sequence, an empty sequence: one decode launch, grid (splits, slots, batch)."""
+    spec = latent(128)
+    kernel, batch, (out, lse), launch = _launch(spec, [1, 4, 0], [300, 900, 0], return_lse=True, max_query_len=4)
+    tiles = 128 // LATENT_TILE_ROWS
+    splits = kernel.num_splits(3 * 4 * tiles, kernel.max_decode_keys(batch.block_table.shape[1]))
+    assert (launch["kernel"], launch["grid"]) == ("decode", [splits, 4 * tiles, 3])
+    assert (launch["block"], launch["smem"]) == (lc.GEOMETRY["decode_threads"], lc.GEOMETRY["decode_smem"])
+    f = launch["fields"]
+    assert f["num_splits"] == splits > 1 and f["total_q"] == 5 and f["batch_size"] == 3
+    assert f["q_stride_token"] == 128 * 576 and f["q_stride_head"] == 576 and f["kv_stride_page"] == 64 * 576
+    assert f["o"] == out.data_ptr() and f["lse"] == lse.data_ptr() and f["q"] == batch.q.data_ptr()
+    assert f["block_table_stride"] == batch.block_table.shape[1] and f["prefill_skip_decode_rows"] == 0
+    # partial states per (split, query row, head), one counter per (query row, tile of 16 heads)
+    counters = next(iter(kernel._split_counters.values()))
+    assert counters.numel() >= 5 * tiles and f["split_counters"] == counters.data_ptr()
+    assert f["partial_lse"] - f["partial_o"] == 4 * splits * 5 * 128 * 512
+
+
+def test_groups_that_are_not_whole_tiles_run_one_split_and_graph_mode_bounds_the_slots():
+    kernel, batch, out, launch = _launch(latent(20), [1], [32768])  # no max_query_len: slots from total_q
+    assert launch["grid"] == [1, 1 * 2, 1] and launch["fields"]["num_splits"] == 1
+    assert launch["fields"]["partial_o"] == 0 and launch["fields"]["split_counters"] == 0
+    kernel, batch, out, launch = _launch(latent(16), [3] * 5, [700] * 5)
+    assert launch["grid"][1:] == [LATENT_MAX_QUERY_SLOTS, 5]  # 15 queries could be one sequence's: 8 slots
+    _, _, _, launch = _launch(latent(16), [1], [32768], max_query_len=1)
+    assert launch["grid"][:2] == [64, 1]  # one block per split: the 32,768 keys over a full wave
+
+
+def test_the_plan_refuses_a_latent_spec_while_the_gate_is_off():
+    spec = latent()
+    batch = random_paged_batch(spec, [1], [10], device="cpu")
+    with settings.scope(JITATTN_UNVERIFIED_LATENT=None), pytest.raises(ValueError, match=re.escape(GATE_OFF)):
+        jitattn.plan(spec, batch.block_table, batch.seq_lens, batch.query_start_loc)
+    assert torch.is_tensor(batch.q)
+
+
+# ---- warmup ---------------------------------------------------------------------------------------------
+def test_warmup_builds_the_latent_decode_once_the_gate_is_open(tmp_path):
+    """The refusing nvcc shows the attempts: with JITATTN_UNVERIFIED_LATENT=1 the latent decode spec is built
+    beside the prefill spec and merge_state (and no note says another backend serves it)."""
+    from jitattn.doctor import no_kernel_note
+    from jitattn.models import load_model_config
+    from tests.test_cache import compile_calls, fake_nvcc
+    from tests.test_cli import jitattn as run_cli
+    from tests.test_mla import DEEPSEEK_V3
+
+    nvcc, log = fake_nvcc(tmp_path, "no-compile")
+    proc = run_cli("warmup", "--model", str(DEEPSEEK_V3), "--arch", "sm_90a", "--tensor-parallel-size", "8",
+                   cache=tmp_path / "c", env={"JITATTN_NVCC": str(nvcc), "JITATTN_UNVERIFIED_LATENT": "1"})
+    decode = load_model_config(DEEPSEEK_V3, tensor_parallel_size=8).layer_kinds[0].spec
+    assert decode.latent and proc.returncode == 1
+    assert f"FAILED {decode.name} sm_90a" in proc.stderr and "not compiled" not in proc.stdout
+    assert len(compile_calls(log)) == 3
+    with settings.scope(JITATTN_UNVERIFIED_LATENT="1"):
+        assert no_kernel_note(decode, "sm_90a") is None
+    with settings.scope(JITATTN_UNVERIFIED_LATENT=None):
+        assert no_kernel_note(decode, "sm_90a").startswith(f"not built: {GATE_OFF}; served by the sdpa backend")
