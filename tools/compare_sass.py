@@ -80,14 +80,12 @@ def _spec_namespace() -> dict:
 
 
 def bench_specs() -> dict[str, str]:
-    """``label -> expression`` of every distinct spec the bench builds (its ragged twins included; not the
-    latent MLA specs, which no kernel serves yet)."""
+    """``label -> expression`` of every distinct spec the bench builds (its ragged twins and latent MLA
+    specs included)."""
     from jitattn.bench.cases import all_cases
 
     out: dict[str, str] = {}
     for case in all_cases():
-        if case.spec.kv_storage == "latent":
-            continue
         specs = [case.spec] + ([case.spec.replace(kv_storage="ragged")] if case.ragged_twin else [])
         for spec in specs:
             if spec.variant is not None:
