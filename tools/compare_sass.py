@@ -80,8 +80,8 @@ def _spec_namespace() -> dict:
 
 
 def bench_specs() -> dict[str, str]:
-    """``label -> expression`` of every distinct spec the bench builds (its ragged twins included; not the
-    latent MLA specs, which no kernel serves yet)."""
+    """``label -> expression`` of every distinct spec the bench builds (its ragged twins included; the latent
+    MLA specs left out)."""
     from jitattn.bench.cases import all_cases
 
     out: dict[str, str] = {}
