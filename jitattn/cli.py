@@ -4,8 +4,8 @@
   (``--spec``) need, for every target arch, into the cache. nvcc only: no GPU, no torch. A model
   also gets the ``merge_state`` utility module of its output dtype (:mod:`jitattn.merge_module`) and
   the ``append_kv`` module of its paged layers' K/V and cache dtypes (:mod:`jitattn.append_kv_module`);
-  a spec whose kernel waits for the GPU suite (a latent, MLA decode, spec; the padded head dims) or that its
-  kernel cannot serve (latent head dims not multiples of 64) compiles nothing: warmup names the backend that serves it;
+  a latent (MLA decode) spec that its kernel cannot serve (latent head dims not multiples of 64) compiles
+  nothing: warmup names the backend that serves it;
   ``--spec '{"kind":"merge_state","dtype":"bfloat16"}'`` names one directly.
 - ``jitattn cache ls | verify | prune | clear | export | import``: list the entries of every layer;
   check every checksum (quarantining corrupt entries); remove what no lookup uses; empty the
@@ -293,10 +293,9 @@ def collect_targets(models: list[Path], spec_args: list[str], *, dtype: str | No
 
 
 def without_kernels(targets: list[Target], arch: str) -> tuple[list[Target], list[str]]:
-    """The targets that have a kernel to build or ship, and one line for each that has none (a kernel not yet
-    through the GPU suite, a head dim or the MLA decode; latent head dims it does not take:
-    :func:`jitattn.doctor.no_kernel_note`)
-    naming the backend that serves it on ``arch``."""
+    """The targets that have a kernel to build or ship, and one line for each that has none (latent head dims
+    the MLA decode kernel does not take: :func:`jitattn.doctor.no_kernel_note`) naming the backend that serves
+    it on ``arch``."""
     from jitattn.doctor import no_kernel_note
 
     kept, notes = [], []

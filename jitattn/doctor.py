@@ -10,8 +10,7 @@ It reports, without compiling anything and without needing torch or a GPU:
   ``--tensor-parallel-size``, the ``merge_state`` module of its output dtype and the ``append_kv``
   module of its paged kinds: :func:`model_modules`, what warm-up builds) and the archs it
   is cached for. A spec jitattn builds no kernel for (a latent, MLA, spec whose head dims its kernel does
-  not take; a kernel that waits for the GPU suite: a head dim, the MLA decode) counts as served, with a
-  note naming the backend that serves it (:func:`no_kernel_note`).
+  not take) counts as served, with a note naming the backend that serves it (:func:`no_kernel_note`).
 
 A node *can serve* a model when, for every kernel, the cache holds it for an arch the node runs:
 with GPUs, for each GPU any arch of :func:`jitattn.archs.archs_for_capability` (the runtime takes the
@@ -38,7 +37,7 @@ from jitattn.commands import models_warmup_command
 from jitattn.append_kv_module import AppendKvModule
 from jitattn.merge_module import MergeModule
 from jitattn.models import ModelAttention, load_model_config
-from jitattn.spec import AttentionSpec, latent_kernel_problem, unverified_kernel_reason
+from jitattn.spec import AttentionSpec, latent_kernel_problem
 
 
 @dataclass(frozen=True)
@@ -108,7 +107,7 @@ class Kernel:
     needed_by: tuple[str, ...]
     found: dict[str, str]
     served: bool
-    note: str = ""  # a module with no kernel to cache (a latent spec): what serves it
+    note: str = ""  # a module with no kernel to cache (a latent spec the MLA kernel does not take): what serves it
 
 
 @dataclass(frozen=True)
@@ -222,14 +221,13 @@ def cache_layers(cache: KernelCache) -> tuple[Layer, ...]:
 
 def no_kernel_note(module: Any, arch: str) -> str | None:
     """Why ``module`` has no kernel to build, cache or ship (a latent spec the MLA kernel cannot serve:
-    :func:`jitattn.spec.latent_kernel_problem`; the MLA decode kernel not yet through the GPU suite:
-    :func:`jitattn.spec.unverified_kernel_reason`), naming the backend the selector picks for it on
-    ``arch`` (and that it needs torch, when this machine has none: those backends are torch's); None for a
-    module that compiles."""
+    :func:`jitattn.spec.latent_kernel_problem`), naming the backend the selector picks for it on ``arch``
+    (and that it needs torch, when this machine has none: those backends are torch's); None for a module
+    that compiles (every other spec, latent ones included)."""
     if not isinstance(module, AttentionSpec):
         return None
-    unverified = unverified_kernel_reason(module)
-    if not unverified:
+    problem = latent_kernel_problem(module)
+    if not problem:
         return None
     from jitattn import selector
 
@@ -241,9 +239,7 @@ def no_kernel_note(module: Any, arch: str) -> str | None:
         why = dict.fromkeys(r for rej in getattr(err, "rejections", ()) for r in rej.reasons)  # the lines below
         served = f"no backend serves it on {arch}: {str(err).splitlines()[0].rstrip(':')}"
         served += f": {'; '.join(why)}" if why else ""
-    if latent_kernel_problem(module):
-        return f"no kernel to build: {unverified}; {served}"
-    return f"not built: {unverified}; {served}"
+    return f"no kernel to build: {problem}; {served}"
 
 
 def model_modules(model: ModelAttention) -> list[tuple[Any, str]]:

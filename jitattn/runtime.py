@@ -42,7 +42,7 @@ from jitattn.dtypes import default_alibi_slopes
 from jitattn.planning import (ParamsLayout, Plan, SpecPlan, capturing, make_paged_plan,  # noqa: F401
                               make_ragged_plan, params_packer)
 from jitattn.render import KERNEL_NAMES
-from jitattn.spec import AttentionSpec, unverified_kernel_reason
+from jitattn.spec import AttentionSpec, latent_kernel_problem
 
 _GEOMETRY = ("decode_threads", "decode_smem", "decode_tile_keys", "prefill_threads", "prefill_smem",
              "prefill_block_m", "prefill_block_n", "params_size")
@@ -554,13 +554,12 @@ def load_kernel(spec: AttentionSpec, device: torch.device | str | int | None = N
     Threads loading different kernels do not wait for each other (:class:`LoadedOnce`).
 
     Raises:
-        ValueError: a kernel not yet through the GPU suite (a latent spec's MLA decode kernel) or one
-            that cannot serve the spec (latent head dims not multiples of 64): :func:`jitattn.spec.unverified_kernel_reason`, with the
-            call that gives a backend serving it.
+        ValueError: a latent spec the MLA decode kernel cannot serve (latent head dims not multiples of 64:
+            :func:`jitattn.spec.latent_kernel_problem`), with the call that gives a backend serving it.
     """
-    unverified = unverified_kernel_reason(spec)  # before any device, cache or compile work: plan / run land here
-    if unverified:
-        fail(f"spec {spec.name}: {unverified}; jitattn.selector.select(spec, device).build() gives a backend that "
+    problem = latent_kernel_problem(spec)  # before any device, cache or compile work: plan / run land here
+    if problem:
+        fail(f"spec {spec.name}: {problem}; jitattn.selector.select(spec, device).build() gives a backend that "
              f"serves it")
     dev = device if isinstance(device, torch.device) and device.type == "cuda" and device.index is not None \
         else cuda_device(device)

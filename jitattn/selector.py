@@ -162,10 +162,10 @@ def import_reasons(device: DeviceInfo) -> tuple[str, ...]:
     """What this machine lacks to run any backend on ``device``: ``("torch is not installed ...",)`` for
     a device of this machine when ``import torch`` would fail, else ``()``.
 
-    Every backend's call takes torch tensors (a latent spec's only backends, sdpa and reference, are
-    torch itself). The CPU, ``cuda`` and ``cuda:N`` are this machine's (:func:`names_this_machine`); a
-    named GPU (``h100``, ``sm_90``) may be a serving node that a build box without torch plans for, so
-    it is not judged here.
+    Every backend's call takes torch tensors (the latent specs the MLA kernel does not take have only
+    sdpa and reference, torch itself). The CPU, ``cuda`` and ``cuda:N`` are this machine's
+    (:func:`names_this_machine`); a named GPU (``h100``, ``sm_90``) may be a serving node that a build
+    box without torch plans for, so it is not judged here.
     """
     if not names_this_machine(device) or torch_installed():
         return ()

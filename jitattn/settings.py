@@ -13,7 +13,6 @@ Nothing else in the package calls ``os.environ``: modules ask this one. Tests ch
 | ``JITATTN_LOCK_TIMEOUT`` | seconds to wait for another process's build of the same kernel | ``600`` |
 | ``JITATTN_BACKEND`` | force one attention backend by name (see :mod:`jitattn.selector`) | automatic |
 | ``JITATTN_VERBOSE`` | ``1``: log each compile command and cache decision to stderr | ``0`` |
-| ``JITATTN_UNVERIFIED_LATENT`` | ``1``: the jit backend serves latent (MLA decode) specs with its MLA kernel (templates/mla_decode.cuh), which compiles but has not passed the GPU suite; the switch goes once it passes | ``0`` |
 
 Logging: every module logs on a child of the ``jitattn`` logger (``jitattn.cache``,
 ``jitattn.build``, ``jitattn.selector``). :func:`configure_logging` gives that logger a stderr
@@ -96,8 +95,6 @@ VARIABLES: dict[str, _Var] = {
         _Var("JITATTN_LOCK_TIMEOUT", "600", _parse_float, "seconds to wait for a build lock"),
         _Var("JITATTN_BACKEND", "", _parse_str, "force one backend by name"),
         _Var("JITATTN_VERBOSE", "0", _parse_bool, "log compiles and cache decisions"),
-        _Var("JITATTN_UNVERIFIED_LATENT", "0", _parse_bool, "serve latent (MLA) specs with the kernel not yet through "
-             "the GPU suite"),
     ]
 }
 
@@ -185,12 +182,6 @@ def forced_backend() -> str | None:
 def verbose() -> bool:
     """True when ``JITATTN_VERBOSE`` asks for each compile command and cache decision on stderr."""
     return bool(VARIABLES["JITATTN_VERBOSE"].get())
-
-
-def unverified_latent() -> bool:
-    """True when ``JITATTN_UNVERIFIED_LATENT`` lets the jit backend serve latent (MLA decode) specs with its
-    MLA kernel, which has not passed the GPU suite yet (:func:`jitattn.spec.unverified_kernel_reason`)."""
-    return bool(VARIABLES["JITATTN_UNVERIFIED_LATENT"].get())
 
 
 #: The logger every jitattn module logs under (as ``jitattn.<module>``).

@@ -27,7 +27,6 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from jitattn import settings
 from jitattn.constants import template_constant
 from jitattn.variant import Variant
 
@@ -126,7 +125,10 @@ def decode_block_problem(head_dim: int, kv_dtype: str, group_size: int) -> str |
 def latent_kernel_problem(spec: "AttentionSpec") -> str | None:
     """Why the MLA decode kernel (templates/mla_decode.cuh) cannot serve the latent spec ``spec`` at all (the
     sdpa and reference backends serve it), or None (it can, or ``spec`` is not latent): head dims not multiples
-    of :data:`LATENT_KERNEL_DIM_STEP`. (It reads 16-bit and FP8 e4m3 caches.)"""
+    of :data:`LATENT_KERNEL_DIM_STEP`. (It reads 16-bit and FP8 e4m3 caches.)
+
+    The jit backend's reason, load_kernel's refusal and warm-up's note all give this text.
+    """
     if not spec.latent:
         return None
     for name in ("head_dim_qk", "head_dim_vo"):
@@ -136,22 +138,6 @@ def latent_kernel_problem(spec: "AttentionSpec") -> str | None:
                     f"{LATENT_KERNEL_DIM_STEP} (576 / 512 for DeepSeek); the sdpa and reference backends serve "
                     f"this one")
     return None
-
-
-def unverified_kernel_reason(spec: "AttentionSpec") -> str | None:
-    """Why the jit backend does not serve ``spec`` (yet), or None: a latent spec's MLA decode kernel, not yet
-    through the GPU suite, behind ``JITATTN_UNVERIFIED_LATENT``, and the latent head dims the MLA kernel does
-    not take (:func:`latent_kernel_problem`); None for every other spec.
-
-    The jit backend's reason, load_kernel's refusal and warm-up's note all give this text.
-    """
-    if not spec.latent:
-        return None
-    problem = latent_kernel_problem(spec)
-    if problem or settings.unverified_latent():
-        return problem
-    return ("kv_storage='latent': its MLA decode kernel compiles but has not passed the GPU suite yet; "
-            "JITATTN_UNVERIFIED_LATENT=1 uses it")
 
 
 def _check_float(field: str, value: Any, *, positive: bool, allow_zero: bool = False) -> float:
@@ -230,8 +216,8 @@ class AttentionSpec:
     and no window, soft-cap, ALiBi, sinks, variant or explicit positions. Any number of queries per
     sequence (speculative / MTP decode brings 1..8), at its last positions. Its module holds one kernel, the
     MLA decode (templates/mla_decode.cuh: 16-bit and FP8 caches, head dims multiples of 64), served by the jit
-    backend once it passes the GPU suite (:func:`unverified_kernel_reason`; meanwhile the ``sdpa`` and
-    ``reference`` backends serve it).
+    backend; the ``sdpa`` and ``reference`` backends serve the latent specs it cannot
+    (:func:`latent_kernel_problem`).
 
     Raises:
         ValueError: at construction, naming the field, the value and what is allowed.

@@ -13,9 +13,6 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export JITATTN_CACHE_DIR=${JITATTN_CACHE_DIR:-/tmp/jitattn-cache}
 export JITATTN_GPU_RESULTS=$OUT/gpu_results.jsonl
-# The MLA decode kernel (tests/test_gpu_mla.py) is served only behind this switch until it passes, and the
-# bench's jitattn row of the MLA cases.
-export JITATTN_UNVERIFIED_LATENT=1
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv;
   nvcc --version | tail -2; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } \
   > "$OUT/device.txt" 2>&1

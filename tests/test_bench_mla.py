@@ -23,8 +23,7 @@ from jitattn.bench import cases, harness, mla, report, run
 from jitattn.bench.cases import BenchCase
 from jitattn.bench.report import Result
 from jitattn.models import load_model_config
-from jitattn import settings
-from jitattn.spec import unverified_kernel_reason
+from jitattn.spec import latent_kernel_problem
 from jitattn.testing import random_paged_batch, relative_error
 from tests.test_bench import flashinfer_module  # noqa: F401 (fixture: installs a fake flashinfer module)
 
@@ -204,20 +203,9 @@ def test_flashinfer_mla_skips_with_reasons(flashinfer_module):
 
 
 # ---- the jitattn and sdpa rows ------------------------------------------------------------------
-GATE_OFF = ("kv_storage='latent': its MLA decode kernel compiles but has not passed the GPU suite yet; "
-            "JITATTN_UNVERIFIED_LATENT=1 uses it")
-
-
-def test_jitattn_row_is_a_skip_with_the_reason_while_jit_does_not_serve_the_spec(monkeypatch):
+def test_jitattn_row_times_jitattn_run_on_the_batch(monkeypatch):
     case = tiny_case(heads=4)
     batch = random_paged_batch(case.spec, case.q_lens, case.kv_lens)
-    with settings.scope(JITATTN_UNVERIFIED_LATENT=None), pytest.raises(harness.Skip) as why:
-        mla.jitattn_latent_runner(case, batch)
-    assert str(why.value) == GATE_OFF
-    with settings.scope(JITATTN_UNVERIFIED_LATENT=None):
-        (_, [row]) = harness.build_runners(case, "jitattn", lambda: mla.jitattn_latent_runner(case, batch), "TB/s")
-    assert (row.status, row.note) == ("skipped", report.one_line(GATE_OFF))
-    # with the gate on, the row times jitattn.run on the batch
     seen = {}
 
     def fake_plan_run_call(spec, b, out, max_query_len):
@@ -225,8 +213,7 @@ def test_jitattn_row_is_a_skip_with_the_reason_while_jit_does_not_serve_the_spec
         return lambda: out
 
     monkeypatch.setattr(mla, "plan_run_call", fake_plan_run_call)
-    with settings.scope(JITATTN_UNVERIFIED_LATENT="1"):
-        runner = mla.jitattn_latent_runner(case, batch)
+    runner = mla.jitattn_latent_runner(case, batch)
     assert seen == {"spec": case.spec, "batch": batch, "max_query_len": 1, "out": (6, 4, 512)}
     assert runner.call().shape == (6, 4, 512) and runner.graph
 
@@ -234,8 +221,24 @@ def test_jitattn_row_is_a_skip_with_the_reason_while_jit_does_not_serve_the_spec
         raise ValueError("block_table: something else")
 
     monkeypatch.setattr(mla, "plan_run_call", other_refusal)
-    with settings.scope(JITATTN_UNVERIFIED_LATENT="1"), pytest.raises(ValueError, match="something else"):
+    with pytest.raises(ValueError, match="something else"):
         mla.jitattn_latent_runner(case, batch)  # only the jit backend's refusal is a skip
+
+
+def test_jitattn_row_is_a_skip_with_the_reason_where_jit_does_not_serve_the_spec(monkeypatch):
+    """A latent spec whose head dims the MLA kernel does not take (not multiples of 64)."""
+    monkeypatch.setattr(mla, "plan_run_call", lambda *a: pytest.fail("planned a spec jit does not serve"))
+    tiny = tiny_case(heads=4)
+    case = BenchCase(tiny.name, tiny.spec.replace(head_dim_qk=288, head_dim_vo=256), tiny.q_lens, tiny.kv_lens,
+                     "decode")
+    batch = random_paged_batch(case.spec, case.q_lens, case.kv_lens)
+    problem = latent_kernel_problem(case.spec)
+    assert problem.startswith("head_dim_qk=288: the MLA decode kernel takes latent head dims that are multiples of 64")
+    with pytest.raises(harness.Skip) as why:
+        mla.jitattn_latent_runner(case, batch)
+    assert str(why.value) == problem
+    (_, [row]) = harness.build_runners(case, "jitattn", lambda: mla.jitattn_latent_runner(case, batch), "TB/s")
+    assert (row.status, row.note) == ("skipped", report.one_line(problem))
 
 
 @pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
@@ -259,23 +262,32 @@ def cpu_timer(fn, **kwargs) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def reference_plan_run_call(spec, batch, out, max_query_len):
+    """mla.plan_run_call on the CPU: the call writes the reference's output into ``out``."""
+    def call():
+        return out.copy_(reference.paged_attention(spec, *batch.args(), **batch.kwargs()))
+
+    return call
+
+
 def test_a_tiny_latent_case_end_to_end_through_run_case(monkeypatch, flashinfer_module):
-    """run_case on the CPU (timers replaced): jitattn skipped with the reason and the targets, sdpa and
-    FlashInfer's MLA wrapper (the documented-semantics fake) timed and right, flex skipped."""
+    """run_case on the CPU (timers replaced, jitattn.run by the reference): jitattn, sdpa and FlashInfer's MLA
+    wrapper (the documented-semantics fake) timed and right, the targets on the jitattn row, flex skipped."""
     monkeypatch.setattr(harness, "time_ms", cpu_timer)
     monkeypatch.setattr(harness, "time_graph_ms", cpu_timer)
+    monkeypatch.setattr(mla, "plan_run_call", reference_plan_run_call)
     flashinfer_module(fake_flashinfer())
     case = tiny_case(TP8, heads=8)
-    with settings.scope(JITATTN_UNVERIFIED_LATENT=None):
-        rows = run.run_case(case, device="cpu")
-    assert [(r.impl, r.status) for r in rows] == [("jitattn", "skipped"), ("sdpa", "ok"), ("flex", "skipped"),
+    rows = run.run_case(case, device="cpu")
+    assert [(r.impl, r.status) for r in rows] == [("jitattn", "ok"), ("sdpa", "ok"), ("flex", "skipped"),
                                                  ("flashinfer-mla", "ok")]
     jit, sdpa, _, fi = rows
-    assert jit.note == f"{report.one_line(GATE_OFF)}; target >= 3.6 TB/s; target >= 1.0x flashinfer-mla"
+    assert jit.note.startswith(f"{jit.rate:.2f} TB/s (target >= 3.6 TB/s: ")
+    assert "x flashinfer-mla (target >= 1.0x flashinfer-mla: " in jit.note
     assert all(r.unit == "TB/s" for r in rows)
-    assert sdpa.rel_err < 1e-2 and fi.rel_err < 1e-2
+    assert jit.rel_err < 1e-2 and sdpa.rel_err < 1e-2 and fi.rel_err < 1e-2
     assert math.isnan(sdpa.graph_ms) and "no graph: host-side metadata reads" in sdpa.note
-    assert not math.isnan(fi.graph_ms)
+    assert not math.isnan(fi.graph_ms) and not math.isnan(jit.graph_ms)
     work = sum(case.kv_lens) * 576 * 2 / 1e12
     assert sdpa.rate == pytest.approx(work / (sdpa.ms / 1e3))
     tflops = 2 * (576 + 512) * 8 * sum(case.kv_lens) / 1e12 / (sdpa.ms / 1e3)
@@ -325,9 +337,8 @@ def test_run_adds_the_cross_case_targets_after_every_case(monkeypatch):
 # ---- on a GPU ------------------------------------------------------------------------------------
 @pytest.mark.gpu
 def test_mla_cases_on_gpu(monkeypatch):
-    """The three MLA cases at their real shapes, few timed calls: jitattn skipped (the jit backend does not
-    serve the spec: FP8, or JITATTN_UNVERIFIED_LATENT off) or right,
-    sdpa and FlashInfer's MLA wrapper (where installed) right against the reference, rates positive."""
+    """The three MLA cases at their real shapes, few timed calls: jitattn (the MLA decode kernel), sdpa and
+    FlashInfer's MLA wrapper (where installed) right against the reference, rates positive."""
     monkeypatch.setattr(harness, "time_ms", functools.partial(harness.time_ms, warmup=1, rep=2, trials=1))
     monkeypatch.setattr(harness, "time_graph_ms", functools.partial(harness.time_graph_ms, rep=2, trials=1))
     results = []
@@ -335,9 +346,8 @@ def test_mla_cases_on_gpu(monkeypatch):
         rows = {r.impl: r for r in run.run_case_safely(case)}
         assert {"jitattn", "sdpa", "flex"} <= set(rows) and ("flashinfer-mla" in rows or "flashinfer" in rows), rows
         jit = rows["jitattn"]
-        why = unverified_kernel_reason(case.spec)
-        assert (jit.status == "skipped" and why and why[:40] in jit.note) or \
-            (jit.status == "ok" and jit.rel_err < report.MAX_REL_ERR), jit
+        assert latent_kernel_problem(case.spec) is None
+        assert jit.status == "ok" and jit.rel_err < report.MAX_REL_ERR and jit.rate > 0, jit
         assert rows["sdpa"].status == "ok" and rows["sdpa"].rel_err < report.MAX_REL_ERR, rows["sdpa"]
         fi = rows.get("flashinfer-mla") or rows["flashinfer"]
         assert fi.status in ("ok", "skipped"), fi

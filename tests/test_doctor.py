@@ -232,11 +232,14 @@ def test_cli_doctor_without_torch_says_so(tmp_path):
 
 
 def test_cli_doctor_without_torch_says_a_latent_kind_needs_it(tmp_path):
-    """DeepSeek-V3's latent decode kind has no kernel to ship: the torch backends serve it, so a node
-    without torch is told that serving it needs torch."""
+    """A latent decode kind the MLA kernel does not take (DeepSeek-V3 with kv_lora_rank 480: head dims 544 / 480,
+    not multiples of 64) has no kernel to ship: the torch backends serve it, so a node without torch is told
+    that serving it needs torch."""
     from tests.test_cli import _without
 
-    config = Path(__file__).resolve().parent / "models" / "deepseek-v3.json"
+    deepseek = json.loads((Path(__file__).resolve().parent / "models" / "deepseek-v3.json").read_text())
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**deepseek, "kv_lora_rank": 480}))
     proc = jitattn("doctor", "--model", str(config), "--arch", "sm_90a", "--json", cache=tmp_path / "c",
                    env=_without(tmp_path, "torch"))
     [model] = json.loads(proc.stdout)["models"]

@@ -1,7 +1,6 @@
 """Latent (MLA) decode on the GPU (``pytest -m gpu``) against the fp32 reference at the issue's shapes: the
-jit backend's MLA decode kernel (templates/mla_decode.cuh; the suite that lifts its gate,
-JITATTN_UNVERIFIED_LATENT, which every jit test here sets) and the sdpa backend, which serves latent specs
-while the gate is closed.
+jit backend's MLA decode kernel (templates/mla_decode.cuh), which serves latent specs, and the sdpa and
+reference backends, which serve the latent specs it does not take (named explicitly here).
 
 Group sizes 1 / 16 / 64 / 128 (DeepSeek-V3 at TP 128 / 8 / 2 / 1), page sizes 1 / 16 / 64, bf16 and FP8
 (e4m3, per-tensor k_scale) caches, 1 and 4 queries per sequence (4: MTP / speculative decode, causal
@@ -45,7 +44,7 @@ def _lens(shape: str, q_len: int, seed: int) -> tuple[list[int], list[int]]:
 def test_sdpa_latent_decode_matches_the_reference(heads, page_size, kv_dtype, q_len, shape, seed, record):
     spec = AttentionSpec(heads, 1, 576, 512, kv_storage="latent", page_size=page_size, kv_dtype=kv_dtype,
                          sm_scale=SM_SCALE)
-    sel = select(spec, "cuda", backend="sdpa")  # (with JITATTN_UNVERIFIED_LATENT=1 jit serves the bf16 ones)
+    sel = select(spec, "cuda", backend="sdpa")  # named: jit serves these specs by default
     q_lens, kv_lens = _lens(shape, q_len, seed)
     batch = random_paged_batch(spec, q_lens, kv_lens, device="cuda", seed=seed)
     out = torch.full((batch.q.shape[0], heads, 512), NOT_WRITTEN, dtype=torch.bfloat16, device="cuda")
@@ -58,10 +57,9 @@ def test_sdpa_latent_decode_matches_the_reference(heads, page_size, kv_dtype, q_
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
-def test_the_lse_of_a_latent_spec_comes_from_the_reference_backend(kv_dtype, seed, record, monkeypatch):
-    monkeypatch.delenv("JITATTN_UNVERIFIED_LATENT", raising=False)  # the gate closed: jit does not serve it
+def test_the_reference_backend_returns_the_lse_of_a_latent_spec(kv_dtype, seed, record):
     spec = AttentionSpec(16, 1, 576, 512, kv_storage="latent", page_size=64, kv_dtype=kv_dtype, sm_scale=SM_SCALE)
-    sel = select(spec, "cuda", need_lse=True)
+    sel = select(spec, "cuda", need_lse=True, backend="reference")  # named: jit serves these specs by default
     assert sel.name == "reference", sel.explain()
     batch = random_paged_batch(spec, *_lens("b129", 4, seed), device="cuda", seed=seed)
     out, lse = sel.build()(*batch.args(), return_lse=True, **batch.scales)
@@ -92,8 +90,8 @@ def mla_compiled(session_cache_dir):
 
 
 @pytest.fixture
-def mla_gate_open(monkeypatch, mla_compiled, session_cache):
-    monkeypatch.setenv("JITATTN_UNVERIFIED_LATENT", "1")
+def mla_kernels(mla_compiled, session_cache):
+    """The MLA decode kernels of this file, compiled into the session cache, which the test reads."""
 
 
 def _check_against_reference(spec, batch, out, lse, record):
@@ -111,7 +109,7 @@ def _check_against_reference(spec, batch, out, lse, record):
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("heads", HEADS)
-def test_jit_latent_decode_matches_the_reference(mla_gate_open, heads, page_size, kv_dtype, q_len, shape, seed,
+def test_jit_latent_decode_matches_the_reference(mla_kernels, heads, page_size, kv_dtype, q_len, shape, seed,
                                                  record):
     """Every query of the batch through the MLA kernel (one launch), with the lse: splits for 1 x 32,768 (groups
     of whole 16-head tiles), empty sequences and a sequence with keys but no query this step in the 129; an FP8
@@ -127,7 +125,7 @@ def test_jit_latent_decode_matches_the_reference(mla_gate_open, heads, page_size
 
 
 @pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
-def test_jit_latent_decode_without_a_query_length_hint_and_with_fp16(mla_gate_open, kv_dtype, seed, record):
+def test_jit_latent_decode_without_a_query_length_hint_and_with_fp16(mla_kernels, kv_dtype, seed, record):
     """A group of 20 (two tiles, the second half padding: one split), fp16, mixed 1..8 queries per sequence,
     no max_query_len (graph-mode slots from total_q)."""
     spec = jit_latent(20, 16, "float16", kv_dtype)
@@ -138,7 +136,7 @@ def test_jit_latent_decode_without_a_query_length_hint_and_with_fp16(mla_gate_op
     _check_against_reference(spec, batch, got, lse, record)
 
 
-def test_jit_latent_decode_replays_in_a_cuda_graph(mla_gate_open, seed, record):
+def test_jit_latent_decode_replays_in_a_cuda_graph(mla_kernels, seed, record):
     """plan once, run captured: a graph replayed on new q gives the reference's answer for it (split-KV on)."""
     spec = jit_latent(16, 64)
     batch = random_paged_batch(spec, [1, 2], [20000, 513], device="cuda", seed=seed)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 import jitattn
 from jitattn import AttentionSpec, reference
-from jitattn.backends import get_backend
+from jitattn.backends import DeviceInfo, get_backend
 from jitattn.kv_write import append_kv, append_latent_kv
 from jitattn.models import MLA_DECODE, MLA_PREFILL, compare_with_transformers, load_model_config
 from jitattn.selector import NoBackendError, select
@@ -175,40 +176,59 @@ def test_sdpa_refuses_what_it_cannot_do_and_reference_returns_the_lse():
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
-@pytest.mark.parametrize("device", ["cpu", "h100", "a100"])
-@pytest.mark.parametrize("disable_jit", ["0", "1"])
-def test_selection_passes_the_kernel_backends_over_with_their_reason(device, disable_jit, monkeypatch):
-    """With the MLA kernel's gate closed; under JITATTN_DISABLE_JIT=1 too (the gate's reason comes first: jit
-    looks up no cache entry)."""
-    monkeypatch.setenv("JITATTN_DISABLE_JIT", disable_jit)
-    monkeypatch.delenv("JITATTN_UNVERIFIED_LATENT", raising=False)
-    spec = latent(128, 64, "fp8")
+#: A latent spec whose head dims the MLA decode kernel does not take (not multiples of 64).
+ODD_DIMS = AttentionSpec(16, 1, 288, 256, kv_storage="latent", page_size=16, sm_scale=0.1352)
+ODD_DIMS_REASON = ("head_dim_qk=288: the MLA decode kernel takes latent head dims that are multiples of 64 "
+                   "(576 / 512 for DeepSeek); the sdpa and reference backends serve this one")
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "fp8"])
+@pytest.mark.parametrize("device", ["h100", "a100"])
+def test_the_jit_backend_serves_a_latent_spec_on_cuda(device, kv_dtype):
+    spec = latent(128, 64, kv_dtype)
     sel = select(spec, device)
-    assert sel.name == "sdpa" and select(spec, device, need_lse=True).name == "reference"
+    assert sel.name == "jit" and select(spec, device, need_lse=True).name == "jit"
+    assert select(spec, device, backend="jit").name == "jit"
+    assert get_backend("jit").spec_reasons(spec, DeviceInfo.parse(device), "decode") == []
+    for name in ("flex", "flashinfer"):
+        with pytest.raises(ValueError, match=rf"backend '{name}' cannot serve this spec .* latent attention"):
+            get_backend(name).build(spec, device)
+
+
+@pytest.mark.parametrize("device", ["h100", "a100"])
+def test_a_latent_spec_the_kernel_cannot_serve_goes_to_sdpa_with_the_reason(device):
+    sel = select(ODD_DIMS, device)
+    assert sel.name == "sdpa" and select(ODD_DIMS, device, need_lse=True).name == "reference"
     reasons = {r.backend: " ".join(r.reasons) for r in sel.passed_over}
-    assert "jit: kv_storage='latent': its MLA decode kernel compiles but has not passed the GPU suite yet; " \
-           "JITATTN_UNVERIFIED_LATENT=1 uses it" in reasons["jit"]
-    assert "missing kernel" not in reasons["jit"]
+    assert reasons["jit"] == f"jit: {ODD_DIMS_REASON}"
     for name in ("flex", "flashinfer"):
         assert f"{name}: latent attention (kv_storage='latent', MLA) not served" in reasons[name]
-    with pytest.raises(NoBackendError, match=r"its MLA decode kernel compiles but has not passed the GPU suite"):
-        select(spec, device, backend="jit")
-    with pytest.raises(ValueError, match=r"backend 'flex' cannot serve this spec .* latent attention"):
-        get_backend("flex").build(spec, device)
+    with pytest.raises(NoBackendError, match=r"jit: head_dim_qk=288: the MLA decode kernel takes latent head dims"):
+        select(ODD_DIMS, device, backend="jit")
 
 
-def test_plan_and_the_kernel_calls_refuse_a_latent_spec_before_any_work_while_its_kernel_is_gated(monkeypatch):
-    monkeypatch.delenv("JITATTN_UNVERIFIED_LATENT", raising=False)
-    spec, b = _batch(16, 1, 16, "bf16")
-    expected = (r"spec h16x1_d576v512_bf16_latent_p16_causal_\w+: kv_storage='latent': its MLA decode kernel compiles "
-                r"but has not passed the GPU suite yet; JITATTN_UNVERIFIED_LATENT=1 uses it; "
+def test_without_cuda_or_under_disable_jit_the_torch_backends_serve_a_latent_spec(monkeypatch):
+    spec = latent(128, 64, "fp8")
+    sel = select(spec, "cpu")
+    assert sel.name == "sdpa" and select(spec, "cpu", need_lse=True).name == "reference"
+    assert "latent" not in " ".join(r for rej in sel.passed_over if rej.backend == "jit" for r in rej.reasons)
+    monkeypatch.setenv("JITATTN_DISABLE_JIT", "1")  # the cache is empty: jit has no kernel to load
+    sel = select(spec, "h100")
+    assert sel.name == "sdpa" and select(spec, "h100", need_lse=True).name == "reference"
+    reasons = {r.backend: " ".join(r.reasons) for r in sel.passed_over}
+    assert reasons["jit"].startswith(f"jit: missing kernel: {spec.name} is not cached for sm_90a")
+    assert reasons["jit"].endswith("--arch sm_90a") and "fill it with: jitattn warmup --spec" in reasons["jit"]
+
+
+def test_plan_and_the_kernel_calls_refuse_a_latent_spec_the_kernel_cannot_serve_before_any_work():
+    b = random_paged_batch(ODD_DIMS, [1, 2], [10, 20], seed=0)
+    expected = (rf"spec {ODD_DIMS.name}: {re.escape(ODD_DIMS_REASON)}; "
                 r"jitattn.selector.select\(spec, device\).build\(\) gives a backend that serves it")
-    for call in (lambda: jitattn.plan(spec, b.block_table, b.seq_lens, b.query_start_loc),
-                 lambda: jitattn.paged_attention(spec, *b.args()),
-                 lambda: jitattn.load_kernel(spec, "cuda")):
+    for call in (lambda: jitattn.plan(ODD_DIMS, b.block_table, b.seq_lens, b.query_start_loc),
+                 lambda: jitattn.paged_attention(ODD_DIMS, *b.args()),
+                 lambda: jitattn.load_kernel(ODD_DIMS, "cuda")):
         with pytest.raises(ValueError, match=expected):
             call()
-    assert "mla_decode_kernel<jitattn::Spec>" in jitattn.render.render(spec).text  # it renders (and compiles)
 
 
 def test_the_custom_op_serves_a_latent_spec_through_the_selector():
@@ -364,54 +384,64 @@ def test_transformers_reads_deepseek_v3_the_same_way(monkeypatch):
 
 
 # ---- the command line ------------------------------------------------------------------------------
-def test_select_names_sdpa_for_the_latent_decode_and_jit_for_the_prefill(tmp_path):
+def test_select_names_jit_for_the_latent_decode_and_the_prefill(tmp_path):
     proc = run_cli("select", "--model", str(DEEPSEEK_V3), "--device", "h200", "--tensor-parallel-size", "8", "--json",
                    cache=tmp_path / "c")
     assert proc.returncode == 0, proc.stderr
     rows = {r["layer_kind"]: r for r in json.loads(proc.stdout)["layer_kinds"]}
-    assert rows[MLA_DECODE]["backend"] == "sdpa" and rows[MLA_PREFILL]["backend"] == "jit"
+    assert rows[MLA_DECODE]["backend"] == "jit" and rows[MLA_PREFILL]["backend"] == "jit"
     assert rows[MLA_DECODE]["spec"]["num_qo_heads"] == 16
-    assert any("its MLA decode kernel compiles but has not passed the GPU suite yet" in line
-               for line in rows[MLA_DECODE]["passed_over"])
+    assert not any(line.startswith("jit:") for line in rows[MLA_DECODE]["passed_over"])
 
 
-def test_warmup_compiles_the_prefill_not_the_latent_decode(tmp_path):
-    """With an nvcc that refuses to compile, the attempts show what warmup builds: the prefill spec and
-    merge_state, never the latent decode spec, which it reports as served by sdpa."""
+def test_warmup_compiles_the_latent_decode_beside_the_prefill(tmp_path):
+    """With an nvcc that refuses to compile, the attempts show what warmup builds: the latent decode spec, the
+    prefill spec and merge_state, with no note that another backend serves the decode."""
+    from jitattn.doctor import no_kernel_note
+
     nvcc, log = fake_nvcc(tmp_path, "no-compile")
     proc = run_cli("warmup", "--model", str(DEEPSEEK_V3), "--arch", "sm_90a", "--tensor-parallel-size", "8",
                    cache=tmp_path / "c", env={"JITATTN_NVCC": str(nvcc)})
     model = load_model_config(DEEPSEEK_V3, tensor_parallel_size=8)
     decode, prefill = (k.spec for k in model.layer_kinds)
-    assert proc.returncode == 1  # the two real modules fail under the refusing nvcc
-    assert f"not compiled: {decode.name} (needed by deepseek-v3/mla_decode): not built: kv_storage='latent': its " \
-           f"MLA decode kernel compiles but has not passed the GPU suite yet; JITATTN_UNVERIFIED_LATENT=1 uses it; " \
-           f"served by the sdpa backend on sm_90a" in " ".join(proc.stdout.split())
-    assert "2 specs x 1 archs (sm_90a)" in proc.stderr
-    assert f"FAILED {prefill.name} sm_90a" in proc.stderr and "FAILED merge_state_bf16" in proc.stderr
-    assert f"FAILED {decode.name}" not in proc.stderr and "append_kv" not in proc.stdout + proc.stderr
-    assert len(compile_calls(log)) == 2
+    assert decode.latent and proc.returncode == 1  # the three modules fail under the refusing nvcc
+    assert "3 specs x 1 archs (sm_90a)" in proc.stderr and "not compiled" not in proc.stdout
+    assert f"FAILED {decode.name} sm_90a" in proc.stderr and f"FAILED {prefill.name} sm_90a" in proc.stderr
+    assert "FAILED merge_state_bf16" in proc.stderr and "append_kv" not in proc.stdout + proc.stderr
+    assert len(compile_calls(log)) == 3
+    assert no_kernel_note(decode, "sm_90a") is None and no_kernel_note(decode, "sm_80") is None
+
+
+def test_warmup_compiles_nothing_for_a_latent_spec_the_kernel_cannot_serve(tmp_path):
+    nvcc, log = fake_nvcc(tmp_path, "no-compile")
+    proc = run_cli("warmup", "--spec", ODD_DIMS.canonical_json(), "--spec", latent().canonical_json(), "--arch",
+                   "sm_90a", cache=tmp_path / "c", env={"JITATTN_NVCC": str(nvcc)})
+    assert f"not compiled: {ODD_DIMS.name} (needed by --spec #1): no kernel to build: {ODD_DIMS_REASON}; " \
+           f"served by the sdpa backend on sm_90a" in " ".join(proc.stdout.split()), proc.stdout + proc.stderr
+    assert "1 specs x 1 archs (sm_90a)" in proc.stderr and f"FAILED {latent().name} sm_90a" in proc.stderr
+    assert f"FAILED {ODD_DIMS.name}" not in proc.stderr and len(compile_calls(log)) == 1
 
 
 @pytest.mark.slow
-def test_warmup_of_deepseek_v3_compiles_its_prefill_spec(tmp_path):
+def test_warmup_of_deepseek_v3_compiles_its_decode_and_prefill_specs(tmp_path):
     proc = run_cli("warmup", "--model", str(DEEPSEEK_V3), "--arch", "sm_90a", "--tensor-parallel-size", "8",
                    cache=tmp_path / "c")
     assert proc.returncode == 0, proc.stderr
-    assert "compiled 2, cached 0, failed 0" in proc.stdout and "served by the sdpa backend on sm_90a" in proc.stdout
+    assert "compiled 3, cached 0, failed 0" in proc.stdout and "served by" not in proc.stdout
     doctor = run_cli("doctor", "--model", str(DEEPSEEK_V3), "--arch", "sm_90a", "--tensor-parallel-size", "8",
                      cache=tmp_path / "c")
     assert doctor.returncode == 0 and "ok: this node can serve every model" in doctor.stdout
 
 
-def test_doctor_and_export_count_the_latent_spec_as_served_without_a_kernel(tmp_path):
+def test_doctor_and_export_count_the_latent_decode_as_a_kernel_to_cache(tmp_path):
     proc = run_cli("doctor", "--model", str(DEEPSEEK_V3), "--arch", "sm_90a", "--json", cache=tmp_path / "c")
-    assert proc.returncode == 1  # nothing is cached: the prefill spec and merge_state are missing
+    assert proc.returncode == 1  # nothing is cached: the decode and prefill specs and merge_state are missing
     (model,) = json.loads(proc.stdout)["models"]
     by_name = {k["needed_by"][0]: k for k in model["kernels"]}
-    assert by_name[MLA_DECODE]["served"] and "served by the sdpa backend on sm_90a" in by_name[MLA_DECODE]["note"]
+    assert not by_name[MLA_DECODE]["served"] and not by_name[MLA_DECODE]["note"]
     assert not by_name[MLA_PREFILL]["served"] and not by_name["merge_state"]["served"]
     export = run_cli("cache", "export", "-o", str(tmp_path / "x.tar.gz"), "--model", str(DEEPSEEK_V3), "--arch",
                      "sm_90a", cache=tmp_path / "c")
-    assert export.returncode == 1 and "2 of 2 kernels are not cached" in export.stderr
-    assert "latent" not in export.stderr
+    assert export.returncode == 1 and "3 of 3 kernels are not cached" in export.stderr
+    decode = load_model_config(DEEPSEEK_V3).layer_kinds[0].spec
+    assert f"{decode.name} sm_90a (needed by deepseek-v3/mla_decode)" in export.stderr

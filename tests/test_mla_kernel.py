@@ -1,6 +1,6 @@
 """The MLA decode kernel (templates/mla_decode.cuh) on the CPU: it renders, compiles through the cache for sm_80
-and sm_90a without spilling, its gate (JITATTN_UNVERIFIED_LATENT) decides whether jit or sdpa serves a latent
-spec, and plan / run launch it with the grid, split factor and scratch the kernel reads. The kernel's results
+and sm_90a without spilling, the jit backend serves latent specs with it (sdpa those whose head dims it does not
+take), and plan / run launch it with the grid, split factor and scratch the kernel reads. The kernel's results
 are checked on the GPU (tests/test_gpu_mla.py)."""
 
 from __future__ import annotations
@@ -12,20 +12,18 @@ import pytest
 import torch
 
 import jitattn
-from jitattn import AttentionSpec, settings
+from jitattn import AttentionSpec, runtime
 from jitattn.cache import verify_entry
 from jitattn.planning import LATENT_MAX_QUERY_SLOTS, LATENT_TILE_ROWS
 from jitattn.render import KERNEL_NAMES, render
 from jitattn.selector import select
-from jitattn.spec import latent_kernel_problem, unverified_kernel_reason
+from jitattn.spec import latent_kernel_problem
 from jitattn.testing import random_paged_batch
 from tests import launch_cases as lc
 from tests.conftest import build_in_parallel, built
 from tests.test_plan_launches import fake_kernel
 
 SCALE = 0.1352337788608801  # DeepSeek-V3's
-GATE_OFF = ("kv_storage='latent': its MLA decode kernel compiles but has not passed the GPU suite yet; "
-            "JITATTN_UNVERIFIED_LATENT=1 uses it")
 
 
 def latent(heads: int = 16, page_size: int = 64, q_dtype: str = "bfloat16", **kw) -> AttentionSpec:
@@ -84,17 +82,24 @@ def test_the_group_sizes_and_page_sizes_of_the_gpu_suite_compile(compiled_more, 
     _check_cubin(built(compiled_more, SLOW_SPECS[name], arch), arch)
 
 
-# ---- the gate -----------------------------------------------------------------------------------------
-def test_the_gate_decides_whether_jit_or_sdpa_serves_a_latent_spec():
-    spec = latent()
-    with settings.scope(JITATTN_UNVERIFIED_LATENT=None):
-        assert unverified_kernel_reason(spec) == GATE_OFF
-        sel = select(spec, "h200")
-        assert sel.name == "sdpa"
-        assert f"jit: {GATE_OFF}" in {r for rej in sel.passed_over for r in rej.reasons}
-    with settings.scope(JITATTN_UNVERIFIED_LATENT="1"):
-        assert unverified_kernel_reason(spec) is None
-        assert select(spec, "h200").name == "jit" and select(spec, "a100", need_lse=True).name == "jit"
+# ---- serving -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
+@pytest.mark.parametrize("q_dtype", ["bfloat16", "float16"])
+def test_the_jit_backend_serves_latent_specs_on_sm_90_and_sm_80(q_dtype, kv_dtype):
+    spec = latent(16, 64, q_dtype, kv_dtype=kv_dtype)
+    assert latent_kernel_problem(spec) is None
+    for device in ("h100", "sm_90", "a100", "sm_80"):
+        sel = select(spec, device)
+        assert sel.name == "jit", device
+        assert not [r for rej in sel.passed_over if rej.backend == "jit" for r in rej.reasons], device
+        assert select(spec, device, need_lse=True).name == "jit", device
+    for heads in (1, 20, 128):
+        assert select(latent(heads, 1, q_dtype, kv_dtype=kv_dtype), "h100").name == "jit", heads
+
+
+def test_an_fp8_latent_spec_renders_the_fp8_kernel():
+    text = render(latent(16, 64, kv_dtype="float8_e4m3fn")).text
+    assert "using DTypeKV = __nv_fp8_e4m3;" in text and "mla_decode_kernel" in text
 
 
 @pytest.mark.parametrize("kw, problem", [
@@ -103,24 +108,49 @@ def test_the_gate_decides_whether_jit_or_sdpa_serves_a_latent_spec():
                                              "backends serve this one"),
     (dict(head_dim_qk=576, head_dim_vo=496), "head_dim_vo=496: the MLA decode kernel takes latent head dims"),
 ])
-def test_what_the_kernel_cannot_serve_stays_with_sdpa_with_the_gate_open(kw, problem):
+def test_what_the_kernel_cannot_serve_stays_with_sdpa_with_its_reason(kw, problem, monkeypatch):
+    def boom(*args, **kwargs):
+        raise AssertionError("reached the device / compile step")
+
+    monkeypatch.setattr(runtime, "JitKernel", boom)  # the refusal comes before any device or compile work
+    monkeypatch.setattr(runtime, "cuda_device", boom)
     spec = AttentionSpec(16, 1, kv_storage="latent", sm_scale=SCALE, **{"head_dim_qk": 576, "head_dim_vo": 512, **kw})
     assert latent_kernel_problem(spec).startswith(problem)
-    with settings.scope(JITATTN_UNVERIFIED_LATENT="1"):
-        assert unverified_kernel_reason(spec).startswith(problem)
-        assert select(spec, "h200").name == "sdpa"
-        with pytest.raises(ValueError, match=re.escape(problem)):
-            jitattn.load_kernel(spec, "cuda")
+    for device in ("h100", "sm_80"):
+        sel = select(spec, device)
+        assert sel.name == "sdpa", device
+        assert any(r.startswith(f"jit: {problem}") for rej in sel.passed_over for r in rej.reasons), device
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        jitattn.load_kernel(spec, "cuda")
+    batch = random_paged_batch(spec, [1], [10], device="cpu")
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        jitattn.plan(spec, batch.block_table, batch.seq_lens, batch.query_start_loc)
     assert latent_kernel_problem(AttentionSpec(16, 1, 128)) is None and latent_kernel_problem(latent()) is None
     assert latent_kernel_problem(latent(kv_dtype="float8_e4m3fn")) is None
 
 
-def test_the_jit_backend_serves_an_fp8_latent_cache_with_the_gate_open():
-    spec = latent(16, 64, kv_dtype="float8_e4m3fn")
-    with settings.scope(JITATTN_UNVERIFIED_LATENT="1"):
-        assert select(spec, "h200").name == "jit" and select(spec, "a100", need_lse=True).name == "jit"
-    text = render(spec).text
-    assert "using DTypeKV = __nv_fp8_e4m3;" in text and "mla_decode_kernel" in text
+class _Built(Exception):
+    """Raised by the stand-in kernel: the call got as far as building the spec's kernel."""
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
+def test_load_kernel_and_plan_go_on_to_build_a_latent_spec(kv_dtype, monkeypatch):
+    spec = latent(kv_dtype=kv_dtype)
+    built = []
+
+    def build(s, dev):
+        built.append((s, dev))
+        raise _Built
+
+    monkeypatch.setattr(runtime, "_KERNELS", runtime.LoadedOnce())  # the stand-in stays out of the process's kernels
+    monkeypatch.setattr(runtime, "cuda_device", lambda device: torch.device("cuda", 0))
+    monkeypatch.setattr(runtime, "JitKernel", build)
+    with pytest.raises(_Built):
+        jitattn.load_kernel(spec, "cuda")
+    batch = random_paged_batch(spec, [1], [10], device="cpu")
+    with pytest.raises(_Built):
+        jitattn.plan(spec, batch.block_table, batch.seq_lens, batch.query_start_loc)
+    assert built == [(spec, torch.device("cuda", 0))] * 2
 
 
 # ---- plan / run -----------------------------------------------------------------------------------------
@@ -170,34 +200,3 @@ def test_groups_that_are_not_whole_tiles_run_one_split_and_graph_mode_bounds_the
     assert launch["grid"][1:] == [LATENT_MAX_QUERY_SLOTS, 5]  # 15 queries could be one sequence's: 8 slots
     _, _, _, launch = _launch(latent(16), [1], [32768], max_query_len=1)
     assert launch["grid"][:2] == [64, 1]  # one block per split: the 32,768 keys over a full wave
-
-
-def test_the_plan_refuses_a_latent_spec_while_the_gate_is_off():
-    spec = latent()
-    batch = random_paged_batch(spec, [1], [10], device="cpu")
-    with settings.scope(JITATTN_UNVERIFIED_LATENT=None), pytest.raises(ValueError, match=re.escape(GATE_OFF)):
-        jitattn.plan(spec, batch.block_table, batch.seq_lens, batch.query_start_loc)
-    assert torch.is_tensor(batch.q)
-
-
-# ---- warmup ---------------------------------------------------------------------------------------------
-def test_warmup_builds_the_latent_decode_once_the_gate_is_open(tmp_path):
-    """The refusing nvcc shows the attempts: with JITATTN_UNVERIFIED_LATENT=1 the latent decode spec is built
-    beside the prefill spec and merge_state (and no note says another backend serves it)."""
-    from jitattn.doctor import no_kernel_note
-    from jitattn.models import load_model_config
-    from tests.test_cache import compile_calls, fake_nvcc
-    from tests.test_cli import jitattn as run_cli
-    from tests.test_mla import DEEPSEEK_V3
-
-    nvcc, log = fake_nvcc(tmp_path, "no-compile")
-    proc = run_cli("warmup", "--model", str(DEEPSEEK_V3), "--arch", "sm_90a", "--tensor-parallel-size", "8",
-                   cache=tmp_path / "c", env={"JITATTN_NVCC": str(nvcc), "JITATTN_UNVERIFIED_LATENT": "1"})
-    decode = load_model_config(DEEPSEEK_V3, tensor_parallel_size=8).layer_kinds[0].spec
-    assert decode.latent and proc.returncode == 1
-    assert f"FAILED {decode.name} sm_90a" in proc.stderr and "not compiled" not in proc.stdout
-    assert len(compile_calls(log)) == 3
-    with settings.scope(JITATTN_UNVERIFIED_LATENT="1"):
-        assert no_kernel_note(decode, "sm_90a") is None
-    with settings.scope(JITATTN_UNVERIFIED_LATENT=None):
-        assert no_kernel_note(decode, "sm_90a").startswith(f"not built: {GATE_OFF}; served by the sdpa backend")

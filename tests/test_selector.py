@@ -384,14 +384,14 @@ DEEPSEEK_V3 = Path(__file__).resolve().parent / "models" / "deepseek-v3.json"
 @pytest.mark.parametrize("spec", [LATENT, PLAIN], ids=["latent", "paged"])
 def test_without_torch_this_machines_gpu_is_judged_like_its_cpu(monkeypatch, device, spec):
     """``cuda`` / ``cuda:N`` name this machine's GPU: without torch no backend runs on it, and the torch
-    backends (a latent spec's only ones) say that torch is missing rather than being picked."""
+    backends say that torch is missing rather than being picked."""
     monkeypatch.setattr(selector, "torch_installed", lambda: False)
     with pytest.raises(NoBackendError) as err:
         select(spec, device, "decode")
     reasons = {r.backend: r.reasons for r in err.value.rejections}
     want = "torch is not installed (its calls take torch tensors; pip install 'jitattn[torch]')"
     assert reasons["sdpa"] == (f"sdpa: {want}",) and reasons["reference"] == (f"reference: {want}",)
-    assert select(spec, "h100", "decode").name == ("sdpa" if spec.latent else "jit")  # planned for another node
+    assert select(spec, "h100", "decode").name == "jit"  # planned for another node
 
 
 def test_select_device_cuda_0_without_torch_names_no_backend_for_a_latent_kind(tmp_path):

@@ -2,8 +2,8 @@
 
 Serves every spec feature (soft-cap, windows, sinks, ALiBi, every variant hook, GQA of any group
 size, head dims 8..256 in steps of 8, NHD/HND, any page size, every KV dtype the spec takes, ragged
-K/V with head_dim_qk != head_dim_vo, latent MLA decode (16-bit or FP8 caches) behind JITATTN_UNVERIFIED_LATENT:
-:func:`jitattn.spec.unverified_kernel_reason`) on
+K/V with head_dim_qk != head_dim_vo, latent MLA decode (16-bit or FP8 caches; latent head dims multiples of 64:
+:func:`jitattn.spec.latent_kernel_problem`)) on
 CUDA devices whose compute capability runs one of the archs jitattn builds (:func:`jitattn.build.archs_for_capability`:
 today 8.0 and newer). Launches are CUDA-graph capturable and return the lse.
 
@@ -21,7 +21,7 @@ from typing import Any
 from jitattn import settings
 from jitattn.archs import ARCHS, archs_for_capability
 from jitattn.backends.base import Backend, DeviceInfo, PagedAttentionFn, cuda_reasons, dtype_reasons
-from jitattn.spec import KV_DTYPES, AttentionSpec, unverified_kernel_reason
+from jitattn.spec import KV_DTYPES, AttentionSpec, latent_kernel_problem
 
 
 class JitBackend(Backend):
@@ -30,7 +30,7 @@ class JitBackend(Backend):
     graph_safe = True
     supports_lse = True
     supports_explicit_positions = True
-    supports_latent = True  # the MLA decode kernel: its limits and its gate are unverified_kernel_reason's
+    supports_latent = True  # the MLA decode kernel: its limits are latent_kernel_problem's
     description = "jitattn's specialised CUDA kernels (every spec feature; sm_80 and newer)"
 
     def spec_reasons(self, spec: AttentionSpec, device: DeviceInfo, phase: str) -> list[str]:
@@ -40,9 +40,9 @@ class JitBackend(Backend):
             out.append(f"{self.name}: no build target runs on compute capability {cap} ({device.name}); "
                        f"jitattn builds {', '.join(ARCHS)}")
         out += dtype_reasons(self.name, spec, kv=KV_DTYPES)
-        unverified = unverified_kernel_reason(spec)
-        if unverified:
-            out.append(f"{self.name}: {unverified}")
+        problem = latent_kernel_problem(spec)
+        if problem:
+            out.append(f"{self.name}: {problem}")
         if not out and settings.disable_jit():
             out += self.missing_kernel_reasons(spec, device)
         return out

@@ -5,13 +5,12 @@ random latent cache ``(num_pages, page_size, 576)``: each token's row is ``c_kv`
 (64), one row shared by every query head; V is the row's first 512 values. Its rows, side by side:
 
 - ``jitattn``: ``jitattn.plan`` once, ``jitattn.run`` timed (:func:`jitattn.bench.host.plan_run_call`): the MLA
-  decode kernel (templates/mla_decode.cuh). Where the jit backend does not serve the spec (the kernel's
-  GPU-suite gate, ``JITATTN_UNVERIFIED_LATENT``, off) the row is "skipped" with
-  :func:`jitattn.spec.unverified_kernel_reason`'s text.
-- ``sdpa``: :mod:`jitattn.backends`' sdpa backend on the paged batch, what ``jitattn.select`` serves
-  today. The timed call includes the gather: per sequence, its latent rows are copied out of the pages,
-  then one SDPA call takes the ``q_len x H`` query rows as one head's; it reads the metadata on the host
-  (a sync per call), so it is timed eagerly, with no CUDA graph.
+  decode kernel (templates/mla_decode.cuh). Where the jit backend does not serve the spec (latent head dims
+  not multiples of 64) the row is "skipped" with :func:`jitattn.spec.latent_kernel_problem`'s text.
+- ``sdpa``: :mod:`jitattn.backends`' sdpa backend on the paged batch, what ``jitattn.select`` serves for the
+  latent specs the MLA kernel does not take. The timed call includes the gather: per sequence, its latent
+  rows are copied out of the pages, then one SDPA call takes the ``q_len x H`` query rows as one head's; it
+  reads the metadata on the host (a sync per call), so it is timed eagerly, with no CUDA graph.
 - ``flashinfer-mla``: ``flashinfer.mla.BatchMLAPagedAttentionWrapper`` (:func:`flashinfer_mla_runner`),
   planned once, ``run`` timed; ``ckv`` / ``kpe`` are views of the same latent cache.
 - ``flex``: a "skipped" row; the sdpa row is the dense anchor of these cases.
@@ -40,7 +39,7 @@ from jitattn.bench.harness import Runner, Skip
 from jitattn.bench.host import plan_run_call
 from jitattn.bench.report import Result
 from jitattn.reference import torch_dtype
-from jitattn.spec import AttentionSpec, unverified_kernel_reason
+from jitattn.spec import AttentionSpec, latent_kernel_problem
 from jitattn.testing import PagedBatch
 
 #: The row name of FlashInfer's MLA wrapper (family "flashinfer").
@@ -81,10 +80,10 @@ def jitattn_latent_runner(case: BenchCase, batch: PagedBatch) -> Runner:
     """``jitattn.plan`` once and ``jitattn.run`` timed, as for any spec.
 
     Raises:
-        Skip: the jit backend does not serve the spec (:func:`jitattn.spec.unverified_kernel_reason`: the MLA
-            kernel's gate off, or head dims it does not take), with that reason.
+        Skip: the jit backend does not serve the spec (:func:`jitattn.spec.latent_kernel_problem`: head dims
+            the MLA kernel does not take), with that reason.
     """
-    why = unverified_kernel_reason(case.spec)
+    why = latent_kernel_problem(case.spec)
     if why:
         raise Skip(why)
     call = plan_run_call(case.spec, batch, new_out(case.spec, batch), max(case.q_lens))
