@@ -294,6 +294,34 @@ __device__ __forceinline__ void decode_mma_qk_fp8(float (&s0)[4], float (&s1)[4]
   }
 }
 
+// P of n-tiles 2 j and 2 j + 1 (16 keys) as the A operand of one k-step of O += P V; rows g + 8 are
+// zero when they are padding (kRowHalves == 1).
+template <class T, class MT, int kN>
+__device__ __forceinline__ void decode_mma_p_operand(uint32_t (&a)[4], const float (&s)[kN][4], int j) {
+  a[0] = pack2<MT>(s[2 * j][0], s[2 * j][1]);
+  a[1] = T::kRowHalves == 2 ? pack2<MT>(s[2 * j][2], s[2 * j][3]) : 0u;
+  a[2] = pack2<MT>(s[2 * j + 1][0], s[2 * j + 1][1]);
+  a[3] = T::kRowHalves == 2 ? pack2<MT>(s[2 * j + 1][2], s[2 * j + 1][3]) : 0u;
+}
+
+// One k-step of O += P V from a 16-bit tile: key rows row0 .. row0 + 15 of `tile` (kRowStride elements
+// apart); n-tile pair d2 of o reads chunks tile0 + 2 d2 and + 1 (ldmatrix.trans: B fragments of 8 dims each).
+template <class T, class MT, int kPairs, class E, class ChunkAt>
+__device__ __forceinline__ void decode_mma_pv_16bit(float (&o)[2 * kPairs][4], const uint32_t (&a)[4], const E* tile,
+                                                    int row0, int tile0, int lane, ChunkAt chunk_at) {
+#pragma unroll
+  for (int d2 = 0; d2 < kPairs; ++d2) {
+    uint32_t b[4];
+    ldmatrix_x4_trans(b, tile + (row0 + lane % 8 + ((lane / 8) % 2) * 8) * T::kRowStride +
+                             chunk_at(tile0 + d2 * 2 + lane / 16) * 8);
+    if constexpr (T::kRowHalves == 1) {  // rows g + 8 are padding: their accumulators are scratch
+      o[2 * d2][2] = o[2 * d2][3] = o[2 * d2 + 1][2] = o[2 * d2 + 1][3] = 0.f;
+    }
+    mma_16816<MT>(o[2 * d2], a, b[0], b[1]);
+    mma_16816<MT>(o[2 * d2 + 1], a, b[2], b[3]);
+  }
+}
+
 // FP8 cache: O += P V for the 16 keys at rows 0..15 of `sv`, head-dim chunks c0 .. c0 + kN - 1 (16 dims
 // each); o[2 i] takes the even dims of chunk c0 + i, o[2 i + 1] the odd ones. ldmatrix.trans (b16) of
 // 8 keys x 16 bytes gives lane (r = lane / 4, c = lane % 4) bytes (key 2c, dim 2r), (2c, 2r+1), (2c+1,
@@ -439,25 +467,12 @@ __device__ __forceinline__ void decode_mma_split_dims(const Params& p, const uin
 #pragma unroll
     for (int j = 0; j < kN / 2; ++j) {  // P of 16 keys as the A operand of one k-step
       uint32_t a[4];
-      a[0] = pack2<MT>(s[2 * j][0], s[2 * j][1]);
-      a[1] = T::kRowHalves == 2 ? pack2<MT>(s[2 * j][2], s[2 * j][3]) : 0u;
-      a[2] = pack2<MT>(s[2 * j + 1][0], s[2 * j + 1][1]);
-      a[3] = T::kRowHalves == 2 ? pack2<MT>(s[2 * j + 1][2], s[2 * j + 1][3]) : 0u;
+      decode_mma_p_operand<T, MT>(a, s, j);
       if constexpr (T::kFp8) {  // this warp's chunks: warp * kWarpDTiles / 2 ..
         decode_mma_pv_fp8<T, T::kWarpDTiles / 2>(o, a, reinterpret_cast<const uint8_t*>(sv) + (c0 + 16 * j) * T::kRowStride,
                                                  warp * T::kWarpDTiles / 2, chunk_at);
       } else {
-#pragma unroll
-        for (int d2 = 0; d2 < T::kWarpDTiles / 2; ++d2) {
-          uint32_t b[4];
-          ldmatrix_x4_trans(b, sv + (c0 + 16 * j + lane % 8 + ((lane / 8) % 2) * 8) * T::kRowStride +
-                                   chunk_at(warp * T::kWarpDTiles + d2 * 2 + lane / 16) * 8);
-          if constexpr (T::kRowHalves == 1) {  // rows g + 8 are padding: their accumulators are scratch
-            o[2 * d2][2] = o[2 * d2][3] = o[2 * d2 + 1][2] = o[2 * d2 + 1][3] = 0.f;
-          }
-          mma_16816<MT>(o[2 * d2], a, b[0], b[1]);
-          mma_16816<MT>(o[2 * d2 + 1], a, b[2], b[3]);
-        }
+        decode_mma_pv_16bit<T, MT, T::kWarpDTiles / 2>(o, a, sv, c0 + 16 * j, warp * T::kWarpDTiles, lane, chunk_at);
       }
     }
   }
@@ -683,14 +698,11 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
 #pragma unroll
     for (int j = 0; j < kN / 2; ++j) {
       uint32_t a[4];  // P as the A operand: two n-tiles' accumulators (16 keys) form one k-step
-      a[0] = pack2<MT>(s[2 * j][0], s[2 * j][1]);
-      a[1] = T::kRowHalves == 2 ? pack2<MT>(s[2 * j][2], s[2 * j][3]) : 0u;
-      a[2] = pack2<MT>(s[2 * j + 1][0], s[2 * j + 1][1]);
-      a[3] = T::kRowHalves == 2 ? pack2<MT>(s[2 * j + 1][2], s[2 * j + 1][3]) : 0u;
+      decode_mma_p_operand<T, MT>(a, s, j);
       if constexpr (T::kFp8) {
         decode_mma_pv_fp8<T, T::kKvChunks>(o, a, reinterpret_cast<const uint8_t*>(sv) + 16 * j * T::kRowStride, 0,
                                            chunk_at);
-      } else {  // kWarpKeys == 16: j == 0
+      } else {  // kWarpKeys == 16: j == 0. Inline, not decode_mma_pv_16bit: at hd256 that moved registers (SASS)
 #pragma unroll
         for (int d2 = 0; d2 < T::kDTiles / 2; ++d2) {
           uint32_t b[4];

@@ -247,21 +247,8 @@ __device__ __forceinline__ void mla_decode_tile(const Params& p, uint8_t* smem, 
 #pragma unroll
     for (int j = 0; j < kN / 2; ++j) {  // P of 16 keys as the A operand of one k-step
       uint32_t a[4];
-      a[0] = pack2<MT>(s[2 * j][0], s[2 * j][1]);
-      a[1] = T::kRowHalves == 2 ? pack2<MT>(s[2 * j][2], s[2 * j][3]) : 0u;
-      a[2] = pack2<MT>(s[2 * j + 1][0], s[2 * j + 1][1]);
-      a[3] = T::kRowHalves == 2 ? pack2<MT>(s[2 * j + 1][2], s[2 * j + 1][3]) : 0u;
-#pragma unroll
-      for (int d2 = 0; d2 < T::kWarpDTiles / 2; ++d2) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, sk + (16 * j + lane % 8 + ((lane / 8) % 2) * 8) * T::kRowStride +
-                                 chunk_at(warp * T::kWarpDTiles + d2 * 2 + lane / 16) * 8);
-        if constexpr (T::kRowHalves == 1) {  // rows g + 8 are padding: their accumulators are scratch
-          o[2 * d2][2] = o[2 * d2][3] = o[2 * d2 + 1][2] = o[2 * d2 + 1][3] = 0.f;
-        }
-        mma_16816<MT>(o[2 * d2], a, b[0], b[1]);
-        mma_16816<MT>(o[2 * d2 + 1], a, b[2], b[3]);
-      }
+      decode_mma_p_operand<T, MT>(a, s, j);
+      decode_mma_pv_16bit<T, MT, T::kWarpDTiles / 2>(o, a, sk, 16 * j, warp * T::kWarpDTiles, lane, chunk_at);
     }
   }
   cp_async_wait<0>();
