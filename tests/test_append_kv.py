@@ -245,7 +245,9 @@ class _Recorder:
         self.launches = []
 
     def launch(self, kernel, grid, block, smem, params, stream):
-        self.launches.append((grid, bytes(params)))
+        assert type(params) is bytes  # what CudaDriver.launch_kernel's ctypes.create_string_buffer takes
+        assert (kernel, block, smem, stream) == ("append_kv", 128, 0, 7)
+        self.launches.append((grid, params))
 
 
 @pytest.fixture
