@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from jitattn import append_kv_module as _am
 from jitattn.checks import check_scale, fail
-from jitattn.merge import params_packer
+from jitattn.planning import StructLayout
 from jitattn.runtime import LoadedOnce, cuda_device
 from jitattn.spec import AttentionSpec
 
@@ -118,8 +118,14 @@ def _check_slots(slot_mapping: Any, rows: torch.Tensor, rows_name: str, num_page
         fail(f"slot_mapping: {slot_mapping.shape[0]} slots for {rows.shape[0]} tokens of {rows_name}")
     if slot_mapping.device != rows.device:
         fail(f"slot_mapping: on {slot_mapping.device}, but {rows_name} is on {rows.device}")
+    if slot_mapping.device.type == "cpu":  # cheap here; on a GPU it would sync
+        _check_slot_values(slot_mapping, num_pages, page_size)
+
+
+def _check_slot_values(slot_mapping: torch.Tensor, num_pages: int, page_size: int) -> None:
+    """Every slot is -1 or one of the cache's ``num_pages * page_size`` (reads the values: CPU tensors only)."""
     num_slots = num_pages * page_size
-    if slot_mapping.device.type == "cpu" and slot_mapping.numel():  # cheap here; on a GPU it would sync
+    if slot_mapping.numel():
         lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
         if lo < -1 or hi >= num_slots:
             fail(f"slot_mapping: values in [{lo}, {hi}]; allowed: -1 (skip) or 0 .. {num_slots - 1} "
@@ -186,6 +192,9 @@ def kernel_reasons(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch
 class AppendKvKernel:
     """The append_kv kernel of one (K/V dtype, cache dtype) pair, loaded on one CUDA device.
 
+    ``layout``: the ``AppendKvParams`` bytes (:class:`jitattn.planning.StructLayout`);
+    :meth:`launch_params` launches packed bytes, :meth:`launch` packs a call's tensors first.
+
     Raises:
         MissingKernelError: not cached under JITATTN_DISABLE_JIT=1 (names the warm-up command).
         jitattn.build.CompileError / BuildError: nvcc failed or cannot run.
@@ -195,24 +204,52 @@ class AppendKvKernel:
     def __init__(self, module: _am.AppendKvModule, device: torch.device):
         from jitattn.runtime import CubinModule, select_entry
 
-        self.module_spec, self.device = module, device
         self.entry = select_entry(module, torch.cuda.get_device_capability(device))
-        self._module = CubinModule(str(self.entry.cubin), device.index, {"append_kv": _am.KERNEL_NAMES["append_kv"]},
-                                   sha256=self.entry.manifest["artifacts"].get(self.entry.cubin.name))
-        raw = self._module.read_global_int32(_am.KERNEL_NAMES["geometry"], len(_am.GEOMETRY))
-        self.geometry = dict(zip(_am.GEOMETRY, raw))
-        self._packer, self._order = params_packer(module)
-        if self.geometry["params_size"] != self._packer.size or self.geometry["threads"] != _am.THREADS:
+        cubin = CubinModule(str(self.entry.cubin), device.index, {"append_kv": _am.KERNEL_NAMES["append_kv"]},
+                            sha256=self.entry.manifest["artifacts"].get(self.entry.cubin.name))
+        raw = cubin.read_global_int32(_am.KERNEL_NAMES["geometry"], len(_am.GEOMETRY))
+        self._setup(module, device, cubin, dict(zip(_am.GEOMETRY, raw)), _current_stream_handle(device))
+        if self.geometry["params_size"] != self.layout.size or self.geometry["threads"] != _am.THREADS:
             raise RuntimeError(f"{self.entry.cubin}: geometry {self.geometry} does not match the host (Params "
-                               f"{self._packer.size} bytes, {_am.THREADS} threads); the cache entry is stale: "
+                               f"{self.layout.size} bytes, {_am.THREADS} threads); the cache entry is stale: "
                                f"`jitattn cache prune` and warm up again")
+
+    @classmethod
+    def from_module(cls, module: _am.AppendKvModule, launcher: Any, *, device: torch.device,
+                    stream_handle: Callable[[], int]) -> "AppendKvKernel":
+        """A kernel over any ``launcher`` with ``launch(kernel, grid, block, smem, params, stream)``: the
+        launch boundary, injectable (the CPU tests and tools/host_cost_cpu.py record or drop launches).
+        ``stream_handle()``: the raw handle of the stream to launch on."""
+        kernel = object.__new__(cls)
+        kernel.entry = None
+        geometry = {"threads": _am.THREADS, "params_size": StructLayout(module.fields).size,
+                    "vec_elems": module.vec_elems}
+        kernel._setup(module, torch.device(device), launcher, geometry, stream_handle)
+        return kernel
+
+    def _setup(self, module: _am.AppendKvModule, device: torch.device, launcher: Any, geometry: dict[str, int],
+               stream_handle: Callable[[], int]) -> None:
+        self.module_spec, self.device, self._module, self.geometry = module, device, launcher, geometry
+        self.layout = StructLayout(module.fields)
+        self.stream_handle = stream_handle
 
     def launch(self, k, v, kc, vc, slot_mapping, k_scale: float, v_scale: float) -> None:
         """One launch on torch's current stream (checked inputs; :func:`kernel_reasons` empty)."""
-        fields = launch_fields(k, v, kc, vc, slot_mapping, k_scale, v_scale)
-        args = self._packer.pack(*(fields[n] for n in self._order))
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        self._module.launch("append_kv", (k.shape[0], 1, 1), _am.THREADS, 0, args, stream)
+        self.launch_params(self.layout.pack(launch_fields(k, v, kc, vc, slot_mapping, k_scale, v_scale)), k.shape[0])
+
+    def launch_params(self, params: bytes | bytearray, num_tokens: int) -> None:
+        """One launch of packed ``AppendKvParams`` bytes (one block per token) on torch's current stream."""
+        # bytes: the driver's ctypes.create_string_buffer refuses a bytearray
+        self._module.launch("append_kv", (num_tokens, 1, 1), _am.THREADS, 0, bytes(params), self.stream_handle())
+
+
+def _current_stream_handle(device: torch.device) -> Callable[[], int]:
+    """The raw handle of ``device``'s current stream, as a call: torch's C getter where it has one and
+    agrees with ``current_stream()`` (no Stream object per launch), else ``current_stream().cuda_stream``."""
+    raw, index = getattr(torch._C, "_cuda_getCurrentRawStream", None), device.index
+    if raw is not None and raw(index) == torch.cuda.current_stream(device).cuda_stream:
+        return lambda: raw(index)
+    return lambda: torch.cuda.current_stream(device).cuda_stream
 
 
 def launch_fields(k, v, kc, vc, slot_mapping, k_scale: float, v_scale: float) -> dict[str, Any]:
@@ -247,6 +284,100 @@ def load_append_kv_kernel(dtype: torch.dtype | str, kv_dtype: torch.dtype | str,
     return _KERNELS.get((module, dev.index), lambda: AppendKvKernel(module, dev))
 
 
+# ---- the per-layout launch memo ------------------------------------------------------------------
+#: The ``AppendKvParams`` fields a call of a memoised layout writes, in the order it gives their values.
+CALL_FIELDS = ("k", "v", "k_cache", "v_cache", "slot_mapping", "num_tokens")
+#: Layouts remembered at once (an engine has a few: one per cache shape and K/V packing); the oldest goes first.
+MEMO_SIZE = 32
+
+
+class _LayoutLaunch:
+    """What every kernel launch of one layout (:func:`_layout_key`) shares, made by its first call after the
+    full checks: the kernel, the ``AppendKvParams`` bytes packed but for :data:`CALL_FIELDS`, their
+    writers, and where K and V start in a one-tensor cache. Holds no tensor (nor a reference to one)."""
+
+    __slots__ = ("kernel", "params", "writers", "pair", "k_offset", "v_offset", "slots_contiguous", "cpu_slots",
+                 "num_pages", "page_size")
+
+    def __init__(self, kernel: AppendKvKernel, fields: dict[str, Any], kv_cache: Any, kc: torch.Tensor,
+                 vc: torch.Tensor, slot_mapping: torch.Tensor):
+        self.kernel = kernel
+        self.params = bytes(kernel.layout.pack(fields))
+        self.writers = kernel.layout.writers(CALL_FIELDS)
+        self.pair = type(kv_cache) is not torch.Tensor
+        base = 0 if self.pair else kv_cache.data_ptr()  # a pair's K and V are its own tensors' first elements
+        self.k_offset, self.v_offset = kc.data_ptr() - base, vc.data_ptr() - base
+        self.slots_contiguous = slot_mapping.is_contiguous()  # the layout fixes it (its stride; 1 token or more)
+        self.cpu_slots = slot_mapping.device.type == "cpu"  # values are checked there (the CPU tests' fake kernel)
+        self.num_pages, self.page_size = kc.shape[0], kc.shape[1]
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor, kv_cache: Any, slot_mapping: torch.Tensor) -> bool:
+        """Launch on these tensors of the layout, after the checks that a call can fail while its layout
+        passes (token counts, 16-byte aligned data pointers). False, with nothing launched, when one
+        fails: the full checks then name it."""
+        n = k.shape[0]
+        if v.shape[0] != n or slot_mapping.shape[0] != n:
+            return False
+        if self.pair:
+            kc, vc = kv_cache[0].data_ptr(), kv_cache[1].data_ptr()
+        else:
+            base = kv_cache.data_ptr()
+            kc, vc = base + self.k_offset, base + self.v_offset
+        kp, vp = k.data_ptr(), v.data_ptr()
+        if (kp | vp | kc | vc) & 15:
+            return False
+        if self.cpu_slots:
+            _check_slot_values(slot_mapping, self.num_pages, self.page_size)
+        slots = slot_mapping if self.slots_contiguous else slot_mapping.contiguous()
+        values = (kp, vp, kc, vc, slots.data_ptr(), n)
+        buf = bytearray(self.params)  # a copy per call: calls from two threads never mix their fields
+        for write, offset, pick in self.writers:
+            write(buf, offset, *pick(values))
+        self.kernel.launch_params(buf, n)
+        return True
+
+
+_LAUNCHES: dict[tuple, _LayoutLaunch] = {}
+
+
+def clear_launch_memo() -> None:
+    """Forget every memoised layout (the next call of each runs the full checks again)."""
+    _LAUNCHES.clear()
+
+
+def _layout_key(k: Any, v: Any, kv_cache: Any, slot_mapping: Any, k_scale: Any, v_scale: Any, kv_layout: Any,
+                impl: Any) -> tuple | None:
+    """What the full checks, :func:`kernel_reasons` and the packed fields read but the pointers and the
+    token count: shapes, strides, dtypes, devices, the cache's form, the scales, ``kv_layout``, ``impl``, and
+    whether there are 0, 1 or more tokens (a dim of size 1 has its stride unchecked). None for a call the
+    memo does not take: only exact tensors (a one-tensor cache or a tuple / list pair), float scales and
+    str ``kv_layout`` / ``impl`` (a bool scale equals 1.0 but is refused; an unhashable one cannot be a key)."""
+    tensor = torch.Tensor
+    if not (type(k) is tensor and type(v) is tensor and type(slot_mapping) is tensor and type(k_scale) is float
+            and type(v_scale) is float and type(kv_layout) is str and type(impl) is str):
+        return None
+    shape = k.shape
+    if len(shape) != 3:
+        return None
+    if type(kv_cache) is tensor:
+        cache = (kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.device)
+    elif type(kv_cache) in (tuple, list) and len(kv_cache) == 2:
+        kc, vc = kv_cache
+        if type(kc) is not tensor or type(vc) is not tensor:
+            return None
+        cache = (kc.shape, kc.stride(), kc.dtype, kc.device, vc.shape, vc.stride(), vc.dtype, vc.device)
+    else:
+        return None
+    return (shape[1:], min(shape[0], 2), k.stride(), k.dtype, k.device, v.shape[1:], v.stride(), v.dtype, v.device,
+            cache, slot_mapping.dtype, slot_mapping.stride(), slot_mapping.device, k_scale, v_scale, kv_layout, impl)
+
+
+def _remember(key: tuple, launch: _LayoutLaunch) -> None:
+    if len(_LAUNCHES) >= MEMO_SIZE:
+        _LAUNCHES.pop(next(iter(_LAUNCHES), None), None)  # the oldest (another thread may have taken it)
+    _LAUNCHES[key] = launch
+
+
 # ---- the entry point -----------------------------------------------------------------------------
 def append_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: Any, slot_mapping: torch.Tensor, *,
               k_scale: float = 1.0, v_scale: float = 1.0, kv_layout: str = "NHD", impl: str = "auto") -> None:
@@ -275,10 +406,21 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: Any, slot_mapping: tor
     be a device sync): the slot values; there the kernel skips any slot below 0 or past the cache, and
     the torch path drops them (with a sync).
 
+    The kernel path remembers each layout it launched (shapes, strides, dtypes, devices, the cache's
+    form, scales; :data:`MEMO_SIZE` of them, no tensors): a later call of that layout checks only
+    what can differ (token counts, 16-byte aligned data pointers) and writes only the pointers and
+    the token count into the packed ``AppendKvParams``, as :meth:`jitattn.Plan.run` does per layer.
+
     Raises:
         ValueError: naming the argument, what was given and what is allowed; with ``impl="cuda"``,
             also tensors the kernel cannot take (naming why).
     """
+    compiling = impl == "auto" and torch.compiler.is_compiling()  # torch.compile traces the torch path
+    key = None if compiling else _layout_key(k, v, kv_cache, slot_mapping, k_scale, v_scale, kv_layout, impl)
+    if key is not None:
+        launch = _LAUNCHES.get(key)
+        if launch is not None and launch(k, v, kv_cache, slot_mapping):
+            return
     kc, vc, k_scale, v_scale = check_append(k, v, kv_cache, slot_mapping, kv_layout, k_scale, v_scale)
     if impl not in _IMPLS:
         fail(f"impl={impl!r}: expected one of {_IMPLS}")
@@ -287,11 +429,15 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: Any, slot_mapping: tor
     reasons = kernel_reasons(k, v, kc, vc) if impl != "torch" else ["impl='torch'"]
     if impl == "cuda" and reasons:
         fail("impl='cuda': the kernel cannot take these tensors: " + "; ".join(reasons))
-    if reasons or (impl == "auto" and torch.compiler.is_compiling()):
+    if reasons or compiling:
         _append_torch(k, v, kc, vc, slot_mapping, k_scale, v_scale)
         return
-    load_append_kv_kernel(_SRC[k.dtype], str(kc.dtype).removeprefix("torch."), k.device).launch(
-        k, v, kc, vc, slot_mapping.contiguous(), k_scale, v_scale)
+    kernel = load_append_kv_kernel(_SRC[k.dtype], str(kc.dtype).removeprefix("torch."), k.device)
+    slots = slot_mapping.contiguous()
+    fields = launch_fields(k, v, kc, vc, slots, k_scale, v_scale)
+    if key is not None:
+        _remember(key, _LayoutLaunch(kernel, fields, kv_cache, kc, vc, slot_mapping))
+    kernel.launch_params(kernel.layout.pack(fields), k.shape[0])
 
 
 # ---- the latent (MLA) cache ----------------------------------------------------------------------

@@ -82,17 +82,18 @@ def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-class ParamsLayout:
-    """A spec's ``Params`` bytes: the whole-struct packer, and writers of the per-layer fields.
+class StructLayout:
+    """A by-value kernel argument struct's bytes (fields placed by :func:`jitattn.render.params_layout`):
+    the whole-struct packer, and writers of chosen fields into packed bytes.
 
-    Made once per loaded kernel. ``writers(names)`` turns a tuple of field names (in the order a run
-    gives their values) into ``(pack_into, offset, pick)`` triples, one per run of fields adjacent in
-    the struct, so a run patches its fields with a few ``struct.pack_into`` calls.
+    ``writers(names)`` turns a tuple of field names (in the order a call gives their values) into
+    ``(pack_into, offset, pick)`` triples, one per run of fields adjacent in the struct, so a call
+    patches its fields with a few ``struct.pack_into`` calls. Any struct of :class:`~jitattn.render.Field`
+    members: a spec's ``Params`` (:class:`ParamsLayout`), the utility modules' (``AppendKvParams``).
     """
 
-    def __init__(self, spec: AttentionSpec):
-        self.spec = spec
-        placed, size = params_layout(params_fields(spec))
+    def __init__(self, fields: Sequence[Any]):
+        placed, size = params_layout(tuple(fields))
         fmt, pos = "<", 0
         for f, off in placed:
             fmt += "x" * (off - pos) + _STRUCT_CODE[f.kind]
@@ -100,30 +101,10 @@ class ParamsLayout:
         self.packer = struct.Struct(fmt + "x" * (size - pos))
         self.field_order = tuple(f.name for f, _ in placed)
         self.placed = {f.name: (f, off) for f, off in placed}
-        self.param_fields = tuple(n for p in spec.params for n in ((p.name,) if p.is_scalar else
-                                                                     (p.name, f"{p.name}__numel")))
         kinds = {f.name: f.kind for f, _ in placed}
         self.pointer_fields = frozenset(n for n, k in kinds.items() if k == "ptr")
         self._writers: dict[tuple[str, ...], tuple] = {}
         self._index = {name: i for i, name in enumerate(self.field_order)}
-        self._constants: dict[str, SimpleNamespace] = {}
-
-    def constants(self, kind: str) -> SimpleNamespace:
-        """What every run of the spec on a ``kind`` ("paged" / "ragged") plan checks against and writes,
-        made once: the writers of the per-layer fields, the cache's inner shape and strides, the dtypes."""
-        found = self._constants.get(kind)
-        if found is None:
-            spec = self.spec
-            inner = kv_cache_shape(spec, 1)[1:] if kind == "paged" else ()
-            names = PAGED_LAYER_FIELDS if kind == "paged" else RAGGED_LAYER_FIELDS
-            found = self._constants[kind] = SimpleNamespace(
-                writers=self.writers(names + self.param_fields), kv_inner=inner or None,
-                kv_strides=tuple(math.prod(inner[i + 1:]) for i in range(len(inner))),  # a page is contiguous
-                kv_stride_kv=math.prod(inner[1:]) if inner else 0,
-                kv_align=16 // TORCH_DTYPES[spec.kv_dtype].itemsize,
-                dtypes=(TORCH_DTYPES[spec.q_dtype], TORCH_DTYPES[spec.kv_dtype], TORCH_DTYPES[spec.o_dtype]),
-                softmax=spec.variant is None or spec.variant.softmax)
-        return found
 
     @property
     def size(self) -> int:
@@ -162,6 +143,38 @@ class ParamsLayout:
             pick = itemgetter(*idx) if len(idx) > 1 else (lambda v, i=idx[0]: (v[i],))
             writers.append((struct.Struct(fmt).pack_into, g[0][0], pick))
         return tuple(writers)
+
+
+class ParamsLayout(StructLayout):
+    """A spec's ``Params`` bytes (:class:`StructLayout` of :func:`jitattn.render.params_fields`), and
+    what every run of the spec checks against and writes (:meth:`constants`).
+
+    Made once per loaded kernel.
+    """
+
+    def __init__(self, spec: AttentionSpec):
+        super().__init__(params_fields(spec))
+        self.spec = spec
+        self.param_fields = tuple(n for p in spec.params for n in ((p.name,) if p.is_scalar else
+                                                                     (p.name, f"{p.name}__numel")))
+        self._constants: dict[str, SimpleNamespace] = {}
+
+    def constants(self, kind: str) -> SimpleNamespace:
+        """What every run of the spec on a ``kind`` ("paged" / "ragged") plan checks against and writes,
+        made once: the writers of the per-layer fields, the cache's inner shape and strides, the dtypes."""
+        found = self._constants.get(kind)
+        if found is None:
+            spec = self.spec
+            inner = kv_cache_shape(spec, 1)[1:] if kind == "paged" else ()
+            names = PAGED_LAYER_FIELDS if kind == "paged" else RAGGED_LAYER_FIELDS
+            found = self._constants[kind] = SimpleNamespace(
+                writers=self.writers(names + self.param_fields), kv_inner=inner or None,
+                kv_strides=tuple(math.prod(inner[i + 1:]) for i in range(len(inner))),  # a page is contiguous
+                kv_stride_kv=math.prod(inner[1:]) if inner else 0,
+                kv_align=16 // TORCH_DTYPES[spec.kv_dtype].itemsize,
+                dtypes=(TORCH_DTYPES[spec.q_dtype], TORCH_DTYPES[spec.kv_dtype], TORCH_DTYPES[spec.o_dtype]),
+                softmax=spec.variant is None or spec.variant.softmax)
+        return found
 
 
 def params_packer(spec: AttentionSpec) -> tuple[struct.Struct, tuple[str, ...]]:

@@ -4,7 +4,9 @@ CUDA module compiled by nvcc (slow)."""
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ import torch
 import jitattn
 from jitattn.append_kv_module import KERNEL_NAMES, AppendKvModule
 from jitattn.cache import KernelCache
+from jitattn import kv_write
 from jitattn.cli import collect_targets, parse_spec_arg
 from jitattn.kv_write import append_kv, kernel_reasons, launch_fields
 
@@ -232,3 +235,189 @@ def test_append_latent_kv_checks_each_part_against_the_spec(c_kv_width, k_pe_wid
         jitattn.append_latent_kv(c_kv, k_pe, cache, slots, spec=spec)
     assert not cache.float().any()
     jitattn.append_latent_kv(c_kv, k_pe, cache, slots)  # without the spec the split is the caller's
+
+
+# ---- the kernel path's per-layout memo, on the CPU ----------------------------------------------------
+class _Recorder:
+    """A launcher that keeps each launch's grid and Params bytes instead of running it."""
+
+    def __init__(self):
+        self.launches = []
+
+    def launch(self, kernel, grid, block, smem, params, stream):
+        assert type(params) is bytes  # what CudaDriver.launch_kernel's ctypes.create_string_buffer takes
+        assert (kernel, block, smem, stream) == ("append_kv", 128, 0, 7)
+        self.launches.append((grid, params))
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """append_kv's kernel path on CPU tensors: the kernel's CPU refusal dropped, the loader returning a
+    kernel whose launches are recorded, and an empty memo (restored after the test)."""
+    recorder = _Recorder()
+    kernels = {}
+
+    def load(dtype, kv_dtype, device=None):
+        module = AppendKvModule(str(dtype), str(kv_dtype))
+        if module not in kernels:
+            kernels[module] = kv_write.AppendKvKernel.from_module(module, recorder, device=torch.device("cpu"),
+                                                                 stream_handle=lambda: 7)
+        return kernels[module]
+
+    reasons = kv_write.kernel_reasons
+    monkeypatch.setattr(kv_write, "kernel_reasons", lambda *a: [r for r in reasons(*a) if "needs CUDA" not in r])
+    monkeypatch.setattr(kv_write, "load_append_kv_kernel", load)
+    monkeypatch.setattr(kv_write, "_LAUNCHES", {})
+    return recorder
+
+
+def _slow_bytes(k, v, cache, slots, layout, k_scale=1.0, v_scale=1.0):
+    """The Params bytes of the full path, packed as before the memo: launch_fields + merge's params_packer."""
+    from jitattn.merge import params_packer
+
+    kc, vc = (cache[:, 0], cache[:, 1]) if isinstance(cache, torch.Tensor) else cache
+    if layout == "HND":
+        kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
+    module = AppendKvModule(str(k.dtype).removeprefix("torch."), str(kc.dtype).removeprefix("torch."))
+    packer, order = params_packer(module)
+    fields = launch_fields(k, v, kc, vc, slots.contiguous(), k_scale, v_scale)
+    return packer.pack(*(fields[n] for n in order))
+
+
+def _layout(form, layout, dtype, pages=PAGES):
+    shape = (pages, 2, PAGE, H, D) if layout == "NHD" else (pages, 2, H, PAGE, D)
+    if form == "single":
+        return torch.zeros(shape, dtype=dtype)
+    if form == "vllm_flash_attn":  # (2, num_blocks, ...): K is [0], V is [1]
+        both = torch.zeros(2, shape[0], *shape[2:], dtype=dtype)
+        return both[0], both[1]
+    return torch.zeros(shape[0], *shape[2:], dtype=dtype), torch.zeros(shape[0], *shape[2:], dtype=dtype)
+
+
+def _rows(n, strided):
+    if strided:  # a fused projection's K and V: token stride 3 * H * D
+        qkv = torch.randn(n, 3 * H, D).to(torch.bfloat16)
+        return qkv[:, H:2 * H], qkv[:, 2 * H:]
+    return torch.randn(n, H, D).to(torch.bfloat16), torch.randn(n, H, D).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("form, layout, cache_dtype, strided", [
+    ("single", "NHD", torch.bfloat16, False), ("single", "HND", torch.bfloat16, False),
+    ("separate", "NHD", torch.bfloat16, False), ("vllm_flash_attn", "HND", torch.bfloat16, True),
+    ("single", "NHD", FP8, False), ("separate", "HND", FP8, True), ("single", "NHD", torch.bfloat16, True),
+], ids=["nhd", "hnd", "pair-nhd", "vllm-pair-hnd-strided", "fp8", "fp8-pair-hnd-strided", "nhd-strided"])
+def test_memoised_launches_pack_the_bytes_of_the_full_path(fake_cuda, monkeypatch, form, layout, cache_dtype, strided):
+    """Each layout's first call runs the full checks and memoises; the later ones (new tensors of the layout,
+    another cache of its shape, 1 to 5 tokens) skip them and patch the pointers and the token count into
+    the memoised bytes: every launch's bytes must equal the full path's."""
+    scales = {"k_scale": 0.5, "v_scale": 3.0} if cache_dtype == FP8 else {}
+    calls = []
+    for n, slot_list in ((3, [0, 7, 19]), (5, [1, -1, 4, 12, 8]), (1, [2]), (3, [3, 5, 6]), (1, [11])):
+        k, v = _rows(n, strided)
+        cache = _layout(form, layout, cache_dtype)  # a new cache of the same layout each call
+        calls.append((k, v, cache, torch.tensor(slot_list)))
+    kv_write.append_kv(*calls[0], kv_layout=layout, **scales)  # memoises the layout of > 1 token
+    kv_write.append_kv(*calls[2], kv_layout=layout, **scales)  # and of 1 token (its dim-0 stride is unchecked)
+    assert len(kv_write._LAUNCHES) == 2
+    monkeypatch.setattr(kv_write, "check_append", lambda *a: pytest.fail("a memoised layout ran the full checks"))
+    for call in calls[1:]:
+        kv_write.append_kv(*call, kv_layout=layout, **scales)
+    assert len(kv_write._LAUNCHES) == 2
+    order = [calls[0], calls[2], *calls[1:]]
+    assert [grid for grid, _ in fake_cuda.launches] == [(c[0].shape[0], 1, 1) for c in order]
+    for (_, got), call in zip(fake_cuda.launches, order):
+        assert got == _slow_bytes(*call, layout, **scales)
+
+
+def test_a_cache_of_another_shape_or_strides_gets_its_own_memo_entry(fake_cuda):
+    small, big = _layout("single", "NHD", torch.bfloat16), _layout("single", "NHD", torch.bfloat16, pages=PAGES + 3)
+    every_other = _layout("single", "NHD", torch.bfloat16, pages=2 * PAGES)[::2]  # small's shape, twice its page stride
+    slots = torch.tensor([0, 19])
+    for cache in (small, big, every_other, small, big, every_other, big):
+        k, v = _rows(2, False)
+        kv_write.append_kv(k, v, cache, slots)
+        assert fake_cuda.launches[-1][1] == _slow_bytes(k, v, cache, slots, "NHD")
+    assert len(kv_write._LAUNCHES) == 3
+
+
+def test_a_non_contiguous_slot_mapping_is_copied_on_the_memoised_path(fake_cuda, monkeypatch):
+    cache = _layout("single", "NHD", torch.bfloat16)
+    k, v = _rows(3, False)
+    wide = torch.tensor([[0, 9], [4, 9], [8, 9]])[:, 0]  # stride 2
+    kv_write.append_kv(k, v, cache, wide)
+    contiguous = []
+    real = torch.Tensor.contiguous
+    monkeypatch.setattr(torch.Tensor, "contiguous", lambda t, *a: contiguous.append(t.data_ptr()) or real(t, *a))
+    kv_write.append_kv(k, v, cache, wide)
+    assert contiguous == [wide.data_ptr()]
+    ptr = kv_write.StructLayout(AppendKvModule("bfloat16").fields).placed["slot_mapping"][1]
+    assert all(b[ptr:ptr + 8] != wide.data_ptr().to_bytes(8, "little") for _, b in fake_cuda.launches)
+
+
+def test_a_misaligned_call_of_a_memoised_layout_takes_the_full_path(fake_cuda):
+    """Same shapes and strides, K 8 bytes off a 16-byte boundary: the kernel cannot take it, so "auto" writes
+    with torch (nothing launched) and "cuda" raises the full path's error."""
+    cache = _layout("single", "NHD", torch.bfloat16)
+    k, v = _rows(2, False)
+    slots = torch.tensor([0, 5])
+    kv_write.append_kv(k, v, cache, slots)
+    buf = torch.randn(2 * H * D + 4).to(torch.bfloat16)
+    odd = buf[4:].view(2, H, D)  # 4 bf16 = 8 bytes in
+    assert odd.stride() == k.stride() and odd.data_ptr() % 16 == 8
+    kv_write.append_kv(odd, v, cache, slots)
+    assert len(fake_cuda.launches) == 1 and torch.equal(cache[0, 0, 0], odd[0]) and torch.equal(cache[1, 1, 1], v[1])
+    with pytest.raises(ValueError, match="impl='cuda': the kernel cannot take these tensors: k: rows are not 16-byte"):
+        kv_write.append_kv(odd, v, cache, slots, impl="cuda")
+    assert len(fake_cuda.launches) == 1
+
+
+@pytest.mark.parametrize("case", [c for c in _errors() if "tensors are on cpu" not in c[1]], ids=lambda c: c[1][:40])
+def test_argument_errors_are_the_same_with_the_layout_memoised(fake_cuda, case):
+    """Every error of test_argument_errors_name_the_argument, raised before any launch or write, after the
+    valid call of the same layout has been memoised (impl='cuda' on CPU tensors is not an error here)."""
+    k = torch.zeros(2, H, D, dtype=torch.bfloat16)
+    base = dict(k=k, v=k, kv_cache=_cache("NHD", torch.bfloat16, "single"), slot_mapping=torch.tensor([0, 1]))
+    kv_write.append_kv(*base.values())
+    kv_write.append_kv(*base.values(), impl="cuda")
+    assert len(kv_write._LAUNCHES) == 2 and len(fake_cuda.launches) == 2
+    over, match = case
+    args = {**base, **over}
+    positional = [args.pop(n) for n in ("k", "v", "kv_cache", "slot_mapping")]
+    cache = positional[2]
+    before = cache.clone() if isinstance(cache, torch.Tensor) else None
+    with pytest.raises(ValueError, match=match):
+        kv_write.append_kv(*positional, **args)
+    assert len(fake_cuda.launches) == 2
+    if before is not None:
+        _same(cache, before)  # nothing written
+
+
+def test_scales_of_another_type_never_reuse_a_memoised_layout(fake_cuda):
+    """A bool is refused though ``True == 1.0``; an int is a Python number check_scale takes."""
+    cache = _cache("NHD", FP8, "single")
+    k = torch.ones(2, H, D, dtype=torch.bfloat16)
+    slots = torch.tensor([0, 1])
+    kv_write.append_kv(k, k, cache, slots, k_scale=1.0)
+    with pytest.raises(ValueError, match=r"k_scale=True: expected a positive finite Python float"):
+        kv_write.append_kv(k, k, cache, slots, k_scale=True)
+    kv_write.append_kv(k, k, cache, slots, k_scale=2)
+    assert len(fake_cuda.launches) == 2 and fake_cuda.launches[1][1] == _slow_bytes(k, k, cache, slots, "NHD", 2.0)
+    with pytest.raises(ValueError, match=r"kv_layout=\['NHD'\]"):
+        kv_write.append_kv(k, k, cache, slots, kv_layout=["NHD"])  # unhashable: no memo lookup, the same error
+
+
+def test_the_memo_holds_no_tensor_and_is_bounded(fake_cuda):
+    cache = _layout("separate", "HND", torch.bfloat16)
+    k, v = _rows(2, True)
+    kv_write.append_kv(k, v, cache, torch.tensor([0, 3]), kv_layout="HND")
+    refs = [weakref.ref(t) for t in (*cache, k, v)]
+    del cache, k, v
+    gc.collect()
+    assert len(kv_write._LAUNCHES) == 1 and all(r() is None for r in refs)
+    first = next(iter(kv_write._LAUNCHES))
+    for pages in range(1, kv_write.MEMO_SIZE + 4):  # a cache of each size: a layout each
+        k, v = _rows(1, False)
+        kv_write.append_kv(k, v, _layout("single", "NHD", torch.bfloat16, pages=pages), torch.tensor([0]))
+    assert len(kv_write._LAUNCHES) == kv_write.MEMO_SIZE and first not in kv_write._LAUNCHES
+    kv_write.clear_launch_memo()
+    assert not kv_write._LAUNCHES

@@ -85,7 +85,8 @@ def test_all_cases_are_unique_and_cover_the_examples():
     assert len(names) == len(set(names))
     extra = ["decode-hd128-b64x4096-fp8", "mixed-hd128-4x2048-prefill+60x4096-decode",
              "prefill-hd128-causal-b4x8192-vs-ragged", "cascade-hd128-r50-p1000-s100", "cascade-hd128-r64-p8192-s256",
-             "host-decode-hd128-b1x512", "host-mixed-hd128-2x64-prefill+30-decode", "generate-llama-3-8b-b8x4096",
+             "host-decode-hd128-b1x512", "host-mixed-hd128-2x64-prefill+30-decode", "host-append-kv-b64-h8-hd128",
+             "generate-llama-3-8b-b8x4096",
              "generate-gemma-2-9b-b8x4096", "decode-mla-tp8-h16-b128x4096", "decode-mla-tp1-h128-b64x4096",
              "decode-mla-tp8-h16-b128x4096-fp8", "prefill-hd72-causal-b4x8192", "decode-hd72-b64x4096",
              "prefill-hd88-causal-b4x8192", "decode-hd88-b64x4096"]
@@ -466,21 +467,75 @@ def test_host_rows_compare_against_the_fastest_call():
     assert report.best_anchor_rates(mixed)["decode-x"] == 4.0
 
 
-def test_host_cases_are_issue_18s_probes():
-    decode, mixed = cases.host_cases()
+def test_host_cases_are_issue_18s_probes_and_issue_19s_append():
+    decode, mixed, append = cases.host_cases()
     assert decode.host and mixed.host and {decode.name, mixed.name} <= {c.name for c in cases.all_cases()}
     assert decode.spec == AttentionSpec(32, 8, 128, page_size=16)
     assert (decode.phase, decode.q_lens, decode.kv_lens) == ("decode", [1], [512])
     assert (mixed.phase, mixed.q_lens, mixed.kv_lens) == ("mixed", [64, 64] + [1] * 30, [512] * 32)
     assert decode.describe().startswith("host us per call, decode, 1 x (1 q, 512 kv)")
     assert cases.HOST_CALLS == 2000
-    assert [c.name for c in cases.select_cases(["host"], None)] == [decode.name, mixed.name]
+    assert [c.name for c in cases.select_cases(["host"], None)] == [decode.name, mixed.name, append.name]
+    assert append.host and append.name in {c.name for c in cases.all_cases()}
+    assert (append.phase, append.q_lens, append.kv_lens) == ("append", [1] * 64, [512] * 64)
+    assert (append.spec.num_kv_heads, append.spec.head_dim_qk, append.spec.page_size) == (8, 128, 16)
+    assert (append.spec.kv_dtype, append.spec.kv_layout) == ("bfloat16", "NHD")
+    assert append.describe().startswith("host us per call, append, 64 x (1 q, 512 kv)")
+
+
+def _tiny_append_case() -> BenchCase:
+    return BenchCase("host-append-x", AttentionSpec(4, 2, 64, page_size=4), [1] * 6, [5, 9, 1, 4, 16, 7], "append",
+                     host=True)
+
+
+@pytest.mark.parametrize("times, verdict", [({"jitattn": 9.0, "torch.index_copy_": 6.0}, "1.50x torch.index_copy_ "
+                                             "(target <= 2x: met)"),
+                                            ({"jitattn": 13.0, "torch.index_copy_": 6.0}, "2.17x torch.index_copy_ "
+                                             "(target <= 2x: not met)")])
+def test_append_case_rows_on_cpu(monkeypatch, times, verdict):
+    """Both rows write the step's K and V into the right slots (checked against them), report us per call, and
+    the jitattn row's note measures the target; the timer is replaced (it synchronises CUDA)."""
+    case = _tiny_append_case()
+    timed = []
+
+    def fake_timer(fn, *, calls):
+        fn()
+        timed.append(calls)
+        return times["jitattn" if len(timed) == 1 else "torch.index_copy_"]
+
+    monkeypatch.setattr(host, "host_us_per_call", fake_timer)
+    rows = {r.impl: r for r in host.run_append_case(case, device="cpu")}
+    assert list(rows) == ["jitattn", "torch.index_copy_"] and timed == [cases.HOST_CALLS] * 2
+    for impl, r in rows.items():
+        assert r.status == "ok" and r.unit == report.HOST_UNIT and r.rel_err == 0.0, r
+        assert r.rate == times[impl] and r.ms == pytest.approx(times[impl] / 1e3)
+    assert rows["jitattn"].note.startswith(verdict + "; jitattn.append_kv(k, v, kv_cache, slot_mapping)")
+    assert rows["torch.index_copy_"].note.startswith("12 rows (K, V stacked) into the cache seen flat")
+    monkeypatch.setattr(host, "run_append_case", lambda c, **kw: [c.name, kw])
+    assert run.run_case(case, seed=3) == [case.name, {"seed": 3, "check": True}]  # the bench's way in
+
+
+def test_append_case_writes_each_sequences_last_key_slot():
+    """The runners' slots: each sequence's last key (its page from the block table), K and V rows of the
+    flat view; a row written wrong, or left unwritten, shows in the check."""
+    case = _tiny_append_case()
+    batch = random_paged_batch(case.spec, case.q_lens, case.kv_lens, device="cpu")
+    runners, ref, clear = host.append_runners(case, batch)
+    for impl, runner in runners.items():
+        clear()
+        runner.call()
+        for b, n in enumerate(case.kv_lens):
+            page, off = batch.block_table[b, (n - 1) // 4], (n - 1) % 4
+            assert torch.equal(batch.kv_cache[page, 0, off], ref[b]), impl
+            assert torch.equal(batch.kv_cache[page, 1, off], ref[len(case.kv_lens) + b]), impl
+    clear()
+    assert harness.check_error(runners["jitattn"].rows(None), ref) == pytest.approx(1.0)  # zeroed: all wrong
 
 
 @pytest.mark.gpu
 def test_host_case_on_gpu():
     """Both probes: every call form runs, is right, and reports us per call (torch.add the smallest)."""
-    for case in cases.host_cases():
+    for case in [c for c in cases.host_cases() if c.phase != "append"]:
         rows = {r.impl: r for r in host.run_host_case(case)}
         assert {"jitattn", "jitattn-kernel", "torch.add"} <= set(rows)
         for impl in ("jitattn", "jitattn-kernel", "jitattn-plan"):
@@ -491,6 +546,17 @@ def test_host_case_on_gpu():
         assert rows["torch.add"].status == "ok" and math.isnan(rows["torch.add"].rel_err)
         if case.phase == "mixed":
             assert rows["sdpa"].status == "skipped" and "unequal" in rows["sdpa"].note
+
+
+@pytest.mark.gpu
+def test_append_case_on_gpu():
+    """append_kv's kernel and index_copy_ both write the right rows and report us per call; the note says the target."""
+    (case,) = [c for c in cases.host_cases() if c.phase == "append"]
+    rows = {r.impl: r for r in host.run_host_case(case)}
+    assert list(rows) == ["jitattn", "torch.index_copy_"]
+    for r in rows.values():
+        assert r.status == "ok" and r.unit == report.HOST_UNIT and r.rel_err == 0.0 and r.rate > 0, r
+    assert "x torch.index_copy_ (target <= 2x: " in rows["jitattn"].note
 
 
 def test_format_compile_table():

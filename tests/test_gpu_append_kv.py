@@ -66,3 +66,35 @@ def test_all_padding_writes_nothing(seed):
     k = torch.randn(5, 8, 128, device="cuda", dtype=torch.bfloat16)
     append_kv(k, k, cache, torch.full((5,), -1, dtype=torch.int64, device="cuda"), impl="cuda")
     assert torch.all(cache.float() == SENTINEL)
+
+
+@pytest.mark.parametrize("form", ["single", "vllm_flash_attn", "separate"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
+def test_memoised_layout_launches_equal_the_torch_path(monkeypatch, form, layout, cache_dtype, seed):
+    """A layout's later calls take the memo (no full checks): new K/V, another cache of the layout, another
+    token count; each still equals the torch path bit for bit."""
+    from jitattn import kv_write
+
+    monkeypatch.setattr(kv_write, "_LAUNCHES", {})
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    heads, dim, page, pages = 8, 128, 16, 9
+    scales = {"k_scale": 0.125, "v_scale": 0.3} if cache_dtype == FP8 else {}
+    full_checks = []
+    for step, tokens in enumerate((64, 64, 37)):
+        qkv = torch.randn(tokens, 3 * heads, dim, generator=g, device="cuda").mul_(60).to(torch.bfloat16)
+        k, v = qkv[:, heads:2 * heads], qkv[:, 2 * heads:]
+        slots = torch.randperm(pages * page, generator=g, device="cuda")[:tokens]
+        slots[::5] = -1
+        got = _cache(form, layout, cache_dtype, pages, page, heads, dim)
+        want = _cache(form, layout, cache_dtype, pages, page, heads, dim)
+        if step == 1:  # the layout is memoised by now: the full checks must not run again
+            real = kv_write.check_append
+            monkeypatch.setattr(kv_write, "check_append", lambda *a: full_checks.append(a) or real(*a))
+        append_kv(k, v, got, slots, kv_layout=layout, impl="cuda", **scales)
+        append_kv(k, v, want, slots, kv_layout=layout, impl="torch", **scales)
+        torch.cuda.synchronize()
+        for a, b in zip(_bits(got), _bits(want)):
+            assert torch.equal(a, b), (step, tokens)
+    assert len(kv_write._LAUNCHES) == 1
+    assert len(full_checks) == 2  # the two torch-path calls only

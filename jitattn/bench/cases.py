@@ -77,7 +77,8 @@ class BenchCase:
     spec: AttentionSpec
     q_lens: list[int]
     kv_lens: list[int]
-    phase: str  # "prefill", "decode" or "mixed" (prefill chunks and decode rows in one call; FLOP units)
+    phase: str  # "prefill", "decode" or "mixed" (prefill chunks and decode rows in one call; FLOP units); a
+    # host case's "append": append_kv of one new token per sequence (issue 19)
     # Also time the same batch from contiguous varlen K/V (a ragged spec): "jitattn-ragged", so the
     # paged row's ratio is paged / contiguous (issue #6: within 10%).
     ragged_twin: bool = False
@@ -195,11 +196,16 @@ def host_cases() -> list[BenchCase]:
     The decode probe: 32/8 heads, hd 128, page 16, one sequence of 512 keys. The mixed probe: two
     prefill rows of 64 queries and 30 decode rows, 512 keys each, in one call. The inputs are so
     small that the GPU idles: the figure is what the host spends per call (checks, packing, launch).
+
+    And issue 19's append probe (phase ``"append"``, :func:`jitattn.bench.host.run_append_case`):
+    ``append_kv`` of a decode step, one new token for each of 64 sequences of 512 keys (8 KV heads, hd 128,
+    bf16, an NHD cache of page 16), beside ``index_copy_`` of the same 262 KB.
     """
     hd128 = AttentionSpec(32, 8, 128)
     return [BenchCase("host-decode-hd128-b1x512", hd128, [1], [512], "decode", host=True),
             BenchCase("host-mixed-hd128-2x64-prefill+30-decode", hd128, [64] * 2 + [1] * 30, [512] * 32, "mixed",
-                      host=True)]
+                      host=True),
+            BenchCase("host-append-kv-b64-h8-hd128", hd128, [1] * 64, [512] * 64, "append", host=True)]
 
 
 def generate_case(setup: GenerateSetup) -> BenchCase:

@@ -12,6 +12,15 @@ only at the end (:func:`jitattn.bench.harness.host_us_per_call`), of
 - ``torch.add``: two 1-element tensors, the floor of any eager torch call;
 
 all in one process on the same inputs. Attention rows are checked once against the reference.
+
+The append case (phase ``"append"``, :func:`run_append_case`, issue 19's target) times
+
+- ``jitattn``: ``jitattn.append_kv(k, v, kv_cache, slot_mapping)`` of a decode step (one token per sequence);
+- ``torch.index_copy_``: the same K and V rows (stacked, their row indices made once) copied into the
+  cache seen flat, ``(num_pages * 2 * page_size, H_kv, head_dim)``: the one eager torch call moving those bytes;
+
+each checked once (the written rows against K and V); the jitattn row's note has the target,
+append_kv <= :data:`APPEND_TARGET` x index_copy_.
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ from jitattn.testing import PagedBatch, random_paged_batch
 
 #: The anchor families a host case runs (Flex's eager call is not what an engine would time).
 HOST_ANCHORS = ("sdpa", "flashinfer")
+#: Issue 19's target: append_kv of a decode step costs at most this many times an index_copy_ of its bytes.
+APPEND_TARGET = 2.0
 
 
 def plan_run_call(spec: AttentionSpec, batch: PagedBatch, out: torch.Tensor, max_query_len: int
@@ -95,9 +106,13 @@ def time_host(case: BenchCase, impl: str, runner: Runner, ref: torch.Tensor | No
 
 def run_host_case(case: BenchCase, *, seed: int = 0, check: bool = True, anchors: tuple[str, ...] = HOST_ANCHORS
                   ) -> list[Result]:
-    """Every call form of the module doc on one random batch of ``case``, in that order."""
+    """Every call form of the module doc on one random batch of ``case``, in that order (an append case's:
+    :func:`run_append_case`)."""
     import jitattn
     from jitattn import reference
+
+    if case.phase == "append":
+        return run_append_case(case, seed=seed, check=check)
 
     batch = random_paged_batch(case.spec, case.q_lens, case.kv_lens, device="cuda", seed=seed)
     ref = reference.paged_attention(case.spec, *batch.args(), **batch.kwargs()) if check else None
@@ -111,4 +126,49 @@ def run_host_case(case: BenchCase, *, seed: int = 0, check: bool = True, anchors
         runners, rows = build_runners(case, family, builders[family], HOST_UNIT)
         results += rows + [time_host(case, impl, runner, ref) for impl, runner in runners.items()]
     results.append(time_host(case, "torch.add", torch_add_runner(batch.q.device), None))
+    return results
+
+
+def append_runners(case: BenchCase, batch: PagedBatch, seed: int = 0
+                   ) -> tuple[dict[str, Runner], torch.Tensor, Callable[[], None]]:
+    """The append case's two calls on ``batch``'s cache, the rows they write (K's then V's, the reference)
+    and a call that zeroes those rows in the cache (so that each call's check sees its own writes).
+
+    One new token per sequence, written at its last key's slot (page ``block_table[b, (L - 1) // page]``).
+    """
+    from jitattn.kv_write import append_kv
+
+    spec, cache = case.spec, batch.kv_cache
+    heads, dim, page = spec.num_kv_heads, spec.head_dim_qk, spec.page_size
+    g = torch.Generator(device=cache.device).manual_seed(seed + 1)
+    k, v = (torch.randn(len(case.q_lens), heads, dim, generator=g, device=cache.device).to(cache.dtype)
+            for _ in range(2))
+    last = batch.seq_lens.long() - 1
+    slots = batch.block_table.long().gather(1, (last // page).unsqueeze(1)).squeeze(1) * page + last % page
+    rows = (slots // page) * 2 * page + slots % page  # K's row of the flat view; V's is a page further
+    flat, index, src = cache.view(-1, heads, dim), torch.cat([rows, rows + page]), torch.cat([k, v])
+    written = lambda _: flat[index]  # noqa: E731
+    runners = {
+        "jitattn": Runner(lambda: append_kv(k, v, cache, slots), rows=written,
+                          note="jitattn.append_kv(k, v, kv_cache, slot_mapping)"),
+        "torch.index_copy_": Runner(lambda: flat.index_copy_(0, index, src), rows=written,
+                                    note=f"{index.numel()} rows (K, V stacked) into the cache seen flat"),
+    }
+    return runners, src, lambda: flat.index_fill_(0, index, 0)
+
+
+def run_append_case(case: BenchCase, *, seed: int = 0, check: bool = True, device: str = "cuda") -> list[Result]:
+    """Both rows of the append case (module doc), then the target in the jitattn row's note."""
+    batch = random_paged_batch(case.spec, case.q_lens, case.kv_lens, device=device, seed=seed)
+    runners, ref, clear = append_runners(case, batch, seed)
+    results = []
+    for impl, runner in runners.items():
+        clear()
+        results.append(time_host(case, impl, runner, ref if check else None))
+    rows = {r.impl: r for r in results if r.status == "ok"}
+    mine, anchor = rows.get("jitattn"), rows.get("torch.index_copy_")
+    if mine is not None and anchor is not None:
+        ratio = mine.rate / anchor.rate
+        verdict = "met" if ratio <= APPEND_TARGET else "not met"
+        mine.note = f"{ratio:.2f}x torch.index_copy_ (target <= {APPEND_TARGET:g}x: {verdict}); {mine.note}"
     return results

@@ -225,7 +225,8 @@ def run_case_safely(case: BenchCase, **kwargs: Any) -> list[Result]:
 
 # ---- host profile -----------------------------------------------------------------------------
 def profile_host(case: BenchCase, calls: int = 200) -> str:
-    """cProfile of ``calls`` eager jitattn calls of ``case`` (host time per call and the top functions)."""
+    """cProfile of ``calls`` eager jitattn calls of ``case`` (host time per call and the top functions); an
+    append case's call is its ``append_kv``."""
     import cProfile
     import io
     import pstats
@@ -233,9 +234,14 @@ def profile_host(case: BenchCase, calls: int = 200) -> str:
     from jitattn.runtime import load_kernel
 
     batch = random_paged_batch(case.spec, case.q_lens, case.kv_lens, device="cuda")
-    kernel = load_kernel(case.spec)
-    hint = 1 if case.is_decode else None
-    call = lambda: kernel.paged_attention(*batch.args(), **batch.kwargs(), max_query_len=hint)  # noqa: E731
+    if case.phase == "append":
+        from jitattn.bench.host import append_runners
+
+        call = append_runners(case, batch)[0]["jitattn"].call
+    else:
+        kernel = load_kernel(case.spec)
+        hint = 1 if case.is_decode else None
+        call = lambda: kernel.paged_attention(*batch.args(), **batch.kwargs(), max_query_len=hint)  # noqa: E731
     call()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
