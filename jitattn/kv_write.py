@@ -30,7 +30,7 @@ import torch
 from jitattn import append_kv_module as _am
 from jitattn.checks import check_scale, fail
 from jitattn.planning import StructLayout
-from jitattn.runtime import LoadedOnce, cuda_device
+from jitattn.runtime import LoadedOnce, cuda_device, stream_handle
 from jitattn.spec import AttentionSpec
 
 __all__ = ["append_kv", "append_latent_kv"]
@@ -208,7 +208,7 @@ class AppendKvKernel:
         cubin = CubinModule(str(self.entry.cubin), device.index, {"append_kv": _am.KERNEL_NAMES["append_kv"]},
                             sha256=self.entry.manifest["artifacts"].get(self.entry.cubin.name))
         raw = cubin.read_global_int32(_am.KERNEL_NAMES["geometry"], len(_am.GEOMETRY))
-        self._setup(module, device, cubin, dict(zip(_am.GEOMETRY, raw)), _current_stream_handle(device))
+        self._setup(module, device, cubin, dict(zip(_am.GEOMETRY, raw)), stream_handle(device))
         if self.geometry["params_size"] != self.layout.size or self.geometry["threads"] != _am.THREADS:
             raise RuntimeError(f"{self.entry.cubin}: geometry {self.geometry} does not match the host (Params "
                                f"{self.layout.size} bytes, {_am.THREADS} threads); the cache entry is stale: "
@@ -241,15 +241,6 @@ class AppendKvKernel:
         """One launch of packed ``AppendKvParams`` bytes (one block per token) on torch's current stream."""
         # bytes: the driver's ctypes.create_string_buffer refuses a bytearray
         self._module.launch("append_kv", (num_tokens, 1, 1), _am.THREADS, 0, bytes(params), self.stream_handle())
-
-
-def _current_stream_handle(device: torch.device) -> Callable[[], int]:
-    """The raw handle of ``device``'s current stream, as a call: torch's C getter where it has one and
-    agrees with ``current_stream()`` (no Stream object per launch), else ``current_stream().cuda_stream``."""
-    raw, index = getattr(torch._C, "_cuda_getCurrentRawStream", None), device.index
-    if raw is not None and raw(index) == torch.cuda.current_stream(device).cuda_stream:
-        return lambda: raw(index)
-    return lambda: torch.cuda.current_stream(device).cuda_stream
 
 
 def launch_fields(k, v, kc, vc, slot_mapping, k_scale: float, v_scale: float) -> dict[str, Any]:

@@ -224,7 +224,7 @@ class JitKernel:
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         per_sm = module.blocks_per_sm("decode", geometry["decode_threads"], geometry["decode_smem"]) \
             if "decode" in kernels else 0
-        self._setup(spec, device, module, geometry, num_sms, per_sm, _stream_handle(device))
+        self._setup(spec, device, module, geometry, num_sms, per_sm, stream_handle(device))
 
     @classmethod
     def from_module(cls, spec: AttentionSpec, module: Any, geometry: Mapping[str, int], *, device: torch.device,
@@ -538,7 +538,7 @@ def _layout_key(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
 
 
-def _stream_handle(device: torch.device) -> Callable[[], int]:
+def stream_handle(device: torch.device) -> Callable[[], int]:
     """The raw handle of the device's current stream, as a call: torch's C getter where it has one (the
     one Triton's launcher calls; no Stream object per launch), else ``current_stream().cuda_stream``."""
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
