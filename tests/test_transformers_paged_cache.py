@@ -235,3 +235,4 @@ def test_jit_path_plans_once_per_step_and_runs_per_layer(name, monkeypatch):
     assert torch.equal(got.sequences, want.sequences)
     assert cache.layers[0].seq_lens.tolist() == [PROMPT + 5, PROMPT + 5 - PAD]
     assert all(layer.seq_lens is cache.layers[0].seq_lens for layer in cache.layers)  # one shared tensor
+    assert list(cache.layers[0].steps) == [torch.device("cpu")]  # one step state per device the layers are on

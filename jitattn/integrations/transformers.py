@@ -264,10 +264,11 @@ _PENDING: dict[int, "PagedLayer"] = {}
 
 
 class _Step:
-    """What the layers of one :class:`PagedCache` share: one block table and ``seq_lens`` (every layer
-    stores the same tokens at the same slots), and per forward the new tokens' slots, the paged call's
-    metadata and, on the jit backend, its :func:`jitattn.plan`: made by the step's first layer, reused by
-    the others (FlashInfer's plan-once-per-step, run-per-layer)."""
+    """What the layers of one :class:`PagedCache` on one device share: one block table and ``seq_lens``
+    (every layer stores the same tokens at the same slots), and per forward the new tokens' slots, the
+    paged call's metadata and, on the jit backend, its :func:`jitattn.plan`: made by the step's first layer
+    there, reused by the others (FlashInfer's plan-once-per-step, run-per-layer). A model split over
+    devices has one per device."""
 
     def __init__(self):
         self.block_table: torch.Tensor | None = None
@@ -305,9 +306,11 @@ class PagedLayer(_cache_layer_base()):
     is_sliding = False  # every layer keeps all its positions: full-length masks for all
 
     def __init__(self, max_batch_size: int, max_cache_len: int, page_size: int,
-                 dtype: torch.dtype | None = None, device: torch.device | None = None, step: _Step | None = None):
+                 dtype: torch.dtype | None = None, device: torch.device | None = None,
+                 steps: dict[torch.device, _Step] | None = None):
         super().__init__()
-        self.step = step if step is not None else _Step()
+        self.steps = steps if steps is not None else {}  # shared by the cache's layers, one per device
+        self.step = _Step()
         self.max_batch_size, self.max_cache_len, self.page_size = max_batch_size, max_cache_len, page_size
         self.pages_per_seq = -(-max_cache_len // page_size)
         self.dtype, self.device = dtype, device
@@ -332,8 +335,8 @@ class PagedLayer(_cache_layer_base()):
         self.kv_cache = torch.zeros(self.max_batch_size * self.pages_per_seq, 2, self.page_size, heads, dim,
                                     dtype=self.dtype, device=self.device)
         self.keys, self.values = self.kv_cache[:, 0], self.kv_cache[:, 1]
-        step = self.step
-        if step.block_table is None or step.block_table.device != self.device:
+        step = self.step = self.steps.setdefault(self.device, self.step)
+        if step.block_table is None:
             step.block_table = torch.arange(self.max_batch_size * self.pages_per_seq, dtype=torch.int32,
                                             device=self.device).view(self.max_batch_size, self.pages_per_seq)
             step.seq_lens = torch.zeros(self.max_batch_size, dtype=torch.int32, device=self.device)
@@ -481,9 +484,9 @@ class PagedCache(_cache_base()):
         if dtype is not None and dtype not in _DTYPES:
             raise ValueError(f"PagedCache: dtype={dtype}; jitattn's kernels take torch.float16 or torch.bfloat16")
         text = config.get_text_config(decoder=True)
-        step = _Step()
+        steps: dict[torch.device, _Step] = {}
         layers = [PagedLayer(max_batch_size, max_cache_len, page_size, dtype,
-                             torch.device(device) if device is not None else None, step)
+                             torch.device(device) if device is not None else None, steps)
                   for _ in range(text.num_hidden_layers)]
         super().__init__(layers=layers)
         self._max_batch_size, self._max_cache_len, self.page_size = max_batch_size, max_cache_len, page_size
