@@ -146,6 +146,10 @@ def check_append(k: Any, v: Any, kv_cache: Any, slot_mapping: Any, kv_layout: st
         fail(f"kv_cache: dtype {kc.dtype}; a cache for {k.dtype} K/V is {k.dtype} or torch.float8_e4m3fn")
     if kc.device != k.device:
         fail(f"kv_cache: on {kc.device}, but k is on {k.device}; all tensors must be on one device")
+    for name, t in (("k_cache", kc), ("v_cache", vc)):  # an expand()ed cache: one write would land in several slots
+        if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+            fail(f"kv_cache ({name}): stride 0 in a dim of size > 1 (shape {tuple(t.shape)}, strides {t.stride()}): "
+                 f"its slots share memory; pass a cache of its own (e.g. torch.zeros, not expand)")
     if tuple(kc.shape[2:]) != tuple(k.shape[1:]):
         fail(f"kv_cache: {kc.shape[2]} heads of dim {kc.shape[3]} ({kv_layout}), but k has {k.shape[1]} of "
               f"dim {k.shape[2]}")

@@ -111,6 +111,7 @@ def _errors():
     yield dict(kv_cache=(c[:, 0],)), "a pair is \\(k_cache, v_cache\\)"
     yield dict(kv_cache=c.half()), "kv_cache: dtype torch.float16; a cache for torch.bfloat16"
     yield dict(kv_cache=c[..., :16]), "kv_cache: 2 heads of dim 16"
+    yield dict(kv_cache=c[:1].expand(PAGES, *c.shape[1:])), r"kv_cache \(k_cache\): stride 0 in a dim of size > 1"
     yield dict(slot_mapping=s.int()), "slot_mapping: expected an int64"
     yield dict(slot_mapping=s[:1]), "slot_mapping: 1 slots for 2 tokens"
     yield dict(slot_mapping=torch.tensor([0, PAGES * PAGE])), "slot_mapping: values in \\[0, 20\\]; allowed: -1"
