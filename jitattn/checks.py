@@ -417,7 +417,8 @@ def check_kv_cache_layout(spec: AttentionSpec, kv_cache: torch.Tensor) -> None:
     if is_kv_pair(kv_cache):
         _check_kv_pair_layout(spec, kv_cache)
         return
-    _check_pages(kv_cache, kv_cache_shape(spec, 1)[1:], "kv_cache", "dims 1-4")
+    inner = kv_cache_shape(spec, 1)[1:]
+    _check_pages(kv_cache, inner, "kv_cache", f"dims 1-{len(inner)}")  # a latent cache has 3 dims, a paged one 5
 
 
 def _check_pages(t: torch.Tensor, inner: tuple[int, ...], label: str, dims: str) -> None:

@@ -173,6 +173,18 @@ def test_an_fp8_latent_cache_takes_its_k_scale_as_both_scales():
         kernel.paged_attention(*batch.args(), k_scale=0.25, v_scale=0.5)
 
 
+def test_a_latent_cache_with_strided_rows_is_refused_naming_its_dims():
+    spec = latent(16, 64)
+    kernel, module = fake_kernel(spec)
+    batch = random_paged_batch(spec, [1], [100], device="cpu", seed=1)
+    wide = torch.zeros(*batch.kv_cache.shape[:2], 640, dtype=batch.kv_cache.dtype)[..., :576]  # rows 640 apart
+    args = list(batch.args())
+    args[1] = wide
+    with pytest.raises(ValueError, match=r"kv_cache: dims 1-2 must be contiguous \(strides \(576, 1\)\), got \(640"):
+        kernel.paged_attention(*args)
+    assert module.launches == []
+
+
 def test_one_launch_of_the_mla_kernel_serves_every_row_of_a_mixed_batch():
     """1 and 4 queries per sequence, an empty sequence: one decode launch, grid (splits, slots, batch)."""
     spec = latent(128)
