@@ -94,6 +94,14 @@ def _cache_views(kv_cache: Any, kv_layout: str) -> tuple[torch.Tensor, torch.Ten
     return k, v
 
 
+def _check_not_expanded(name: str, t: torch.Tensor) -> None:
+    """An ``expand()``ed cache (stride 0 in a dim of size > 1) shares memory between slots: one write would land
+    in several."""
+    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        fail(f"{name}: stride 0 in a dim of size > 1 (shape {tuple(t.shape)}, strides {t.stride()}): its slots "
+             f"share memory; pass a cache of its own (e.g. torch.zeros, not expand)")
+
+
 def _check_scale(name: str, value: Any, fp8: bool) -> float:
     """A write's scale: :func:`jitattn.checks.check_scale` (a positive finite float32), 1.0 for a 16-bit
     cache, and for an FP8 cache one whose float32 inverse (what the write multiplies by) is finite too."""
@@ -146,10 +154,8 @@ def check_append(k: Any, v: Any, kv_cache: Any, slot_mapping: Any, kv_layout: st
         fail(f"kv_cache: dtype {kc.dtype}; a cache for {k.dtype} K/V is {k.dtype} or torch.float8_e4m3fn")
     if kc.device != k.device:
         fail(f"kv_cache: on {kc.device}, but k is on {k.device}; all tensors must be on one device")
-    for name, t in (("k_cache", kc), ("v_cache", vc)):  # an expand()ed cache: one write would land in several slots
-        if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
-            fail(f"kv_cache ({name}): stride 0 in a dim of size > 1 (shape {tuple(t.shape)}, strides {t.stride()}): "
-                 f"its slots share memory; pass a cache of its own (e.g. torch.zeros, not expand)")
+    _check_not_expanded("kv_cache (k_cache)", kc)
+    _check_not_expanded("kv_cache (v_cache)", vc)
     if tuple(kc.shape[2:]) != tuple(k.shape[1:]):
         fail(f"kv_cache: {kc.shape[2]} heads of dim {kc.shape[3]} ({kv_layout}), but k has {k.shape[1]} of "
               f"dim {k.shape[2]}")
@@ -459,6 +465,7 @@ def check_append_latent(c_kv: Any, k_pe: Any, latent_cache: Any, slot_mapping: A
              f"torch.float8_e4m3fn")
     if latent_cache.device != c_kv.device:
         fail(f"latent_cache: on {latent_cache.device}, but c_kv is on {c_kv.device}; all tensors must be on one device")
+    _check_not_expanded("latent_cache", latent_cache)
     _check_slots(slot_mapping, c_kv, "c_kv", latent_cache.shape[0], latent_cache.shape[1])
     scale = _check_scale("k_scale", k_scale, latent_cache.dtype == _FP8)
     return latent_cache[..., :rank], latent_cache[..., rank:], scale

@@ -294,6 +294,8 @@ def test_append_latent_kv_errors():
         append_latent_kv(c_kv, k_pe, cache, slots, k_scale=2.0)
     with pytest.raises(ValueError, match=r"latent_cache: dtype torch.float16"):
         append_latent_kv(c_kv, k_pe, cache.half(), slots)
+    with pytest.raises(ValueError, match=r"latent_cache: stride 0 in a dim of size > 1 \(shape \(4, 16, 576\)"):
+        append_latent_kv(c_kv, k_pe, cache[:1].expand(4, 16, 576), slots)
     with pytest.raises(ValueError, match=r"a 3-dim latent MLA cache takes append_latent_kv"):
         append_kv(c_kv[:, None], c_kv[:, None], cache, slots)
 
