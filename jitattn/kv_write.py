@@ -203,7 +203,7 @@ class AppendKvKernel:
     """The append_kv kernel of one (K/V dtype, cache dtype) pair, loaded on one CUDA device.
 
     ``layout``: the ``AppendKvParams`` bytes (:class:`jitattn.planning.StructLayout`);
-    :meth:`launch_params` launches packed bytes, :meth:`launch` packs a call's tensors first.
+    :meth:`launch_params` launches packed bytes.
 
     Raises:
         MissingKernelError: not cached under JITATTN_DISABLE_JIT=1 (names the warm-up command).
@@ -242,10 +242,6 @@ class AppendKvKernel:
         self.module_spec, self.device, self._module, self.geometry = module, device, launcher, geometry
         self.layout = StructLayout(module.fields)
         self.stream_handle = stream_handle
-
-    def launch(self, k, v, kc, vc, slot_mapping, k_scale: float, v_scale: float) -> None:
-        """One launch on torch's current stream (checked inputs; :func:`kernel_reasons` empty)."""
-        self.launch_params(self.layout.pack(launch_fields(k, v, kc, vc, slot_mapping, k_scale, v_scale)), k.shape[0])
 
     def launch_params(self, params: bytes | bytearray, num_tokens: int) -> None:
         """One launch of packed ``AppendKvParams`` bytes (one block per token) on torch's current stream."""
@@ -300,10 +296,10 @@ class _LayoutLaunch:
     __slots__ = ("kernel", "params", "writers", "pair", "k_offset", "v_offset", "slots_contiguous", "cpu_slots",
                  "num_pages", "page_size")
 
-    def __init__(self, kernel: AppendKvKernel, fields: dict[str, Any], kv_cache: Any, kc: torch.Tensor,
+    def __init__(self, kernel: AppendKvKernel, params: bytes | bytearray, kv_cache: Any, kc: torch.Tensor,
                  vc: torch.Tensor, slot_mapping: torch.Tensor):
         self.kernel = kernel
-        self.params = bytes(kernel.layout.pack(fields))
+        self.params = bytes(params)  # the first call's; each later call patches a copy
         self.writers = kernel.layout.writers(CALL_FIELDS)
         self.pair = type(kv_cache) is not torch.Tensor
         base = 0 if self.pair else kv_cache.data_ptr()  # a pair's K and V are its own tensors' first elements
@@ -435,10 +431,10 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: Any, slot_mapping: tor
         return
     kernel = load_append_kv_kernel(_SRC[k.dtype], str(kc.dtype).removeprefix("torch."), k.device)
     slots = slot_mapping.contiguous()
-    fields = launch_fields(k, v, kc, vc, slots, k_scale, v_scale)
+    params = kernel.layout.pack(launch_fields(k, v, kc, vc, slots, k_scale, v_scale))
     if key is not None:
-        _remember(key, _LayoutLaunch(kernel, fields, kv_cache, kc, vc, slot_mapping))
-    kernel.launch_params(kernel.layout.pack(fields), k.shape[0])
+        _remember(key, _LayoutLaunch(kernel, params, kv_cache, kc, vc, slot_mapping))
+    kernel.launch_params(params, k.shape[0])
 
 
 # ---- the latent (MLA) cache ----------------------------------------------------------------------
