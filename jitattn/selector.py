@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jitattn import settings
-from jitattn.backends import Backend, DeviceInfo, PagedAttentionFn, Requirements, get_backend, registered_backends
+from jitattn.backends import (Backend, DeviceInfo, PagedAttentionFn, Requirements, get_backend, registered_backends,
+                              registry_generation)
 from jitattn.backends.base import check_phase
 from jitattn.models import LayerKind, ModelAttention, load_model_config
 from jitattn.spec import AttentionSpec
@@ -198,8 +199,8 @@ def select_cached(spec: AttentionSpec, device: DeviceInfo, phase: str = "mixed",
                   need_lse: bool = False, backend: str | None = None) -> Selection:
     """:func:`select`, remembered: the per-call path of :func:`jitattn.ops.paged_attention` in eager mode.
 
-    The key is (spec, device, phase, need_lse, ``backend``, ``JITATTN_BACKEND``, the registered
-    backends), so setting the variable or registering a backend takes effect on the next call;
+    The key is (spec, device, phase, need_lse, ``backend``, ``JITATTN_BACKEND``, the registry's
+    :func:`~jitattn.backends.registry_generation`), so setting the variable or registering a backend takes effect on the next call;
     :func:`clear_caches` forgets. A failed selection is not remembered (it raises again, with its
     reasons). A ``backend`` named by the caller is checked like any forced one: one that cannot serve
     the spec raises :class:`NoBackendError` with its reasons.
@@ -207,8 +208,7 @@ def select_cached(spec: AttentionSpec, device: DeviceInfo, phase: str = "mixed",
     Raises:
         NoBackendError, ValueError: as :func:`select`.
     """
-    key = (spec, device, phase, need_lse, backend, settings.forced_backend(),
-           tuple((b.name, id(b)) for b in registered_backends()))
+    key = (spec, device, phase, need_lse, backend, settings.forced_backend(), registry_generation())
     with _lock:
         sel = _selected.get(key)
     if sel is None:

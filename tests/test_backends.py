@@ -56,6 +56,35 @@ def test_from_torch_cpu_and_none_without_gpu(monkeypatch):
     assert DeviceInfo.from_torch(torch.device("cpu")).type == "cpu"
 
 
+def test_from_torch_names_a_cuda_device_by_its_index(monkeypatch):
+    from jitattn.backends import base
+
+    asked = []
+    monkeypatch.setattr(base, "_cuda_device_info",
+                        lambda index: asked.append(index) or DeviceInfo("cuda", "H200", (9, 0), index))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 5)
+    assert DeviceInfo.from_torch(torch.device("cuda", 3)).index == 3  # a tensor's device: its own index
+    assert DeviceInfo.from_torch("cuda:2").index == 2
+    assert DeviceInfo.from_torch(torch.device("cuda")).index == 5  # no index: the current device
+    assert asked == [3, 2, 5]
+
+
+def test_registry_generation_changes_with_the_registry():
+    from jitattn.backends import (ReferenceBackend, register_backend, registry_generation, reset_registry,
+                                  unregister_backend)
+
+    try:
+        first = registry_generation()
+        assert registry_generation() == first  # reading changes nothing
+        register_backend(type("Extra", (ReferenceBackend,), {"name": "extra_gen"}))
+        second = registry_generation()
+        unregister_backend("extra_gen")
+        third = registry_generation()
+    finally:
+        reset_registry()
+    assert len({first, second, third, registry_generation()}) == 4
+
+
 # ---- reasons: exact texts ----------------------------------------------------------------------------
 def reasons(name, spec, device=H100, phase="mixed", **req):
     return get_backend(name).reasons(spec, device, phase, Requirements(**req))

@@ -40,7 +40,8 @@ from jitattn.spec import AttentionSpec
 
 __all__ = [
     "Backend", "DeviceInfo", "PagedAttentionFn", "Phase", "PHASES", "Requirements", "ENTRY_POINT_GROUP",
-    "BUILTIN_BACKENDS", "register_backend", "get_backend", "registered_backends", "reset_registry",
+    "BUILTIN_BACKENDS", "register_backend", "get_backend", "registered_backends", "registry_generation",
+    "reset_registry",
 ]
 
 ENTRY_POINT_GROUP = "jitattn.backends"
@@ -51,6 +52,7 @@ logger = logging.getLogger("jitattn.backends")
 _lock = threading.RLock()
 _registry: dict[str, Backend] = {}
 _entry_points_loaded = False
+_generation = 0  # bumped on every change of _registry: selector.select_cached's key names the registry by it
 
 
 class EntryPointLoadError(Backend):
@@ -97,6 +99,7 @@ def register_backend(backend: Backend | type[Backend], *, replace: bool = False)
             raise ValueError(f"register_backend: a backend named {obj.name!r} is already registered "
                              f"({_registry[obj.name]!r}); pass replace=True to replace it")
         _registry[obj.name] = obj
+        _changed()
     return obj
 
 
@@ -105,6 +108,7 @@ def unregister_backend(name: str) -> None:
     with _lock:
         _ensure_loaded()
         del _registry[name]
+        _changed()
 
 
 def registered_backends() -> list[Backend]:
@@ -112,6 +116,20 @@ def registered_backends() -> list[Backend]:
     with _lock:
         _ensure_loaded()
         return sorted(_registry.values(), key=lambda b: (-b.priority, b.name))
+
+
+def registry_generation() -> int:
+    """A number that changes whenever a backend is registered, replaced or removed (the entry points' loading and
+    :func:`reset_registry` included): a cache of selections keys on it instead of the backends' list."""
+    with _lock:
+        _ensure_loaded()
+        return _generation
+
+
+def _changed() -> None:
+    """Callers hold the lock."""
+    global _generation
+    _generation += 1
 
 
 def get_backend(name: str) -> Backend:
@@ -134,6 +152,7 @@ def reset_registry() -> None:
     with _lock:
         _registry.clear()
         _entry_points_loaded = False
+        _changed()
 
 
 def _ensure_loaded() -> None:
@@ -142,6 +161,7 @@ def _ensure_loaded() -> None:
     if _entry_points_loaded:
         return
     _entry_points_loaded = True
+    _changed()
     for cls in BUILTIN_BACKENDS:
         _registry.setdefault(cls.name, cls())
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):

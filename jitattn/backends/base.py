@@ -144,6 +144,8 @@ class DeviceInfo:
         Raises:
             ValueError: ``device`` is None and torch is not installed (name the device instead).
         """
+        if getattr(device, "type", None) == "cuda" and getattr(device, "index", None) is not None:
+            return _cuda_device_info(device.index)  # a tensor's device: the per-attention-call path
         try:
             import torch
         except ImportError:
