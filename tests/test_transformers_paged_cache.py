@@ -236,3 +236,35 @@ def test_jit_path_plans_once_per_step_and_runs_per_layer(name, monkeypatch):
     assert cache.layers[0].seq_lens.tolist() == [PROMPT + 5, PROMPT + 5 - PAD]
     assert all(layer.seq_lens is cache.layers[0].seq_lens for layer in cache.layers)  # one shared tensor
     assert list(cache.layers[0].steps) == [torch.device("cpu")]  # one step state per device the layers are on
+
+
+def test_unpadded_decode_steps_reuse_one_plan(monkeypatch):
+    """Without padding a decode step's metadata depends only on its shape: the first decode step's plan (and
+    query_start_loc) serve every later one, seq_lens advancing in place; a reset plans afresh. Stand-ins over
+    the reference, so the tokens must equal the op path's exactly."""
+    from jitattn import reference
+
+    eager, jit = build_pair(small_config(CONFIGS["gemma-2-9b"]))  # sliding + full layers: two specs, one plan
+    ids = torch.randint(3, 256, (2, PROMPT), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    want = generate(jit, ids, mask, new_tokens=6, past_key_values=jt.PagedCache(jit.config, 2, PROMPT + 6))
+    plans, starts = [], []
+
+    def fake_plan(spec, block_table, seq_lens, qsl, *, total_q, max_query_len):
+        plans.append(max_query_len)
+        starts.append(qsl)
+        return block_table, seq_lens, qsl
+
+    monkeypatch.setattr(jt, "_runs_planned", lambda backend, query: True)
+    monkeypatch.setattr(jt, "plan", fake_plan)
+    monkeypatch.setattr(jt, "run", lambda q, kv_cache, step_plan, *, spec, sinks:
+                        reference.paged_attention(spec, q, kv_cache, *step_plan, sinks=sinks))
+    cache = jt.PagedCache(jit.config, max_batch_size=2, max_cache_len=PROMPT + 6)
+    got = generate(jit, ids, mask, new_tokens=6, past_key_values=cache)
+    assert plans == [PROMPT, 1]  # the prefill forward's, then one for the 5 decode steps
+    assert torch.equal(got.sequences, want.sequences)
+    assert cache.layers[0].seq_lens.tolist() == [PROMPT + 5] * 2
+    cache.reset()
+    again = generate(jit, ids, mask, new_tokens=6, past_key_values=cache)
+    assert plans == [PROMPT, 1, PROMPT, 1] and starts[3] is not starts[1]  # planned afresh after the reset
+    assert torch.equal(again.sequences, want.sequences)

@@ -268,18 +268,29 @@ class _Step:
     (every layer stores the same tokens at the same slots), and per forward the new tokens' slots, the
     paged call's metadata and, on the jit backend, its :func:`jitattn.plan`: made by the step's first layer
     there, reused by the others (FlashInfer's plan-once-per-step, run-per-layer). A model split over
-    devices has one per device."""
+    devices has one per device.
+
+    Without a padding mask a forward's metadata depends only on ``(batch, n)``: its ``query_start_loc`` and its
+    plan (which reads nothing on the host, so ``seq_lens`` advancing in place keeps it valid, as a CUDA graph
+    replay would) are kept in ``kept`` and reused by every later decode step of that shape."""
 
     def __init__(self):
         self.block_table: torch.Tensor | None = None
         self.seq_lens: torch.Tensor | None = None
+        self.first_slot: torch.Tensor | None = None  # int64 (max_batch_size, 1): sequence b's first slot
+        self.kept: dict[tuple[int, int], tuple[torch.Tensor, list]] = {}
         self.forget()
 
     def forget(self) -> None:
-        """Drop the last forward's metadata (a new ``generate`` after :meth:`PagedCache.reset`)."""
+        """Drop the last forward's metadata."""
         self.key: tuple | None = None
         self.slots = self.qsl = self.rows = None
-        self.plan: Any = None
+        self.plans: list = [None]  # the forward's plan, in a list shared with ``kept`` when it is kept
+
+    def reset(self) -> None:
+        """Drop everything planned (a new ``generate`` after :meth:`PagedCache.reset`)."""
+        self.kept.clear()
+        self.forget()
 
 
 def _cache_layer_base():
@@ -340,6 +351,10 @@ class PagedLayer(_cache_layer_base()):
             step.block_table = torch.arange(self.max_batch_size * self.pages_per_seq, dtype=torch.int32,
                                             device=self.device).view(self.max_batch_size, self.pages_per_seq)
             step.seq_lens = torch.zeros(self.max_batch_size, dtype=torch.int32, device=self.device)
+            # the block table is the identity (sequence b owns pages b * pages_per_seq onwards), so a position's
+            # slot is the sequence's first slot plus the position: one add where a gather of pages would be four
+            step.first_slot = (torch.arange(self.max_batch_size, dtype=torch.int64, device=self.device)
+                               * (self.pages_per_seq * self.page_size)).unsqueeze(1)
         self.block_table, self.seq_lens = step.block_table, step.seq_lens
         self.is_initialized = True
 
@@ -381,40 +396,41 @@ class PagedLayer(_cache_layer_base()):
         return q, self.kv_cache, self.block_table[:batch], self.seq_lens[:batch], step.qsl, step.rows
 
     def _plan_step(self, step: _Step, batch: int, n: int, mask: torch.Tensor | None, dev: torch.device) -> None:
-        past = self.seq_lens[:batch].long().unsqueeze(1)
+        past = self.seq_lens[:batch].unsqueeze(1)
+        step.forget()
         if mask is None:
-            valid = None
-            pos = past + torch.arange(n, device=dev)
+            pos = past if n == 1 else past + torch.arange(n, device=dev, dtype=torch.int32)
+            step.slots = (step.first_slot[:batch] + pos).reshape(-1)  # positions < max_cache_len: in the sequence
+            self.seq_lens[:batch] += n
+            kept = step.kept.get((batch, n))
+            if kept is None:
+                kept = step.kept[(batch, n)] = (torch.arange(0, batch * n + 1, n, dtype=torch.int32, device=dev),
+                                                [None])
+            step.qsl, step.plans = kept
         else:
             if mask.dim() != 2 or mask.shape[0] != batch or mask.shape[1] < n:
                 raise NotImplementedError(f"jitattn: PagedCache expects a (batch, kv_length) padding mask, got "
                                           f"{tuple(mask.shape)} for {batch} sequences of {n} new tokens")
             valid = mask[:, -n:].to(device=dev, dtype=torch.bool)
-            pos = past + valid.long().cumsum(1) - 1  # padded tokens are not stored
-        page = (pos // self.page_size).clamp_(0, self.pages_per_seq - 1)
-        slots = self.block_table[:batch].long().gather(1, page) * self.page_size + pos % self.page_size
-        if valid is not None:
-            slots = torch.where(valid, slots, torch.full_like(slots, -1))
-        added = n if valid is None else valid.sum(1, dtype=torch.int32)
-        self.seq_lens[:batch] += added
-        step.forget()
-        step.slots = slots.reshape(-1)
-        if valid is None:
-            step.qsl = torch.arange(0, batch * n + 1, n, dtype=torch.int32, device=dev)
-        else:
+            pos = past.long() + valid.long().cumsum(1) - 1  # padded tokens are not stored
+            slots = step.first_slot[:batch] + pos.clamp_(min=0)
+            added = valid.sum(1, dtype=torch.int32)
+            self.seq_lens[:batch] += added
+            step.slots = torch.where(valid, slots, torch.full_like(slots, -1)).reshape(-1)
             step.rows = torch.nonzero(valid.reshape(-1)).flatten()
             step.qsl = F.pad(added.cumsum(0, dtype=torch.int32), (1, 0))
         step.key = (self.cumulative_length, batch, n)
 
     def run_planned(self, spec: AttentionSpec, q: torch.Tensor, sinks: torch.Tensor | None, n: int) -> torch.Tensor:
         """The jit kernels on this step's metadata through the step's :func:`jitattn.plan` (made by the
-        first layer that runs, for its spec; another spec, a sliding layer's, is planned on first use)."""
+        first layer that runs, for its spec; another spec, a sliding layer's, is planned on first use;
+        without a padding mask, kept for the later steps of the same shape)."""
         step = self.step
         batch = step.qsl.shape[0] - 1
-        if step.plan is None:
-            step.plan = plan(spec, self.block_table[:batch], self.seq_lens[:batch], step.qsl, total_q=q.shape[0],
-                             max_query_len=n)
-        return run(q, self.kv_cache, step.plan, spec=spec, sinks=sinks)
+        if step.plans[0] is None:
+            step.plans[0] = plan(spec, self.block_table[:batch], self.seq_lens[:batch], step.qsl, total_q=q.shape[0],
+                                 max_query_len=n)
+        return run(q, self.kv_cache, step.plans[0], spec=spec, sinks=sinks)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.cumulative_length + query_length, 0
@@ -429,7 +445,7 @@ class PagedLayer(_cache_layer_base()):
         super().reset()
         if self.seq_lens is not None:
             self.seq_lens.zero_()
-        self.step.forget()
+        self.step.reset()
         self.pending_key = self.pending_value = None
 
     def _unsupported(self, *args: Any, **kwargs: Any) -> None:
