@@ -285,12 +285,21 @@ class _Step:
         """Drop the last forward's metadata."""
         self.key: tuple | None = None
         self.slots = self.qsl = self.rows = None
+        self.block_table_rows = self.seq_lens_rows = None  # the forward's batch rows of block_table / seq_lens
         self.plans: list = [None]  # the forward's plan, in a list shared with ``kept`` when it is kept
 
     def reset(self) -> None:
         """Drop everything planned (a new ``generate`` after :meth:`PagedCache.reset`)."""
         self.kept.clear()
         self.forget()
+
+
+def _token_rows(states: torch.Tensor) -> torch.Tensor:
+    """``(B, H, N, D)`` states as ``(B * N, H, D)`` token rows (a view where the strides allow: always for N == 1)."""
+    batch, heads, n, dim = states.shape
+    if n == 1:
+        return states.squeeze(2)  # one op where transpose + reshape are two, on every layer of a decode step
+    return states.transpose(1, 2).reshape(batch * n, heads, dim)
 
 
 def _cache_layer_base():
@@ -388,20 +397,20 @@ class PagedLayer(_cache_layer_base()):
         # every layer of a forward has seen the same positions: that count names the step
         if step.key != (self.cumulative_length, batch, n):
             self._plan_step(step, batch, n, mask, query.device)
-        append_kv(key.transpose(1, 2).reshape(batch * n, key.shape[1], dim),
-                  value.transpose(1, 2).reshape(batch * n, value.shape[1], dim), self.kv_cache, step.slots)
-        q = query.transpose(1, 2).reshape(batch * n, heads, dim)
+        append_kv(_token_rows(key), _token_rows(value), self.kv_cache, step.slots)
+        q = _token_rows(query)
         if step.rows is not None:
             q = q[step.rows]
-        return q, self.kv_cache, self.block_table[:batch], self.seq_lens[:batch], step.qsl, step.rows
+        return q, self.kv_cache, step.block_table_rows, step.seq_lens_rows, step.qsl, step.rows
 
     def _plan_step(self, step: _Step, batch: int, n: int, mask: torch.Tensor | None, dev: torch.device) -> None:
-        past = self.seq_lens[:batch].unsqueeze(1)
         step.forget()
+        step.block_table_rows, step.seq_lens_rows = self.block_table[:batch], self.seq_lens[:batch]
+        past = step.seq_lens_rows.unsqueeze(1)
         if mask is None:
             pos = past if n == 1 else past + torch.arange(n, device=dev, dtype=torch.int32)
             step.slots = (step.first_slot[:batch] + pos).reshape(-1)  # positions < max_cache_len: in the sequence
-            self.seq_lens[:batch] += n
+            step.seq_lens_rows += n
             kept = step.kept.get((batch, n))
             if kept is None:
                 kept = step.kept[(batch, n)] = (torch.arange(0, batch * n + 1, n, dtype=torch.int32, device=dev),
@@ -415,7 +424,7 @@ class PagedLayer(_cache_layer_base()):
             pos = past.long() + valid.long().cumsum(1) - 1  # padded tokens are not stored
             slots = step.first_slot[:batch] + pos.clamp_(min=0)
             added = valid.sum(1, dtype=torch.int32)
-            self.seq_lens[:batch] += added
+            step.seq_lens_rows += added
             step.slots = torch.where(valid, slots, torch.full_like(slots, -1)).reshape(-1)
             step.rows = torch.nonzero(valid.reshape(-1)).flatten()
             step.qsl = F.pad(added.cumsum(0, dtype=torch.int32), (1, 0))
@@ -426,9 +435,8 @@ class PagedLayer(_cache_layer_base()):
         first layer that runs, for its spec; another spec, a sliding layer's, is planned on first use;
         without a padding mask, kept for the later steps of the same shape)."""
         step = self.step
-        batch = step.qsl.shape[0] - 1
         if step.plans[0] is None:
-            step.plans[0] = plan(spec, self.block_table[:batch], self.seq_lens[:batch], step.qsl, total_q=q.shape[0],
+            step.plans[0] = plan(spec, step.block_table_rows, step.seq_lens_rows, step.qsl, total_q=q.shape[0],
                                  max_query_len=n)
         return run(q, self.kv_cache, step.plans[0], spec=spec, sinks=sinks)
 
