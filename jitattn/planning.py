@@ -494,7 +494,9 @@ class SpecPlan:
         spec, kernel = self.spec, self.kernel
         queries = plan.max_query_len if plan.max_query_len is not None else plan.total_q  # graph mode: any may
         queries = max(1, min(queries, LATENT_MAX_QUERY_SLOTS))
-        flat_rows = g.get("prefill_block_m", 0)  # the cubin's kernel: 64 flattened query rows a tile (sm_90a), or 0
+        # A latent cubin has no prefill kernel (prefill_threads 0): its prefill_block_m entry is the MLA kernel's
+        # tile of flattened query rows (64: the sm_90a kernel), or 0 (the mma.sync kernel's tiles of 16 heads).
+        flat_rows = g.get("prefill_block_m", 0) if not g.get("prefill_threads") else 0
         if flat_rows:  # templates/mla_decode_sm90.cuh: tiles of flattened (query, head) rows; every group splits
             tiles = -(-spec.num_qo_heads // flat_rows)  # per query: its counters' stride (q_row * tiles + tile)
             slots = -(-queries * spec.num_qo_heads // flat_rows)
