@@ -205,5 +205,6 @@ def test_jit_latent_decode_gives_nan_rows_for_bad_metadata_and_leaves_rows_past_
     if shape == "b129":
         bad[rows[3]:rows[4]] = True
     assert torch.isnan(got[bad]).all()
-    want = reference.paged_attention(spec, *batch.args())
-    assert not (got[~bad] == NOT_WRITTEN).any() and relative_error(got[~bad], want[~bad]) < GPU_TOL["bfloat16"]
+    if shape == "b129":  # (b1x32768's one sequence is the bad one)
+        want = reference.paged_attention(spec, *batch.args())
+        assert not (got[~bad] == NOT_WRITTEN).any() and relative_error(got[~bad], want[~bad]) < GPU_TOL["bfloat16"]
