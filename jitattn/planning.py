@@ -488,13 +488,25 @@ class SpecPlan:
         slots, so the slots set the parallelism, not what is served: up to :data:`LATENT_MAX_QUERY_SLOTS`
         queries' tiles per sequence (all of them below that). Split-KV (the wave rule, :meth:`JitKernel.num_splits`
         over blocks x slots) for groups that are whole tiles; its partial states are per query row, and one
-        counter per (query row, tile) lets the last split merge (templates/mla_decode.cuh, MlaMergeSpec)."""
+        counter per (query row, tile) lets the last split merge (templates/mla_decode.cuh, MlaMergeSpec). The sm_90a
+        kernel (templates/mla_decode_sm90.cuh; the geometry's ``prefill_block_m`` gives its tile of flattened query
+        rows) packs a sequence's queries x heads into tiles of 64 rows and splits every group."""
         spec, kernel = self.spec, self.kernel
         queries = plan.max_query_len if plan.max_query_len is not None else plan.total_q  # graph mode: any may
-        tiles = -(-spec.num_qo_heads // LATENT_TILE_ROWS)
-        slots = max(1, min(queries, LATENT_MAX_QUERY_SLOTS)) * tiles
+        queries = max(1, min(queries, LATENT_MAX_QUERY_SLOTS))
+        # A latent cubin has no prefill kernel (prefill_threads 0): its prefill_block_m entry is the MLA kernel's
+        # tile of flattened query rows (64: the sm_90a kernel), or 0 (the mma.sync kernel's tiles of 16 heads).
+        flat_rows = g.get("prefill_block_m", 0) if not g.get("prefill_threads") else 0
+        if flat_rows:  # templates/mla_decode_sm90.cuh: tiles of flattened (query, head) rows; every group splits
+            tiles = -(-spec.num_qo_heads // flat_rows)  # per query: its counters' stride (q_row * tiles + tile)
+            slots = -(-queries * spec.num_qo_heads // flat_rows)
+            can_split = True
+        else:
+            tiles = -(-spec.num_qo_heads // LATENT_TILE_ROWS)
+            slots = queries * tiles
+            can_split = spec.num_qo_heads % LATENT_TILE_ROWS == 0  # the kernel's kSplitKV
         splits = 1
-        if spec.num_qo_heads % LATENT_TILE_ROWS == 0:  # the kernel's kSplitKV
+        if can_split:
             splits = kernel.num_splits(plan.batch * slots, kernel.max_decode_keys(plan.max_pages_per_seq))
         fields["num_splits"] = splits
         if splits > 1:

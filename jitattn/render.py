@@ -19,6 +19,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable
 
+from jitattn import settings
 from jitattn.spec import AttentionSpec
 from jitattn.variant import builtin_symbols, builtin_transforms, structural_mask, trace_hook
 
@@ -278,7 +279,8 @@ def render(spec: AttentionSpec) -> RenderedSource:
     """
     fields = params_fields(spec)
     _, size = params_layout(fields)
-    context = {"spec": spec, "fields": fields, "params_size": size, "names": KERNEL_NAMES, **functors(spec)}
+    context = {"spec": spec, "fields": fields, "params_size": size, "names": KERNEL_NAMES, **functors(spec),
+               "mla_sm90": spec.latent and settings.unverified_mla_sm90()}
     text = template(TEMPLATE_NAME).render(**context)
     return RenderedSource(_restore_line_directives(text), fields, size, dict(KERNEL_NAMES))
 

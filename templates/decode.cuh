@@ -194,6 +194,69 @@ __device__ __forceinline__ void merge_splits_last_block(const Params& p, float* 
   }
 }
 
+// merge_splits_last_block over kMaxRows consecutive rows of the flattened (total_q * heads) output rather than
+// one (sequence, kv head)'s group: rows [row0, row0 + n_rows) (n_rows <= kMaxRows), head of row f = f % heads,
+// partial states (num_splits, total_q * heads, head_dim_vo), this tile's counter p.split_counters[counter]. For
+// kernels whose tiles are flattened query rows (mla_decode_sm90.cuh); softmax, no output transform.
+template <class S, int kMaxRows, int kThreads>
+__device__ __forceinline__ void merge_rows_last_block(const Params& p, float* scratch, long long counter,
+                                                      long long row0, int n_rows) {
+  static_assert(S::kSoftmax && !S::kHasOutTransform, "merge_rows_last_block: softmax rows, no output transform");
+  int& last = reinterpret_cast<int*>(scratch)[kMaxRows * (kMaxSplits + 2)];
+  __threadfence();  // this thread's partial writes are visible device-wide before the block counts itself
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* c = p.split_counters + counter;
+    last = atomicAdd(c, 1) == p.num_splits - 1;
+    if (last) *c = 0;  // every split has counted: ready for the next launch (graph replays too)
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int n = min(p.num_splits, kMaxSplits);
+  const long long stride = static_cast<long long>(p.total_q) * S::kNumQoHeads;
+  float* weight = scratch;                         // [kMaxRows][kMaxSplits]
+  float* scale = weight + kMaxRows * kMaxSplits;   // [kMaxRows]
+  float* poison = scale + kMaxRows;                // [kMaxRows]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int g = warp; g < n_rows; g += kThreads / 32) {
+    const long long row = row0 + g;
+    const float l0 = lane < n ? __ldcg(p.partial_lse + lane * stride + row) : kNegInf;
+    const float l1 = lane + 32 < n ? __ldcg(p.partial_lse + (lane + 32) * stride + row) : kNegInf;
+    const bool bad = __any_sync(0xffffffffu, isnan(l0) || isnan(l1));
+    const float m = group_max<32>(fmaxf(l0, l1));
+    const float w0 = rescale_factor(l0, m), w1 = rescale_factor(l1, m);
+    weight[g * kMaxSplits + lane] = w0;
+    weight[g * kMaxSplits + lane + 32] = w1;
+    const float d = group_sum<32>(w0 + w1);
+    if (lane == 0) {
+      float lse;
+      scale[g] = finalize_state<S>(p, static_cast<int>(row % S::kNumQoHeads), SoftmaxState{m, d}, lse);
+      poison[g] = bad ? quiet_nan() : 0.f;
+      if (p.lse != nullptr) p.lse[row] = lse + poison[g];
+    }
+  }
+  __syncthreads();
+  constexpr int kQuads = S::kHeadDimVO / 4;
+  for (int e = threadIdx.x; e < n_rows * kQuads; e += kThreads) {
+    const int g = e / kQuads, i = (e % kQuads) * 4;
+    const long long row = row0 + g;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 16
+    for (int s = 0; s < n; ++s) {
+      const float w = weight[g * kMaxSplits + s];
+      const float4 x = __ldcg(reinterpret_cast<const float4*>(p.partial_o + (s * stride + row) * S::kHeadDimVO + i));
+      acc[0] = fmaf(w, x.x, acc[0]);
+      acc[1] = fmaf(w, x.y, acc[1]);
+      acc[2] = fmaf(w, x.z, acc[2]);
+      acc[3] = fmaf(w, x.w, acc[3]);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      p.o[row * S::kHeadDimVO + i + j] = from_float<typename S::DTypeO>(acc[j] * scale[g] + poison[g]);
+  }
+}
+
 // Merges the kZ partial states (one per key slot or warp) of every query head of the group and
 // writes the output (or this split's partial state). Scratch `sm_m` (floats, filled by the caller):
 // m[kZ][kSlots], d[kZ][kSlots], o[kZ][kSlots][head_dim_vo], then scale[kSlots]; slot g is group head g.

@@ -76,6 +76,8 @@ HEADS, PAGE_SIZES = (1, 16, 64, 128), (1, 16, 64)
 
 
 KV_DTYPES = ("bfloat16", "float8_e4m3fn")
+# Groups whose (query, head) rows straddle the sm_90a kernel's 64-row tiles (templates/mla_decode_sm90.cuh).
+PACKED_HEADS = (3, 20, 48)
 
 
 def jit_latent(heads: int, page_size: int, q_dtype: str = "bfloat16", kv_dtype: str | None = None) -> AttentionSpec:
@@ -86,7 +88,8 @@ def jit_latent(heads: int, page_size: int, q_dtype: str = "bfloat16", kv_dtype: 
 @pytest.fixture(scope="module")
 def mla_compiled(session_cache_dir):
     precompile([jit_latent(h, p, kv_dtype=kv) for h in HEADS for p in PAGE_SIZES for kv in KV_DTYPES] +
-               [jit_latent(20, 16, "float16"), jit_latent(20, 16, "float16", "float8_e4m3fn")], session_cache_dir)
+               [jit_latent(20, 16, "float16"), jit_latent(20, 16, "float16", "float8_e4m3fn")] +
+               [jit_latent(h, 16, kv_dtype=kv) for h in PACKED_HEADS for kv in KV_DTYPES], session_cache_dir)
 
 
 @pytest.fixture
@@ -149,3 +152,59 @@ def test_jit_latent_decode_replays_in_a_cuda_graph(mla_kernels, seed, record):
     err = relative_error(out, want)
     record(rel_err=err)
     assert err < GPU_TOL["bfloat16"]
+
+
+# ---- which kernel runs, and the contracts a new kernel must keep ------------------------------------------
+def test_the_sm90_kernel_runs_exactly_when_the_gate_is_on_and_the_gpu_is_sm_90(mla_kernels):
+    """JITATTN_UNVERIFIED_MLA_SM90=1 on an sm_90 GPU: the cubin's geometry is the wgmma kernel's (256 threads,
+    tiles of 64 flattened rows); otherwise the mma.sync kernel's (its prefill_block_m entry 0)."""
+    from jitattn import settings
+    from jitattn.runtime import load_kernel
+
+    g = load_kernel(jit_latent(16, 64), "cuda").geometry
+    sm90 = settings.unverified_mla_sm90() and torch.cuda.get_device_capability()[0] == 9
+    assert (g["decode_threads"], g["prefill_block_m"]) == ((256, 64) if sm90 else (128, 0))
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("heads", PACKED_HEADS)
+def test_jit_latent_decode_packs_queries_across_row_tiles(mla_kernels, heads, kv_dtype, seed, record):
+    """Groups of 3, 20, 48 with 1..8 queries per sequence: a 64-row tile holds rows of several queries (each with
+    its own causal bound) and a query's rows may span two tiles; a 32,768-key sequence splits."""
+    spec = jit_latent(heads, 16, kv_dtype=kv_dtype)
+    batch = random_paged_batch(spec, [8, 1, 5, 0, 3], [32768, 100, 3000, 0, 3], device="cuda", seed=seed)
+    out = torch.full((batch.q.shape[0], heads, 512), NOT_WRITTEN, dtype=torch.bfloat16, device="cuda")
+    got, lse = jitattn.paged_attention(spec, *batch.args(), out=out, return_lse=True, max_query_len=8,
+                                       **batch.scales)
+    torch.cuda.synchronize()
+    _check_against_reference(spec, batch, got, lse, record)
+
+
+@pytest.mark.parametrize("shape", ["b1x32768", "b129"])
+def test_jit_latent_decode_gives_nan_rows_for_bad_metadata_and_leaves_rows_past_q(mla_kernels, shape, seed):
+    """A page id outside the cache and a sequence longer than its page-table row: that sequence's rows are NaN
+    (with splits too), the others right; an out buffer with rows past total_q keeps them."""
+    spec = jit_latent(16, 64)
+    batch = random_paged_batch(spec, *_lens(shape, 2, seed), device="cuda", seed=seed)
+    table, seq_lens = batch.block_table.clone(), batch.seq_lens.clone()
+    from jitattn.runtime import load_kernel
+
+    first = 0 if shape == "b1x32768" else 1  # b129's sequence 0 is empty
+    table[first, 0] = batch.kv_cache.shape[0] + 5  # in the first split only: the merge must carry the NaN
+    if shape == "b129":
+        seq_lens[3] = table.shape[1] * 64 + 1
+    total_q = batch.q.shape[0]
+    buf = torch.full((total_q + 7, 16, 512), NOT_WRITTEN, dtype=torch.bfloat16, device="cuda")
+    got = load_kernel(spec).paged_attention(batch.q, batch.kv_cache, table, seq_lens, batch.query_start_loc,
+                                            out=buf[:total_q], max_query_len=2)
+    torch.cuda.synchronize()
+    assert (buf[total_q:] == NOT_WRITTEN).all(), "rows past q were written"
+    rows = batch.query_start_loc.tolist()
+    bad = torch.zeros(total_q, dtype=torch.bool, device="cuda")
+    bad[rows[first]:rows[first + 1]] = True
+    if shape == "b129":
+        bad[rows[3]:rows[4]] = True
+    assert torch.isnan(got[bad]).all()
+    if shape == "b129":  # (b1x32768's one sequence is the bad one)
+        want = reference.paged_attention(spec, *batch.args())
+        assert not (got[~bad] == NOT_WRITTEN).any() and relative_error(got[~bad], want[~bad]) < GPU_TOL["bfloat16"]

@@ -21,7 +21,7 @@ from jitattn.spec import latent_kernel_problem
 from jitattn.testing import random_paged_batch
 from tests import launch_cases as lc
 from tests.conftest import build_in_parallel, built
-from tests.test_plan_launches import fake_kernel
+from tests.test_plan_launches import Recorder, fake_kernel
 
 SCALE = 0.1352337788608801  # DeepSeek-V3's
 
@@ -212,3 +212,94 @@ def test_groups_that_are_not_whole_tiles_run_one_split_and_graph_mode_bounds_the
     assert launch["grid"][1:] == [LATENT_MAX_QUERY_SLOTS, 5]  # 15 queries could be one sequence's: 8 slots
     _, _, _, launch = _launch(latent(16), [1], [32768], max_query_len=1)
     assert launch["grid"][:2] == [64, 1]  # one block per split: the 32,768 keys over a full wave
+
+
+# ---- the warpgroup-MMA kernel for sm_90a (templates/mla_decode_sm90.cuh), behind JITATTN_UNVERIFIED_MLA_SM90 ----
+GATE = "JITATTN_UNVERIFIED_MLA_SM90"
+# A latent cubin whose sm_90a kernel takes tiles of 64 flattened query rows: no prefill kernel (prefill_threads 0),
+# the tile in prefill_block_m (attention.cu.j2's MlaLaunch geometry).
+SM90_GEOMETRY = {"decode_threads": 256, "decode_smem": 230912, "decode_tile_keys": 64, "prefill_threads": 0,
+                 "prefill_smem": 0, "prefill_block_m": 64, "prefill_block_n": 0}
+
+
+def test_the_gate_renders_the_sm90_kernel_and_off_leaves_the_source_as_it_was(monkeypatch):
+    from jitattn.cache import spec_key
+
+    monkeypatch.delenv(GATE, raising=False)
+    off = render(latent()).text
+    paged_off = render(AttentionSpec(32, 8, 128)).text
+    keys_off = spec_key(latent(), "sm_90a"), spec_key(AttentionSpec(32, 8, 128), "sm_90a")
+    assert "mla_decode_sm90" not in off and "MlaLaunch" not in off
+    monkeypatch.setenv(GATE, "1")
+    on = render(latent()).text
+    assert "#include \"mla_decode_sm90.cuh\"" in on and "jitattn::mla_decode_sm90_kernel<jitattn::Spec>(params)" in on
+    assert "jitattn::mla_decode_kernel<jitattn::Spec>(params)" in on  # the sm_80 cubin keeps mma.sync
+    assert render(AttentionSpec(32, 8, 128)).text == paged_off  # paged specs: untouched by the gate
+    assert spec_key(latent(), "sm_90a") != keys_off[0]  # the gate's source is not found under today's key
+    assert spec_key(AttentionSpec(32, 8, 128), "sm_90a") == keys_off[1]
+
+
+@pytest.fixture(scope="module")
+def compiled_sm90(tmp_path_factory) -> dict:
+    """The TP 8 decode spec with the gate on, for sm_90a (the wgmma kernel) and sm_80 (mma.sync still)."""
+    from jitattn import settings
+
+    with settings.scope(**{GATE: "1"}):
+        return build_in_parallel(tmp_path_factory.mktemp("mla-sm90"), [(latent(), a) for a in ("sm_90a", "sm_80")])
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_the_gated_sm90_kernel_compiles_without_spills(compiled_sm90, arch):
+    entry = built(compiled_sm90, latent(), arch)
+    _check_cubin(entry, arch)
+    assert "used 2 barriers" in entry.manifest["compiler_log"] or arch == "sm_80"  # the named barrier: sm90 kernel
+
+
+SM90_SLOW_SPECS = {"h128-p1-fp8": latent(128, 1, kv_dtype="float8_e4m3fn"), "h1-p16-f16": latent(1, 16, "float16"),
+                   "h20-p64": latent(20, 64)}
+
+
+@pytest.fixture(scope="module")
+def compiled_sm90_more(tmp_path_factory) -> dict:
+    from jitattn import settings
+
+    with settings.scope(**{GATE: "1"}):
+        return build_in_parallel(tmp_path_factory.mktemp("mla-sm90-more"),
+                                 [(s, "sm_90a") for s in SM90_SLOW_SPECS.values()])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SM90_SLOW_SPECS))
+def test_more_gated_sm90_specs_compile_without_spills(compiled_sm90_more, name):
+    _check_cubin(built(compiled_sm90_more, SM90_SLOW_SPECS[name], "sm_90a"), "sm_90a")
+
+
+def _launch_sm90(spec, q_lens, kv_lens, **kw):
+    module = Recorder()
+    kernel = runtime.JitKernel.from_module(spec, module, SM90_GEOMETRY, device=torch.device("cpu"),
+                                           num_sms=lc.NUM_SMS, decode_blocks_per_sm=1, stream_handle=lambda: lc.STREAM)
+    module.kernel = kernel
+    batch = random_paged_batch(spec, q_lens, kv_lens, device="cpu", seed=3)
+    result = kernel.paged_attention(*batch.args(), **kw)
+    (launch,) = module.launches
+    return kernel, batch, result, launch
+
+
+def test_the_sm90_geometry_plans_tiles_of_64_flattened_rows_and_splits_every_group():
+    # 16 heads x 1 query: one tile (48 padding rows); the split count by the wave rule over batch x slots.
+    kernel, batch, out, launch = _launch_sm90(latent(16), [1], [32768], max_query_len=1)
+    splits = kernel.num_splits(1, kernel.max_decode_keys(batch.block_table.shape[1]))
+    assert launch["grid"] == [splits, 1, 1] and splits > 1 and launch["block"] == 256
+    counters = next(iter(kernel._split_counters.values()))
+    assert counters.numel() >= 1  # one per (query row, tile of 64 of its heads)
+    # 128 heads x 4 queries: 8 tiles; 20 heads (not a whole tile of 16: one split on the mma.sync kernel) splits.
+    kernel, batch, (out, lse), launch = _launch_sm90(latent(128), [1, 4, 0], [300, 900, 0], return_lse=True,
+                                                     max_query_len=4)
+    splits = kernel.num_splits(3 * 8, kernel.max_decode_keys(batch.block_table.shape[1]))
+    assert launch["grid"] == [splits, 8, 3]
+    f = launch["fields"]
+    if splits > 1:
+        assert next(iter(kernel._split_counters.values())).numel() >= 5 * 2
+        assert f["partial_lse"] - f["partial_o"] == 4 * splits * 5 * 128 * 512
+    _, _, _, launch = _launch_sm90(latent(20), [4], [32768], max_query_len=4)
+    assert launch["grid"][1:] == [2, 1] and launch["fields"]["num_splits"] > 1  # 80 rows: 2 tiles
