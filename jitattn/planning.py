@@ -13,7 +13,7 @@ launch (:meth:`SpecPlan.launch`).
 
 The kernel a plan launches is any object with the attributes of :class:`jitattn.runtime.JitKernel`
 that this module reads (``spec``, ``device``, ``geometry``, ``layout``, ``num_splits``,
-``max_decode_keys``, ``split_counters``, ``side_stream``, ``mixed_on_two_streams``,
+``max_decode_keys``, ``split_counters``, ``stream_fork``, ``mixed_on_two_streams``,
 ``stream_handle``, ``launch``, ``default_slopes``): the runtime passes its loaded kernels, and the CPU
 tests a kernel whose module records launches instead of running them.
 """
@@ -110,13 +110,17 @@ class StructLayout:
     def size(self) -> int:
         return self.packer.size
 
-    def pack(self, fields: Mapping[str, Any]) -> bytearray:
-        """The struct's bytes with ``fields`` set; every other field 0."""
+    def values(self, fields: Mapping[str, Any]) -> list:
+        """Every field's value in the struct's order: ``fields`` set, every other field 0."""
         values = [0] * len(self.field_order)
         index = self._index
         for name, value in fields.items():
             values[index[name]] = value
-        return bytearray(self.packer.pack(*values))
+        return values
+
+    def pack(self, fields: Mapping[str, Any]) -> bytearray:
+        """The struct's bytes with ``fields`` set; every other field 0."""
+        return bytearray(self.packer.pack(*self.values(fields)))
 
     def writers(self, names: tuple[str, ...]) -> tuple[tuple[Callable[..., None], int, Callable[[tuple], tuple]], ...]:
         """Writers of ``names`` (values given in this order), adjacent fields merged into one struct
@@ -167,8 +171,15 @@ class ParamsLayout(StructLayout):
             spec = self.spec
             inner = kv_cache_shape(spec, 1)[1:] if kind == "paged" else ()
             names = PAGED_LAYER_FIELDS if kind == "paged" else RAGGED_LAYER_FIELDS
+            layer = names + self.param_fields
+            where = {n: i for i, n in enumerate(layer)}
+            plan_index = tuple(i for i, n in enumerate(self.field_order) if n not in where)
+            # the whole struct's values from (plan's values + a run's layer values): one itemgetter, one pack
+            slot = {i: j for j, i in enumerate(plan_index)}
+            assemble = itemgetter(*(slot[i] if n not in where else len(plan_index) + where[n]
+                                    for i, n in enumerate(self.field_order)))
             found = self._constants[kind] = SimpleNamespace(
-                writers=self.writers(names + self.param_fields), kv_inner=inner or None,
+                writers=self.writers(layer), plan_index=plan_index, assemble=assemble, kv_inner=inner or None,
                 kv_strides=tuple(math.prod(inner[i + 1:]) for i in range(len(inner))),  # a page is contiguous
                 kv_stride_kv=math.prod(inner[1:]) if inner else 0,
                 kv_align=16 // TORCH_DTYPES[spec.kv_dtype].itemsize,
@@ -447,7 +458,14 @@ class SpecPlan:
         self._q_last_row = (plan.total_q - 1, spec.num_qo_heads * spec.head_dim_qk * self._q_item)
         self._page_bytes = math.prod(self._kv_inner or ()) * self._kv_item
         fields = self._plan_fields(plan, kernel, shared_scratch, c.kv_stride_kv)
-        self._bytes = bytes(self.layout.pack(fields))  # the plan's Params; each run patches a copy
+        self._bytes = bytes(self.layout.pack(fields))  # the plan's Params but for the layer fields
+        every = self.layout.values(fields)
+        self._plan_values = tuple(every[i] for i in c.plan_index)  # a run adds its layer values, packs once
+        self._assemble, self._packer = c.assemble, self.layout.packer
+        # the fast per-layer path (:meth:`_fast_values`): a paged batch of rows, no variant parameters
+        self._fast = plan.kind == "paged" and plan.total_q > 0 and not self.layout.param_fields
+        self._sinks_shape = (spec.num_qo_heads,)
+        self._q_inner_strides = (spec.head_dim_qk, 1)
 
     # ---- plan ---------------------------------------------------------------------------------------
     def _plan_fields(self, plan: Plan, kernel: Any, shared_scratch: bool, kv_stride_kv: int) -> dict[str, Any]:
@@ -535,12 +553,71 @@ class SpecPlan:
             params: Mapping[str, Any] | None = None, k_scale: float = 1.0, v_scale: float = 1.0
             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One layer on the planned batch (arguments: :func:`jitattn.run`)."""
+        if self._fast and return_lse is False and alibi_slopes is None and not params:
+            values = self._fast_values(q, kv, out, sinks)
+            if values is not None:
+                if type(k_scale) is not float or type(v_scale) is not float or k_scale != 1.0 or v_scale != 1.0:
+                    values = values[:9] + check_scales(self.spec, k_scale, v_scale) + values[-1:]  # check()'s last step
+                self.launch(self._packer.pack(*self._assemble(self._plan_values + values[:-1])))
+                return values[-1]
         params = params if params is not None else {}
         scales = self.check(q, kv, out, return_lse, sinks, alibi_slopes, params, k_scale, v_scale)
         out, lse = self._outputs(q, out, return_lse)
         if self.plan.total_q:
             self.launch(self.pack(q, kv, out, lse, sinks, alibi_slopes, params, scales))
         return (out, lse) if return_lse else out
+
+    def _fast_values(self, q: Any, kv: Any, out: Any, sinks: Any) -> tuple | None:
+        """The layer values :meth:`pack` writes (scales 1.0) and then ``out`` (given, else new), when q, one cache
+        tensor, out and sinks pass what :meth:`check` asks of them, read once each and compared with what the
+        plan recorded; None on any difference, and nothing allocated: then the full checks run and name it.
+
+        Accepts nothing that :meth:`check` refuses (tests/test_plan_fast_path.py holds the two to each other).
+        """
+        tensor, dev = torch.Tensor, self.plan.device
+        if type(q) is not tensor or type(kv) is not tensor:
+            return None
+        dtypes = self._dtypes
+        if q.dtype is not dtypes[0] or q.shape != self._q_shape or q.device != dev:
+            return None
+        qs = q.stride()
+        qp = q.data_ptr()
+        if qs[1:] != self._q_inner_strides or qs[0] % 8 or qp & 15:  # check_q_layout
+            return None
+        kshape = kv.shape
+        if kv.dtype is not dtypes[1] or kshape[1:] != self._kv_inner or kv.device != dev:
+            return None
+        pages = kshape[0]
+        if self.plan.num_pages is not None and pages != self.plan.num_pages:
+            return None
+        ks = kv.stride()
+        kp = kv.data_ptr()
+        if ks[1:] != self._kv_strides or ks[0] % self._kv_align or kp & 15:
+            return None
+        if self.spec.sinks:
+            if type(sinks) is not tensor or sinks.dtype is not torch.float32 or sinks.shape != self._sinks_shape or \
+                    sinks.device != dev or not sinks.is_contiguous():
+                return None
+            sp = sinks.data_ptr()
+        elif sinks is not None:
+            return None
+        else:
+            sp = 0
+        if out is None:
+            out = torch.empty(self._out_shape, dtype=dtypes[2], device=dev)
+            op = out.data_ptr()
+        else:
+            if type(out) is not tensor or out.dtype is not dtypes[2] or out.shape != self._out_shape or \
+                    out.device != dev or not out.is_contiguous():
+                return None
+            op = out.data_ptr()
+            end = op + self._out_bytes  # _check_out_apart's spans
+            q1 = qp + self._q_last_row[0] * qs[0] * self._q_item + self._q_last_row[1]
+            k1 = kp + (pages - 1) * ks[0] * self._kv_item + self._page_bytes
+            if op & 15 or (qp < end and op < q1) or (kp < end and op < k1):
+                return None
+        slopes = self.kernel.default_slopes if self.spec.alibi else None
+        return qp, kp, op, 0, sp, 0 if slopes is None else slopes.data_ptr(), qs[0], ks[0], pages, 1.0, 1.0, out
 
     def check(self, q: Any, kv: Any, out: Any, return_lse: Any, sinks: Any, alibi_slopes: Any,
               params: Mapping[str, Any], k_scale: Any, v_scale: Any) -> tuple[float, float]:
@@ -678,12 +755,12 @@ class SpecPlan:
                       v.stride(1), k.shape[0])
         if self.layout.param_fields:
             values += self._param_values(params)
-        buf = bytearray(self._bytes)  # a copy per run: runs from two threads never mix their fields
-        for write, offset, pick in self._writers:
-            write(buf, offset, *pick(values))
-        if pair is not None:  # the plan packed a single tensor's K-to-V stride: a pair's is its own
-            for write, offset, pick in self.layout.writers(("kv_stride_kv",)):
-                write(buf, offset, *pick((pair,)))
+        packed = self._packer.pack(*self._assemble(self._plan_values + values))  # new bytes per run
+        if pair is None:
+            return packed
+        buf = bytearray(packed)  # the plan packed a single tensor's K-to-V stride: a pair's is its own
+        for write, offset, pick in self.layout.writers(("kv_stride_kv",)):
+            write(buf, offset, *pick((pair,)))
         return bytes(buf)
 
     def _param_values(self, params: Mapping[str, Any]) -> tuple:
@@ -711,16 +788,16 @@ class SpecPlan:
         """The decode kernel on a side stream beside the prefill kernel on the caller's: they write
         disjoint rows and share no scratch, so the prefill blocks take each SM the memory-bound decode
         leaves (a fork and join that CUDA graph capture records as two branches)."""
-        main = torch.cuda.current_stream(self.plan.device)
-        side = self.kernel.side_stream(main.cuda_stream)
-        side.wait_stream(main)
+        main = self._stream()
+        fork = self.kernel.stream_fork(main)  # made once per caller's stream: its side stream and two events
+        side = fork.fork()
         try:
             (grid, block, smem), prefill = self.decode, self.prefill
-            self._launch("decode", grid, block, smem, args, side.cuda_stream)
-            self._launch("prefill", prefill[0], prefill[1], prefill[2], args, main.cuda_stream)
+            self._launch("decode", grid, block, smem, args, side)
+            self._launch("prefill", prefill[0], prefill[1], prefill[2], args, main)
         finally:  # joined even when a launch raises: the caller's stream must not run ahead of the
             # decode kernel already queued, and a capture must not end with a fork unjoined
-            main.wait_stream(side)
+            fork.join()
 
     def _zero_counters(self) -> None:
         """Counters made under capture hold garbage until that graph replays: zero them eagerly (then

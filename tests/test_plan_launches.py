@@ -190,8 +190,14 @@ def _two_stream_plan(monkeypatch):
     t = case.tensors
     kernel, module = fake_kernel(case.spec, two_streams=True)
     main, side = _FakeStream(lc.STREAM), _FakeStream(8)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
-    kernel.side_stream = lambda main=None: side
+    forks = []
+
+    def stream_fork(handle):
+        assert handle == lc.STREAM  # the caller's current stream (the kernel's stream_handle)
+        forks.append(handle)
+        return _FakeFork(main, side)
+
+    kernel.stream_fork = stream_fork
     return t, module, main, side, kernel.plan(t["block_table"], t["seq_lens"], t["query_start_loc"])
 
 
@@ -228,6 +234,20 @@ class _FakeStream(SimpleNamespace):
 
     def wait_stream(self, other):
         self.waited_for.append(other.cuda_stream)
+
+
+class _FakeFork:
+    """runtime.StreamFork's calls, recorded as one stream waiting for the other."""
+
+    def __init__(self, main, side):
+        self.main, self.side = main, side
+
+    def fork(self):
+        self.side.wait_stream(self.main)
+        return self.side.cuda_stream
+
+    def join(self):
+        self.main.wait_stream(self.side)
 
 
 def test_plan_counters_made_under_capture_are_zeroed_at_their_next_run(kernels, monkeypatch):
