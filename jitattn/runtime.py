@@ -454,9 +454,11 @@ class JitKernel:
         key = stream = None
         if validate is False and (max_query_len is None or type(max_query_len) is int) and not capturing():
             try:
-                key = (q.shape[0], kv_num_pages(kv_cache), max_query_len, *map(_layout_key, (block_table, seq_lens,
-                                                                                         query_start_loc)),
-                       *map(_layout_key, positions))
+                pages = kv_cache.shape[0] if type(kv_cache) is torch.Tensor else kv_num_pages(kv_cache)
+                key = (q.shape[0], pages, max_query_len, _layout_key(block_table), _layout_key(seq_lens),
+                       _layout_key(query_start_loc),
+                       None if positions[0] is None and positions[1] is None and positions[2] is None
+                       else tuple(map(_layout_key, positions)))
             except AttributeError:  # not tensors: the checks below say what is wrong
                 key = None
             if key is not None:

@@ -319,6 +319,36 @@ def test_one_calls_on_the_same_metadata_plan_once(kernels, monkeypatch):
     assert len(made) == n + 2  # under capture: planned per call, as before
 
 
+def test_a_one_call_plan_is_not_reused_for_metadata_changed_in_place(kernels, monkeypatch):
+    """The very tensor objects of the last call, given other memory (``set_``) or another shape
+    (``resize_``) in place: a new plan, whose launch carries the new address and row stride, never the
+    stale plan (the memo compares addresses, shapes and strides, not the objects)."""
+    from jitattn import planning
+
+    case = lc.cases()["split_kv_decode"]
+    t = case.tensors
+    made = []
+    real = planning.make_paged_plan
+    monkeypatch.setattr(runtime, "make_paged_plan", lambda *a, **kw: made.append(1) or real(*a, **kw))
+    call = lambda: runtime.paged_attention(case.spec, t["q"], t["kv_cache"], t["block_table"], t["seq_lens"],  # noqa: E731
+                                           t["query_start_loc"], max_query_len=1)
+    call()
+    call()
+    assert len(made) == 1
+    _, module = kernels[case.spec.canonical_text]
+    seq_lens, table = t["seq_lens"], t["block_table"]
+    seq_lens.set_(seq_lens.clone())  # the same object, its values in new memory
+    call()
+    assert len(made) == 2 and module.launches[-1]["fields"]["seq_lens"] == seq_lens.data_ptr()
+    wider = torch.zeros(table.shape[0], table.shape[1] + 3, dtype=table.dtype)
+    wider[:, :table.shape[1]] = table
+    table.resize_(wider.shape).copy_(wider)  # the same object, one more column of pages
+    call()
+    assert len(made) == 3
+    assert module.launches[-1]["fields"]["block_table_stride"] == table.shape[1]
+    assert module.launches[-1]["fields"]["block_table"] == table.data_ptr()
+
+
 def test_a_reused_one_call_plan_checks_the_layer_tensors(kernels):
     """A reused plan still checks q / kv_cache / out of each call."""
     case = lc.cases()["mixed_out_hint"]

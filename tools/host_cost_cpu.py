@@ -35,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+torch.set_num_threads(1)  # the small CPU ops of one call: no thread pool to wake
+
 import jitattn  # noqa: E402
 from jitattn import append_kv_module, kv_write, runtime  # noqa: E402
 from jitattn.spec import AttentionSpec  # noqa: E402
@@ -143,8 +145,9 @@ def _transformers_calls() -> dict:
 STEP_LAYERS = 4
 
 
-def us_per_call(fn, calls: int, trials: int = 5) -> float:
-    """Best of ``trials`` means over ``calls`` back-to-back calls, in µs (after a warm-up)."""
+def us_per_call(fn, calls: int, trials: int = 15) -> float:
+    """Best of ``trials`` means over ``calls`` back-to-back calls, in µs (after a warm-up); many short
+    trials, so that a shared machine's other work misses some of them."""
     for _ in range(200):
         fn()
     best = float("inf")
@@ -196,7 +199,7 @@ def main() -> None:
         pstats.Stats(prof).sort_stats(args.sort).print_stats(30)
     print("| call | µs per call (CPU, launch a no-op) |\n|---|---|")
     for name, (fn, n) in per.items():
-        print(f"| {name} | {us_per_call(fn, max(1, args.calls // n)) / n:.1f} |")
+        print(f"| {name} | {us_per_call(fn, max(1, args.calls // 5 // n)) / n:.1f} |")
 
 
 if __name__ == "__main__":
