@@ -104,6 +104,7 @@ class StructLayout:
         kinds = {f.name: f.kind for f, _ in placed}
         self.pointer_fields = frozenset(n for n, k in kinds.items() if k == "ptr")
         self._writers: dict[tuple[str, ...], tuple] = {}
+        self._assemblers: dict[tuple[str, ...], tuple] = {}
         self._index = {name: i for i, name in enumerate(self.field_order)}
 
     @property
@@ -121,6 +122,19 @@ class StructLayout:
     def pack(self, fields: Mapping[str, Any]) -> bytearray:
         """The struct's bytes with ``fields`` set; every other field 0."""
         return bytearray(self.packer.pack(*self.values(fields)))
+
+    def assembler(self, names: tuple[str, ...]) -> tuple[tuple[int, ...], Callable[[tuple], tuple]]:
+        """``(rest, assemble)`` for a call that writes ``names``: ``rest`` indexes the struct's other fields
+        (in :attr:`field_order`), and ``assemble(rest_values + call_values)`` gives every field's value in
+        the struct's order, for one ``packer.pack`` (made once per names tuple)."""
+        found = self._assemblers.get(names)
+        if found is None:
+            where = {n: i for i, n in enumerate(names)}
+            rest = tuple(i for i, n in enumerate(self.field_order) if n not in where)
+            slot = {i: j for j, i in enumerate(rest)}
+            found = self._assemblers[names] = (rest, itemgetter(*(
+                slot[i] if n not in where else len(rest) + where[n] for i, n in enumerate(self.field_order))))
+        return found
 
     def writers(self, names: tuple[str, ...]) -> tuple[tuple[Callable[..., None], int, Callable[[tuple], tuple]], ...]:
         """Writers of ``names`` (values given in this order), adjacent fields merged into one struct
@@ -172,12 +186,7 @@ class ParamsLayout(StructLayout):
             inner = kv_cache_shape(spec, 1)[1:] if kind == "paged" else ()
             names = PAGED_LAYER_FIELDS if kind == "paged" else RAGGED_LAYER_FIELDS
             layer = names + self.param_fields
-            where = {n: i for i, n in enumerate(layer)}
-            plan_index = tuple(i for i, n in enumerate(self.field_order) if n not in where)
-            # the whole struct's values from (plan's values + a run's layer values): one itemgetter, one pack
-            slot = {i: j for j, i in enumerate(plan_index)}
-            assemble = itemgetter(*(slot[i] if n not in where else len(plan_index) + where[n]
-                                    for i, n in enumerate(self.field_order)))
+            plan_index, assemble = self.assembler(layer)  # a run: its layer values after the plan's, one pack
             found = self._constants[kind] = SimpleNamespace(
                 writers=self.writers(layer), plan_index=plan_index, assemble=assemble, kv_inner=inner or None,
                 kv_strides=tuple(math.prod(inner[i + 1:]) for i in range(len(inner))),  # a page is contiguous
