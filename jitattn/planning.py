@@ -5,8 +5,11 @@ depends only on that layout is done once, by a :class:`Plan`: the structural che
 the choice of kernels (decode, prefill, or both) and of the split-KV factor, the tile grid, the
 scratch buffers, and the kernel's ``Params`` struct packed except the fields that change per layer.
 A run (:meth:`SpecPlan.run`) then checks only the per-layer tensors (q, the cache, ``out``, sinks,
-slopes, the variant's parameters: shape, dtype, device, strides), writes their pointers and strides
-into the packed bytes at offsets computed once per spec (:class:`ParamsLayout`), and launches.
+slopes, the variant's parameters: shape, dtype, device, strides), packs its pointers and strides with
+the plan's values in one ``struct.pack`` (the field order made once per spec: :class:`ParamsLayout`),
+and launches. The common layer (one cache tensor, no variant parameters, no lse) takes a fast path,
+:meth:`SpecPlan._fast_values`: each tensor's attributes read once and compared with what the plan
+recorded, the full checks (which name what differs) only when something does not match.
 
 Three steps, each a small method: check (:meth:`SpecPlan.check`), pack (:meth:`SpecPlan.pack`),
 launch (:meth:`SpecPlan.launch`).
@@ -188,7 +191,7 @@ class ParamsLayout(StructLayout):
             layer = names + self.param_fields
             plan_index, assemble = self.assembler(layer)  # a run: its layer values after the plan's, one pack
             found = self._constants[kind] = SimpleNamespace(
-                writers=self.writers(layer), plan_index=plan_index, assemble=assemble, kv_inner=inner or None,
+                plan_index=plan_index, assemble=assemble, kv_inner=inner or None,
                 kv_strides=tuple(math.prod(inner[i + 1:]) for i in range(len(inner))),  # a page is contiguous
                 kv_stride_kv=math.prod(inner[1:]) if inner else 0,
                 kv_align=16 // TORCH_DTYPES[spec.kv_dtype].itemsize,
@@ -457,8 +460,8 @@ class SpecPlan:
         self.counters: torch.Tensor | None = None
         self._unzeroed = False  # counters made under graph capture: zero them at the next run
         c = self.layout.constants(plan.kind)
-        self._writers, self._kv_inner, self._kv_strides, self._kv_align, self._dtypes, self._softmax = (
-            c.writers, c.kv_inner, c.kv_strides, c.kv_align, c.dtypes, c.softmax)
+        self._kv_inner, self._kv_strides, self._kv_align, self._dtypes, self._softmax = (
+            c.kv_inner, c.kv_strides, c.kv_align, c.dtypes, c.softmax)
         self._q_shape = (plan.total_q, spec.num_qo_heads, spec.head_dim_qk)
         self._out_shape = (plan.total_q, spec.num_qo_heads, spec.head_dim_vo)
         # byte sizes the out-overlap check adds to data pointers (q's row and a page are contiguous)
@@ -467,8 +470,7 @@ class SpecPlan:
         self._q_last_row = (plan.total_q - 1, spec.num_qo_heads * spec.head_dim_qk * self._q_item)
         self._page_bytes = math.prod(self._kv_inner or ()) * self._kv_item
         fields = self._plan_fields(plan, kernel, shared_scratch, c.kv_stride_kv)
-        self._bytes = bytes(self.layout.pack(fields))  # the plan's Params but for the layer fields
-        every = self.layout.values(fields)
+        every = self.layout.values(fields)  # the plan's Params but for the layer fields
         self._plan_values = tuple(every[i] for i in c.plan_index)  # a run adds its layer values, packs once
         self._assemble, self._packer = c.assemble, self.layout.packer
         # the fast per-layer path (:meth:`_fast_values`): a paged batch of rows, no variant parameters
