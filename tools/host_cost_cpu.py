@@ -164,6 +164,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--sort", default="tottime", help="the profile's order (pstats: tottime, cumulative)")
     parser.add_argument("--profile", help="a row's name: cProfile of that call, then the table")
+    parser.add_argument("--count", action="store_true",
+                        help="Python function calls per call of each row (cProfile's count: unlike the time, "
+                             "the same on a busy machine), instead of the table")
     args = parser.parse_args()
     _install_fake_kernels()
     # The decode probe of issue 18: 32/8 heads, hd128, page 16, batch 1, 512 keys.
@@ -197,6 +200,18 @@ def main() -> None:
             per[args.profile][0]()
         prof.disable()
         pstats.Stats(prof).sort_stats(args.sort).print_stats(30)
+    if args.count:
+        print("| call | Python function calls per call |\n|---|---|")
+        for name, (fn, n) in per.items():
+            fn()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(max(1, 200 // n)):
+                fn()
+            prof.disable()
+            total = sum(v[1] for v in pstats.Stats(prof).stats.values())  # primitive + recursive calls
+            print(f"| {name} | {total / (max(1, 200 // n) * n):.1f} |")
+        return
     print("| call | µs per call (CPU, launch a no-op) |\n|---|---|")
     for name, (fn, n) in per.items():
         print(f"| {name} | {us_per_call(fn, max(1, args.calls // 5 // n)) / n:.1f} |")
