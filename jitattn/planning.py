@@ -89,9 +89,11 @@ class StructLayout:
     """A by-value kernel argument struct's bytes (fields placed by :func:`jitattn.render.params_layout`):
     the whole-struct packer, and writers of chosen fields into packed bytes.
 
+    ``assembler(names)`` lets a call that gives the values of ``names`` pack the whole struct at once
+    with the other fields' values kept from before (what ``run`` and append_kv's memo do);
     ``writers(names)`` turns a tuple of field names (in the order a call gives their values) into
-    ``(pack_into, offset, pick)`` triples, one per run of fields adjacent in the struct, so a call
-    patches its fields with a few ``struct.pack_into`` calls. Any struct of :class:`~jitattn.render.Field`
+    ``(pack_into, offset, pick)`` triples, one per run of fields adjacent in the struct, to patch
+    packed bytes. Any struct of :class:`~jitattn.render.Field`
     members: a spec's ``Params`` (:class:`ParamsLayout`), the utility modules' (``AppendKvParams``).
     """
 

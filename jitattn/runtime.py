@@ -634,7 +634,7 @@ def plan(spec: AttentionSpec | Sequence[AttentionSpec], block_table: torch.Tenso
 
     Checks the metadata (dtypes, shapes, devices, strides), picks the kernels and the split-KV factor,
     allocates the split scratch and packs the kernel's ``Params`` but for the per-layer fields. A
-    run costs its checks of q / kv_cache / out, a few ``struct.pack_into`` and the launches.
+    run costs its checks of q / kv_cache / out, one ``struct.pack`` and the launches.
 
     Args:
         spec: the layers' spec, or several specs sharing this batch layout (Gemma-2's sliding and
