@@ -245,7 +245,7 @@ class AppendKvKernel:
 
     def launch_params(self, params: bytes | bytearray, num_tokens: int) -> None:
         """One launch of packed ``AppendKvParams`` bytes (one block per token) on torch's current stream."""
-        # bytes (the launch boundary's type; bytes() of bytes is the object itself)
+        # bytes: the launch boundary's type (a module's launch takes bytes; the CPU recorders assert it)
         self._module.launch("append_kv", (num_tokens, 1, 1), _am.THREADS, 0, bytes(params), self.stream_handle())
 
 
@@ -293,16 +293,14 @@ class _LayoutLaunch:
     full checks: the kernel, the ``AppendKvParams`` bytes packed but for :data:`CALL_FIELDS`, their
     writers, and where K and V start in a one-tensor cache. Holds no tensor (nor a reference to one)."""
 
-    __slots__ = ("kernel", "rest", "assemble", "packer", "pair", "k_offset", "v_offset", "slots_contiguous",
-                 "cpu_slots", "num_pages", "page_size")
+    __slots__ = ("kernel", "params", "writers", "pair", "k_offset", "v_offset", "slots_contiguous", "cpu_slots",
+                 "num_pages", "page_size")
 
     def __init__(self, kernel: AppendKvKernel, params: bytes | bytearray, kv_cache: Any, kc: torch.Tensor,
                  vc: torch.Tensor, slot_mapping: torch.Tensor):
         self.kernel = kernel
-        layout = kernel.layout
-        index, self.assemble = layout.assembler(CALL_FIELDS)
-        first = layout.packer.unpack(params)  # the first call's values (float32 fields round-trip exactly)
-        self.rest, self.packer = tuple(first[i] for i in index), layout.packer  # a later call packs its own
+        self.params = bytes(params)  # the first call's; each later call patches a copy
+        self.writers = kernel.layout.writers(CALL_FIELDS)
         self.pair = type(kv_cache) is not torch.Tensor
         base = 0 if self.pair else kv_cache.data_ptr()  # a pair's K and V are its own tensors' first elements
         self.k_offset, self.v_offset = kc.data_ptr() - base, vc.data_ptr() - base
@@ -328,8 +326,11 @@ class _LayoutLaunch:
         if self.cpu_slots:
             _check_slot_values(slot_mapping, self.num_pages, self.page_size)
         slots = slot_mapping if self.slots_contiguous else slot_mapping.contiguous()
-        # new bytes per call: calls from two threads never mix their fields
-        self.kernel.launch_params(self.packer.pack(*self.assemble(self.rest + (kp, vp, kc, vc, slots.data_ptr(), n))), n)
+        values = (kp, vp, kc, vc, slots.data_ptr(), n)
+        buf = bytearray(self.params)  # a copy per call: calls from two threads never mix their fields
+        for write, offset, pick in self.writers:
+            write(buf, offset, *pick(values))
+        self.kernel.launch_params(buf, n)
         return True
 
 
