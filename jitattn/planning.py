@@ -90,7 +90,7 @@ class StructLayout:
     the whole-struct packer, and writers of chosen fields into packed bytes.
 
     ``assembler(names)`` lets a call that gives the values of ``names`` pack the whole struct at once
-    with the other fields' values kept from before (what ``run`` and append_kv's memo do);
+    with the other fields' values kept from before (what ``run`` does with a plan's);
     ``writers(names)`` turns a tuple of field names (in the order a call gives their values) into
     ``(pack_into, offset, pick)`` triples, one per run of fields adjacent in the struct, to patch
     packed bytes. Any struct of :class:`~jitattn.render.Field`

@@ -330,8 +330,10 @@ def test_a_one_call_plan_is_not_reused_for_metadata_changed_in_place(kernels, mo
     made = []
     real = planning.make_paged_plan
     monkeypatch.setattr(runtime, "make_paged_plan", lambda *a, **kw: made.append(1) or real(*a, **kw))
-    call = lambda: runtime.paged_attention(case.spec, t["q"], t["kv_cache"], t["block_table"], t["seq_lens"],  # noqa: E731
-                                           t["query_start_loc"], max_query_len=1)
+    def call():
+        runtime.paged_attention(case.spec, t["q"], t["kv_cache"], t["block_table"], t["seq_lens"],
+                                t["query_start_loc"], max_query_len=1)
+
     call()
     call()
     assert len(made) == 1

@@ -6,8 +6,8 @@ its mixed probe (2 prefill rows of 64 + 30 decode rows; on the CPU both kernels 
 side-stream fork and join only exist on a GPU), the one-call as the GPU bench calls it (no ``out``, no
 ``max_query_len``: both kernels), one layer of transformers' attention function on a ``PagedCache``
 decode step (``update`` + :func:`jitattn.integrations.transformers.attention_forward`, batch 8, the step's
-first layer planning it: µs per layer over a step of 4 layers, the bench's generate model), and of ``jitattn.append_kv``
-on a decode step (64 tokens, 8 KV heads, hd128, bf16, NHD page 16: the memoised layout, and with the
+first layer planning it: µs per layer over a step of 4 layers, the bench's generate model), and of
+``jitattn.append_kv`` on a decode step (64 tokens, 8 KV heads, hd128, bf16, NHD page 16: the memoised layout, and with the
 memo cleared before each call), next to ``torch.add`` of two small tensors and ``index_copy_`` of
 append_kv's bytes into a flat view of the cache, in one process. The kernels come from
 ``JitKernel.from_module`` / ``AppendKvKernel.from_module`` over a module whose ``launch`` does
