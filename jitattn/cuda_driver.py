@@ -151,11 +151,26 @@ class CudaDriver:
             stream: the raw ``CUstream`` handle (``torch.cuda.current_stream().cuda_stream``; 0 = legacy default).
             params: the struct's bytes; the driver copies them before returning.
         """
-        buf = ctypes.create_string_buffer(params, len(params))
-        argv = (_c_void_p * 1)(ctypes.addressof(buf))
-        self._check("cuLaunchKernel",
-                    self._cuLaunchKernel(function, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem,
-                                         stream, argv, None))
+        n = len(params)
+        args = getattr(_launch_args, "buffers", None)
+        if args is None or len(args[0]) < n:
+            args = _launch_args.buffers = _argument_buffers(n)
+        buf, argv = args
+        ctypes.memmove(buf, params, n)  # this thread's buffer: ctypes releases the GIL during the call
+        status = self._cuLaunchKernel(function, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem,
+                                      stream, argv, None)
+        if status:
+            self._check("cuLaunchKernel", status)
+
+
+#: Per thread: a struct-argument buffer and the one-entry argument array pointing at it, made once (the
+#: driver copies the bytes before cuLaunchKernel returns, so the next launch may overwrite them).
+_launch_args = threading.local()
+
+
+def _argument_buffers(size: int) -> tuple[ctypes.Array, ctypes.Array]:
+    buf = (ctypes.c_char * max(size, 4096))()
+    return buf, (_c_void_p * 1)(ctypes.addressof(buf))
 
 
 _driver: CudaDriver | None = None

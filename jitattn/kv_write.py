@@ -245,7 +245,7 @@ class AppendKvKernel:
 
     def launch_params(self, params: bytes | bytearray, num_tokens: int) -> None:
         """One launch of packed ``AppendKvParams`` bytes (one block per token) on torch's current stream."""
-        # bytes: the driver's ctypes.create_string_buffer refuses a bytearray
+        # bytes: the launch boundary's type (a module's launch takes bytes; the CPU recorders assert it)
         self._module.launch("append_kv", (num_tokens, 1, 1), _am.THREADS, 0, bytes(params), self.stream_handle())
 
 

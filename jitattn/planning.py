@@ -5,15 +5,18 @@ depends only on that layout is done once, by a :class:`Plan`: the structural che
 the choice of kernels (decode, prefill, or both) and of the split-KV factor, the tile grid, the
 scratch buffers, and the kernel's ``Params`` struct packed except the fields that change per layer.
 A run (:meth:`SpecPlan.run`) then checks only the per-layer tensors (q, the cache, ``out``, sinks,
-slopes, the variant's parameters: shape, dtype, device, strides), writes their pointers and strides
-into the packed bytes at offsets computed once per spec (:class:`ParamsLayout`), and launches.
+slopes, the variant's parameters: shape, dtype, device, strides), packs its pointers and strides with
+the plan's values in one ``struct.pack`` (the field order made once per spec: :class:`ParamsLayout`),
+and launches. The common layer (one cache tensor, no variant parameters, no lse) takes a fast path,
+:meth:`SpecPlan._fast_values`: each tensor's attributes read once and compared with what the plan
+recorded, the full checks (which name what differs) only when something does not match.
 
 Three steps, each a small method: check (:meth:`SpecPlan.check`), pack (:meth:`SpecPlan.pack`),
 launch (:meth:`SpecPlan.launch`).
 
 The kernel a plan launches is any object with the attributes of :class:`jitattn.runtime.JitKernel`
 that this module reads (``spec``, ``device``, ``geometry``, ``layout``, ``num_splits``,
-``max_decode_keys``, ``split_counters``, ``side_stream``, ``mixed_on_two_streams``,
+``max_decode_keys``, ``split_counters``, ``stream_fork``, ``mixed_on_two_streams``,
 ``stream_handle``, ``launch``, ``default_slopes``): the runtime passes its loaded kernels, and the CPU
 tests a kernel whose module records launches instead of running them.
 """
@@ -86,9 +89,11 @@ class StructLayout:
     """A by-value kernel argument struct's bytes (fields placed by :func:`jitattn.render.params_layout`):
     the whole-struct packer, and writers of chosen fields into packed bytes.
 
+    ``assembler(names)`` lets a call that gives the values of ``names`` pack the whole struct at once
+    with the other fields' values kept from before (what ``run`` does with a plan's);
     ``writers(names)`` turns a tuple of field names (in the order a call gives their values) into
-    ``(pack_into, offset, pick)`` triples, one per run of fields adjacent in the struct, so a call
-    patches its fields with a few ``struct.pack_into`` calls. Any struct of :class:`~jitattn.render.Field`
+    ``(pack_into, offset, pick)`` triples, one per run of fields adjacent in the struct, to patch
+    packed bytes. Any struct of :class:`~jitattn.render.Field`
     members: a spec's ``Params`` (:class:`ParamsLayout`), the utility modules' (``AppendKvParams``).
     """
 
@@ -104,19 +109,37 @@ class StructLayout:
         kinds = {f.name: f.kind for f, _ in placed}
         self.pointer_fields = frozenset(n for n, k in kinds.items() if k == "ptr")
         self._writers: dict[tuple[str, ...], tuple] = {}
+        self._assemblers: dict[tuple[str, ...], tuple] = {}
         self._index = {name: i for i, name in enumerate(self.field_order)}
 
     @property
     def size(self) -> int:
         return self.packer.size
 
-    def pack(self, fields: Mapping[str, Any]) -> bytearray:
-        """The struct's bytes with ``fields`` set; every other field 0."""
+    def values(self, fields: Mapping[str, Any]) -> list:
+        """Every field's value in the struct's order: ``fields`` set, every other field 0."""
         values = [0] * len(self.field_order)
         index = self._index
         for name, value in fields.items():
             values[index[name]] = value
-        return bytearray(self.packer.pack(*values))
+        return values
+
+    def pack(self, fields: Mapping[str, Any]) -> bytearray:
+        """The struct's bytes with ``fields`` set; every other field 0."""
+        return bytearray(self.packer.pack(*self.values(fields)))
+
+    def assembler(self, names: tuple[str, ...]) -> tuple[tuple[int, ...], Callable[[tuple], tuple]]:
+        """``(rest, assemble)`` for a call that writes ``names``: ``rest`` indexes the struct's other fields
+        (in :attr:`field_order`), and ``assemble(rest_values + call_values)`` gives every field's value in
+        the struct's order, for one ``packer.pack`` (made once per names tuple)."""
+        found = self._assemblers.get(names)
+        if found is None:
+            where = {n: i for i, n in enumerate(names)}
+            rest = tuple(i for i, n in enumerate(self.field_order) if n not in where)
+            slot = {i: j for j, i in enumerate(rest)}
+            found = self._assemblers[names] = (rest, itemgetter(*(
+                slot[i] if n not in where else len(rest) + where[n] for i, n in enumerate(self.field_order))))
+        return found
 
     def writers(self, names: tuple[str, ...]) -> tuple[tuple[Callable[..., None], int, Callable[[tuple], tuple]], ...]:
         """Writers of ``names`` (values given in this order), adjacent fields merged into one struct
@@ -167,8 +190,10 @@ class ParamsLayout(StructLayout):
             spec = self.spec
             inner = kv_cache_shape(spec, 1)[1:] if kind == "paged" else ()
             names = PAGED_LAYER_FIELDS if kind == "paged" else RAGGED_LAYER_FIELDS
+            layer = names + self.param_fields
+            plan_index, assemble = self.assembler(layer)  # a run: its layer values after the plan's, one pack
             found = self._constants[kind] = SimpleNamespace(
-                writers=self.writers(names + self.param_fields), kv_inner=inner or None,
+                plan_index=plan_index, assemble=assemble, kv_inner=inner or None,
                 kv_strides=tuple(math.prod(inner[i + 1:]) for i in range(len(inner))),  # a page is contiguous
                 kv_stride_kv=math.prod(inner[1:]) if inner else 0,
                 kv_align=16 // TORCH_DTYPES[spec.kv_dtype].itemsize,
@@ -437,8 +462,8 @@ class SpecPlan:
         self.counters: torch.Tensor | None = None
         self._unzeroed = False  # counters made under graph capture: zero them at the next run
         c = self.layout.constants(plan.kind)
-        self._writers, self._kv_inner, self._kv_strides, self._kv_align, self._dtypes, self._softmax = (
-            c.writers, c.kv_inner, c.kv_strides, c.kv_align, c.dtypes, c.softmax)
+        self._kv_inner, self._kv_strides, self._kv_align, self._dtypes, self._softmax = (
+            c.kv_inner, c.kv_strides, c.kv_align, c.dtypes, c.softmax)
         self._q_shape = (plan.total_q, spec.num_qo_heads, spec.head_dim_qk)
         self._out_shape = (plan.total_q, spec.num_qo_heads, spec.head_dim_vo)
         # byte sizes the out-overlap check adds to data pointers (q's row and a page are contiguous)
@@ -447,7 +472,13 @@ class SpecPlan:
         self._q_last_row = (plan.total_q - 1, spec.num_qo_heads * spec.head_dim_qk * self._q_item)
         self._page_bytes = math.prod(self._kv_inner or ()) * self._kv_item
         fields = self._plan_fields(plan, kernel, shared_scratch, c.kv_stride_kv)
-        self._bytes = bytes(self.layout.pack(fields))  # the plan's Params; each run patches a copy
+        every = self.layout.values(fields)  # the plan's Params but for the layer fields
+        self._plan_values = tuple(every[i] for i in c.plan_index)  # a run adds its layer values, packs once
+        self._assemble, self._packer = c.assemble, self.layout.packer
+        # the fast per-layer path (:meth:`_fast_values`): a paged batch of rows, no variant parameters
+        self._fast = plan.kind == "paged" and plan.total_q > 0 and not self.layout.param_fields
+        self._sinks_shape = (spec.num_qo_heads,)
+        self._q_inner_strides = (spec.head_dim_qk, 1)
 
     # ---- plan ---------------------------------------------------------------------------------------
     def _plan_fields(self, plan: Plan, kernel: Any, shared_scratch: bool, kv_stride_kv: int) -> dict[str, Any]:
@@ -547,12 +578,71 @@ class SpecPlan:
             params: Mapping[str, Any] | None = None, k_scale: float = 1.0, v_scale: float = 1.0
             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One layer on the planned batch (arguments: :func:`jitattn.run`)."""
+        if self._fast and return_lse is False and alibi_slopes is None and not params:
+            values = self._fast_values(q, kv, out, sinks)
+            if values is not None:
+                if type(k_scale) is not float or type(v_scale) is not float or k_scale != 1.0 or v_scale != 1.0:
+                    values = values[:9] + check_scales(self.spec, k_scale, v_scale) + values[-1:]  # check()'s last step
+                self.launch(self._packer.pack(*self._assemble(self._plan_values + values[:-1])))
+                return values[-1]
         params = params if params is not None else {}
         scales = self.check(q, kv, out, return_lse, sinks, alibi_slopes, params, k_scale, v_scale)
         out, lse = self._outputs(q, out, return_lse)
         if self.plan.total_q:
             self.launch(self.pack(q, kv, out, lse, sinks, alibi_slopes, params, scales))
         return (out, lse) if return_lse else out
+
+    def _fast_values(self, q: Any, kv: Any, out: Any, sinks: Any) -> tuple | None:
+        """The layer values :meth:`pack` writes (scales 1.0) and then ``out`` (given, else new), when q, one cache
+        tensor, out and sinks pass what :meth:`check` asks of them, read once each and compared with what the
+        plan recorded; None on any difference, and nothing allocated: then the full checks run and name it.
+
+        Accepts nothing that :meth:`check` refuses (tests/test_plan_fast_path.py holds the two to each other).
+        """
+        tensor, dev = torch.Tensor, self.plan.device
+        if type(q) is not tensor or type(kv) is not tensor:
+            return None
+        dtypes = self._dtypes
+        if q.dtype is not dtypes[0] or q.shape != self._q_shape or q.device != dev:
+            return None
+        qs = q.stride()
+        qp = q.data_ptr()
+        if qs[1:] != self._q_inner_strides or qs[0] % 8 or qp & 15:  # check_q_layout
+            return None
+        kshape = kv.shape
+        if kv.dtype is not dtypes[1] or kshape[1:] != self._kv_inner or kv.device != dev:
+            return None
+        pages = kshape[0]
+        if self.plan.num_pages is not None and pages != self.plan.num_pages:
+            return None
+        ks = kv.stride()
+        kp = kv.data_ptr()
+        if ks[1:] != self._kv_strides or ks[0] % self._kv_align or kp & 15:
+            return None
+        if self.spec.sinks:
+            if type(sinks) is not tensor or sinks.dtype is not torch.float32 or sinks.shape != self._sinks_shape or \
+                    sinks.device != dev or not sinks.is_contiguous():
+                return None
+            sp = sinks.data_ptr()
+        elif sinks is not None:
+            return None
+        else:
+            sp = 0
+        if out is None:
+            out = torch.empty(self._out_shape, dtype=dtypes[2], device=dev)
+            op = out.data_ptr()
+        else:
+            if type(out) is not tensor or out.dtype is not dtypes[2] or out.shape != self._out_shape or \
+                    out.device != dev or not out.is_contiguous():
+                return None
+            op = out.data_ptr()
+            end = op + self._out_bytes  # _check_out_apart's spans
+            q1 = qp + self._q_last_row[0] * qs[0] * self._q_item + self._q_last_row[1]
+            k1 = kp + (pages - 1) * ks[0] * self._kv_item + self._page_bytes
+            if op & 15 or (qp < end and op < q1) or (kp < end and op < k1):
+                return None
+        slopes = self.kernel.default_slopes if self.spec.alibi else None
+        return qp, kp, op, 0, sp, 0 if slopes is None else slopes.data_ptr(), qs[0], ks[0], pages, 1.0, 1.0, out
 
     def check(self, q: Any, kv: Any, out: Any, return_lse: Any, sinks: Any, alibi_slopes: Any,
               params: Mapping[str, Any], k_scale: Any, v_scale: Any) -> tuple[float, float]:
@@ -690,12 +780,12 @@ class SpecPlan:
                       v.stride(1), k.shape[0])
         if self.layout.param_fields:
             values += self._param_values(params)
-        buf = bytearray(self._bytes)  # a copy per run: runs from two threads never mix their fields
-        for write, offset, pick in self._writers:
-            write(buf, offset, *pick(values))
-        if pair is not None:  # the plan packed a single tensor's K-to-V stride: a pair's is its own
-            for write, offset, pick in self.layout.writers(("kv_stride_kv",)):
-                write(buf, offset, *pick((pair,)))
+        packed = self._packer.pack(*self._assemble(self._plan_values + values))  # new bytes per run
+        if pair is None:
+            return packed
+        buf = bytearray(packed)  # the plan packed a single tensor's K-to-V stride: a pair's is its own
+        for write, offset, pick in self.layout.writers(("kv_stride_kv",)):
+            write(buf, offset, *pick((pair,)))
         return bytes(buf)
 
     def _param_values(self, params: Mapping[str, Any]) -> tuple:
@@ -723,16 +813,16 @@ class SpecPlan:
         """The decode kernel on a side stream beside the prefill kernel on the caller's: they write
         disjoint rows and share no scratch, so the prefill blocks take each SM the memory-bound decode
         leaves (a fork and join that CUDA graph capture records as two branches)."""
-        main = torch.cuda.current_stream(self.plan.device)
-        side = self.kernel.side_stream(main.cuda_stream)
-        side.wait_stream(main)
+        main = self._stream()
+        fork = self.kernel.stream_fork(main)  # made once per caller's stream: its side stream and two events
+        side = fork.fork()
         try:
             (grid, block, smem), prefill = self.decode, self.prefill
-            self._launch("decode", grid, block, smem, args, side.cuda_stream)
-            self._launch("prefill", prefill[0], prefill[1], prefill[2], args, main.cuda_stream)
+            self._launch("decode", grid, block, smem, args, side)
+            self._launch("prefill", prefill[0], prefill[1], prefill[2], args, main)
         finally:  # joined even when a launch raises: the caller's stream must not run ahead of the
             # decode kernel already queued, and a capture must not end with a fork unjoined
-            main.wait_stream(side)
+            fork.join()
 
     def _zero_counters(self) -> None:
         """Counters made under capture hold garbage until that graph replays: zero them eagerly (then

@@ -77,6 +77,12 @@ def select_entry(spec: AttentionSpec, capability: tuple[int, int], cache: Kernel
 _thread_state = threading.local()
 
 
+def _current_device() -> int:
+    """torch's current CUDA device index: its C getter (CUDA is initialised once a module is loaded, which
+    is all ``torch.cuda.current_device`` adds)."""
+    return torch._C._cuda_getDevice()
+
+
 class _DeviceArray:
     """A device buffer described by ``__cuda_array_interface__`` (v3), for ``torch.as_tensor``."""
 
@@ -159,11 +165,44 @@ class CubinModule:
     def launch(self, kernel: str, grid: tuple[int, int, int], block: int, smem: int, params: bytes,
                stream: int) -> None:
         """``cuLaunchKernel`` with one by-value struct argument (the driver copies it before returning)."""
+        primed = getattr(_thread_state, "primed", None)
+        if primed is not None and self.device_index in primed and _current_device() == self.device_index:
+            self._driver.launch_kernel(self.functions[kernel], grid, (block, 1, 1), smem, stream, params)
+            return  # the usual case: this device's context is current on this thread already
         prev = self._make_current()
         try:
             self._driver.launch_kernel(self.functions[kernel], grid, (block, 1, 1), smem, stream, params)
         finally:
             self._restore(prev)
+
+
+class StreamFork:
+    """A caller's stream and the side stream a mixed batch's decode kernel runs on beside it: :meth:`fork`
+    makes the side stream wait for the caller's work so far and returns its raw handle, :meth:`join` makes
+    the caller's stream wait for what was queued on the side. One event each, made once and recorded
+    again at every call (a wait takes the event's latest record at the time it is queued, so a record
+    of a later call never changes an earlier wait); CUDA graph capture records the two as a fork and a
+    join (the pattern of ``torch.cuda.Stream.wait_stream``, without an event made and freed per call).
+
+    Args:
+        device: the CUDA device of both streams.
+        main: the raw handle of the caller's stream (torch's current stream there).
+    """
+
+    def __init__(self, device: torch.device, main: int):
+        self.main_stream = torch.cuda.ExternalStream(main, device=device)
+        self.side_stream = torch.cuda.Stream(device, priority=-1)  # lower is higher
+        self.side = self.side_stream.cuda_stream
+        self._forked, self._joined = torch.cuda.Event(), torch.cuda.Event()
+
+    def fork(self) -> int:
+        self._forked.record(self.main_stream)
+        self.side_stream.wait_event(self._forked)
+        return self.side
+
+    def join(self) -> None:
+        self._joined.record(self.side_stream)
+        self.main_stream.wait_event(self._joined)
 
 
 def choose_num_splits(blocks: int, slots: int, max_useful: int, *, min_wave_fill: float = 0.9) -> int:
@@ -253,7 +292,7 @@ class JitKernel:
         self._split_counters: dict[int, torch.Tensor] = {}  # stream handle -> fused-merge counters
         self._retired_counters: list[torch.Tensor] = []  # outgrown buffers that captured graphs may still use
         self._unzeroed_counters: set[int] = set()  # streams whose buffer was made under capture, not yet zeroed
-        self._side_streams: dict[int, torch.cuda.Stream] = {}  # caller's stream handle -> its decode stream
+        self._side_streams: dict[int, StreamFork] = {}  # caller's stream handle -> its decode stream
         self.mixed_on_two_streams = MIXED_ON_TWO_STREAMS
         self._num_splits: dict[tuple[int, int], int] = {}  # (batch, max keys) -> split factor, made once
         self._last_plans: dict[int, tuple[tuple, Any]] = {}  # stream handle -> (metadata key, its one-call plan)
@@ -317,12 +356,16 @@ class JitKernel:
         them; the prefill kernel then fills each SM the decode leaves (see ``paged_attention``).
         """
         if main is None:  # the caller's stream handle, unless the caller has it already
-            main = torch.cuda.current_stream(self.device).cuda_stream
-        side = self._side_streams.get(main)
-        if side is None:
-            side = torch.cuda.Stream(self.device, priority=-1)  # lower is higher
-            self._side_streams[main] = side
-        return side
+            main = self.stream_handle()
+        return self.stream_fork(main).side_stream
+
+    def stream_fork(self, main: int) -> "StreamFork":
+        """The fork to the side stream of :meth:`side_stream` and the join back, for the caller's stream
+        ``main`` (a raw handle): made once per caller's stream."""
+        fork = self._side_streams.get(main)
+        if fork is None:
+            fork = self._side_streams.setdefault(main, StreamFork(self.device, main))
+        return fork
 
     # ---- plan / run ---------------------------------------------------------------------------------
     def plan(self, block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
@@ -411,9 +454,11 @@ class JitKernel:
         key = stream = None
         if validate is False and (max_query_len is None or type(max_query_len) is int) and not capturing():
             try:
-                key = (q.shape[0], kv_num_pages(kv_cache), max_query_len, *map(_layout_key, (block_table, seq_lens,
-                                                                                         query_start_loc)),
-                       *map(_layout_key, positions))
+                pages = kv_cache.shape[0] if type(kv_cache) is torch.Tensor else kv_num_pages(kv_cache)
+                key = (q.shape[0], pages, max_query_len, _layout_key(block_table), _layout_key(seq_lens),
+                       _layout_key(query_start_loc),
+                       None if positions[0] is None and positions[1] is None and positions[2] is None
+                       else tuple(map(_layout_key, positions)))
             except AttributeError:  # not tensors: the checks below say what is wrong
                 key = None
             if key is not None:
@@ -589,7 +634,7 @@ def plan(spec: AttentionSpec | Sequence[AttentionSpec], block_table: torch.Tenso
 
     Checks the metadata (dtypes, shapes, devices, strides), picks the kernels and the split-KV factor,
     allocates the split scratch and packs the kernel's ``Params`` but for the per-layer fields. A
-    run costs its checks of q / kv_cache / out, a few ``struct.pack_into`` and the launches.
+    run costs its checks of q / kv_cache / out, one ``struct.pack`` and the launches.
 
     Args:
         spec: the layers' spec, or several specs sharing this batch layout (Gemma-2's sliding and

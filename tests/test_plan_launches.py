@@ -190,8 +190,14 @@ def _two_stream_plan(monkeypatch):
     t = case.tensors
     kernel, module = fake_kernel(case.spec, two_streams=True)
     main, side = _FakeStream(lc.STREAM), _FakeStream(8)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
-    kernel.side_stream = lambda main=None: side
+    forks = []
+
+    def stream_fork(handle):
+        assert handle == lc.STREAM  # the caller's current stream (the kernel's stream_handle)
+        forks.append(handle)
+        return _FakeFork(main, side)
+
+    kernel.stream_fork = stream_fork
     return t, module, main, side, kernel.plan(t["block_table"], t["seq_lens"], t["query_start_loc"])
 
 
@@ -228,6 +234,20 @@ class _FakeStream(SimpleNamespace):
 
     def wait_stream(self, other):
         self.waited_for.append(other.cuda_stream)
+
+
+class _FakeFork:
+    """runtime.StreamFork's calls, recorded as one stream waiting for the other."""
+
+    def __init__(self, main, side):
+        self.main, self.side = main, side
+
+    def fork(self):
+        self.side.wait_stream(self.main)
+        return self.side.cuda_stream
+
+    def join(self):
+        self.main.wait_stream(self.side)
 
 
 def test_plan_counters_made_under_capture_are_zeroed_at_their_next_run(kernels, monkeypatch):
@@ -297,6 +317,38 @@ def test_one_calls_on_the_same_metadata_plan_once(kernels, monkeypatch):
     runtime.paged_attention(case.spec, *args())
     runtime.paged_attention(case.spec, *args())
     assert len(made) == n + 2  # under capture: planned per call, as before
+
+
+def test_a_one_call_plan_is_not_reused_for_metadata_changed_in_place(kernels, monkeypatch):
+    """The very tensor objects of the last call, given other memory (``set_``) or another shape
+    (``resize_``) in place: a new plan, whose launch carries the new address and row stride, never the
+    stale plan (the memo compares addresses, shapes and strides, not the objects)."""
+    from jitattn import planning
+
+    case = lc.cases()["split_kv_decode"]
+    t = case.tensors
+    made = []
+    real = planning.make_paged_plan
+    monkeypatch.setattr(runtime, "make_paged_plan", lambda *a, **kw: made.append(1) or real(*a, **kw))
+    def call():
+        runtime.paged_attention(case.spec, t["q"], t["kv_cache"], t["block_table"], t["seq_lens"],
+                                t["query_start_loc"], max_query_len=1)
+
+    call()
+    call()
+    assert len(made) == 1
+    _, module = kernels[case.spec.canonical_text]
+    seq_lens, table = t["seq_lens"], t["block_table"]
+    seq_lens.set_(seq_lens.clone())  # the same object, its values in new memory
+    call()
+    assert len(made) == 2 and module.launches[-1]["fields"]["seq_lens"] == seq_lens.data_ptr()
+    wider = torch.zeros(table.shape[0], table.shape[1] + 3, dtype=table.dtype)
+    wider[:, :table.shape[1]] = table
+    table.resize_(wider.shape).copy_(wider)  # the same object, one more column of pages
+    call()
+    assert len(made) == 3
+    assert module.launches[-1]["fields"]["block_table_stride"] == table.shape[1]
+    assert module.launches[-1]["fields"]["block_table"] == table.data_ptr()
 
 
 def test_a_reused_one_call_plan_checks_the_layer_tensors(kernels):

@@ -137,6 +137,22 @@ class _FakeStream:
 _STREAMS = [_FakeStream(7)]  # the current stream is the last
 
 
+class _FakeFork:
+    """runtime.StreamFork's calls, recorded as one stream waiting for the other; made for the caller's
+    current stream (the kernel's stream_handle)."""
+
+    def __init__(self, main: _FakeStream, side: _FakeStream, handle: int):
+        assert handle == main.cuda_stream
+        self.main, self.side = main, side
+
+    def fork(self) -> int:
+        self.side.wait_stream(self.main)
+        return self.side.cuda_stream
+
+    def join(self) -> None:
+        self.main.wait_stream(self.side)
+
+
 def test_paged_call_host_side(monkeypatch):
     from jitattn import AttentionSpec
     from jitattn.testing import random_paged_batch
@@ -170,7 +186,7 @@ def test_mixed_call_forks_the_decode_onto_a_side_stream(monkeypatch):
     kernel, launches = _dry_kernel(spec, monkeypatch)
     main, side = _STREAMS[-1], _FakeStream(8)
     main.waited_for.clear()
-    kernel.mixed_on_two_streams, kernel.side_stream = True, lambda main=None: side
+    kernel.mixed_on_two_streams, kernel.stream_fork = True, lambda handle: _FakeFork(main, side, handle)
     b = random_paged_batch(spec, [1, 5, 1], [30, 4000, 17])
     kernel.paged_attention(*b.args())
     assert [name for name, *_ in launches] == ["decode", "prefill"] and kernel.launch_streams == [8, 7]
@@ -194,7 +210,7 @@ def test_mixed_call_joins_the_side_stream_when_a_launch_raises(monkeypatch, fail
     kernel, launches = _dry_kernel(spec, monkeypatch)
     main, side = _STREAMS[-1], _FakeStream(8)
     main.waited_for.clear()
-    kernel.mixed_on_two_streams, kernel.side_stream = True, lambda main=None: side
+    kernel.mixed_on_two_streams, kernel.stream_fork = True, lambda handle: _FakeFork(main, side, handle)
     real_launch = kernel.launch
 
     def launch(name, *args):

@@ -1,8 +1,13 @@
 """Host cost of jitattn's per-layer call on a CPU box, with the launch itself replaced by a no-op.
 
 What it isolates: the Python work of ``jitattn.run`` (with a plan) and of the one-call
-``jitattn.paged_attention`` (checks, the plan reuse, packing ``Params``), and of ``jitattn.append_kv``
-on a decode step (64 tokens, 8 KV heads, hd128, bf16, NHD page 16: the memoised layout, and with the
+``jitattn.paged_attention`` (checks, the plan reuse, packing ``Params``) on issue 18's decode probe and
+its mixed probe (2 prefill rows of 64 + 30 decode rows; on the CPU both kernels go to one stream: the
+side-stream fork and join only exist on a GPU), the one-call as the GPU bench calls it (no ``out``, no
+``max_query_len``: both kernels), one layer of transformers' attention function on a ``PagedCache``
+decode step (``update`` + :func:`jitattn.integrations.transformers.attention_forward`, batch 8, the step's
+first layer planning it: µs per layer over a step of 4 layers, the bench's generate model), and of
+``jitattn.append_kv`` on a decode step (64 tokens, 8 KV heads, hd128, bf16, NHD page 16: the memoised layout, and with the
 memo cleared before each call), next to ``torch.add`` of two small tensors and ``index_copy_`` of
 append_kv's bytes into a flat view of the cache, in one process. The kernels come from
 ``JitKernel.from_module`` / ``AppendKvKernel.from_module`` over a module whose ``launch`` does
@@ -14,7 +19,7 @@ really moves its 262 KB; on a GPU it is one launch.)
 
 Usage (from a checkout)::
 
-    python tools/host_cost_cpu.py [--calls 2000] [--profile run|one-call|append_kv]
+    python tools/host_cost_cpu.py [--calls 2000] [--profile NAME]  (NAME: a row of the table)
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+
+torch.set_num_threads(1)  # the small CPU ops of one call: no thread pool to wake
 
 import jitattn  # noqa: E402
 from jitattn import append_kv_module, kv_write, runtime  # noqa: E402
@@ -90,8 +97,57 @@ def _append_calls() -> dict:
             "index_copy_ (append_kv's bytes)": lambda: flat.index_copy_(0, index, src)}
 
 
-def us_per_call(fn, calls: int, trials: int = 3) -> float:
-    """Best of ``trials`` means over ``calls`` back-to-back calls, in µs (after a warm-up)."""
+def _transformers_calls() -> dict:
+    """One decode step of a PagedCache through transformers' attention function, per layer: Llama-3-8B's layer
+    shape (32/8 heads, hd128) and Gemma-2-9B's (16/8, hd256, soft-cap 50, every other layer sliding over 4096),
+    batch 8, :data:`STEP_LAYERS` layers a step (the step's first layer plans it). The backend is taken as
+    "jit" (on the CPU the selector would pick sdpa / the reference); the caches hold 64 positions, the step's
+    position alternates (so each step plans anew, as a real one does)."""
+    try:
+        from transformers import LlamaConfig
+    except ImportError:
+        return {}
+    from jitattn.integrations import transformers as jt
+
+    jt._backend = lambda *a: "jit"
+    jt._runs_planned = lambda backend, query: True
+    calls = {}
+    for name, (heads, kv_heads, dim, softcap, window) in {"llama": (32, 8, 128, None, None),
+                                                          "gemma-2": (16, 8, 256, 50.0, 4096)}.items():
+        config = LlamaConfig(num_hidden_layers=STEP_LAYERS, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                             head_dim=dim, hidden_size=heads * dim)
+        cache = jt.PagedCache(config, max_batch_size=8, max_cache_len=64)
+        q = torch.randn(8, heads, 1, dim).to(torch.bfloat16)
+        k, v = (torch.randn(8, kv_heads, 1, dim).to(torch.bfloat16) for _ in range(2))
+        module = torch.nn.Module()
+        module.is_causal = True
+        windows = [window if window and i % 2 == 0 else None for i in range(STEP_LAYERS)]
+        for layer in range(STEP_LAYERS):  # allocate the pages outside the timing
+            cache.update(k, v, layer)
+            jt.attention_forward(module, q, k, v, None, scaling=dim ** -0.5, softcap=softcap,
+                                 sliding_window=windows[layer])
+        state = {"step": 0}
+
+        def step(cache=cache, q=q, k=k, v=v, module=module, windows=windows, dim=dim, softcap=softcap):
+            state["step"] ^= 1
+            for layer in cache.layers:
+                layer.cumulative_length = 32 + state["step"]
+            for i in range(STEP_LAYERS):
+                key, value = cache.update(k, v, i)
+                jt.attention_forward(module, q, key, value, None, scaling=dim ** -0.5, softcap=softcap,
+                                     sliding_window=windows[i])
+
+        calls[f"transformers layer, {name} decode b8 (per layer)"] = (step, STEP_LAYERS)
+    return calls
+
+
+#: Layers of a step in the transformers case (the bench's generate model has 4).
+STEP_LAYERS = 4
+
+
+def us_per_call(fn, calls: int, trials: int = 15) -> float:
+    """Best of ``trials`` means over ``calls`` back-to-back calls, in µs (after a warm-up); many short
+    trials, so that a shared machine's other work misses some of them."""
     for _ in range(200):
         fn()
     best = float("inf")
@@ -106,7 +162,11 @@ def us_per_call(fn, calls: int, trials: int = 3) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000)
-    parser.add_argument("--profile", choices=("run", "one-call", "append_kv"))
+    parser.add_argument("--sort", default="tottime", help="the profile's order (pstats: tottime, cumulative)")
+    parser.add_argument("--profile", help="a row's name: cProfile of that call, then the table")
+    parser.add_argument("--count", action="store_true",
+                        help="Python function calls per call of each row (cProfile's count: unlike the time, "
+                             "the same on a busy machine), instead of the table")
     args = parser.parse_args()
     _install_fake_kernels()
     # The decode probe of issue 18: 32/8 heads, hd128, page 16, batch 1, 512 keys.
@@ -114,23 +174,47 @@ def main() -> None:
     b = random_paged_batch(spec, [1], [512], device="cpu")
     plan = jitattn.plan(spec, b.block_table, b.seq_lens, b.query_start_loc)
     out = torch.empty(1, 32, 128, dtype=torch.bfloat16)
+    # The mixed probe: 2 sequences of 64 queries and 30 of one, 512 keys each.
+    m = random_paged_batch(spec, [64] * 2 + [1] * 30, [512] * 32, device="cpu")
+    mixed_plan = jitattn.plan(spec, m.block_table, m.seq_lens, m.query_start_loc)
+    mixed_out = torch.empty(m.q.shape[0], 32, 128, dtype=torch.bfloat16)
     calls = {
         "run": lambda: jitattn.run(b.q, b.kv_cache, plan, out=out),
         "one-call": lambda: jitattn.paged_attention(spec, b.q, b.kv_cache, b.block_table, b.seq_lens,
                                                     b.query_start_loc, out=out, max_query_len=1),
+        "one-call (no out, no max_query_len)": lambda: jitattn.paged_attention(spec, *b.args()),
+        "run, mixed": lambda: jitattn.run(m.q, m.kv_cache, mixed_plan, out=mixed_out),
+        "one-call, mixed": lambda: jitattn.paged_attention(spec, m.q, m.kv_cache, m.block_table, m.seq_lens,
+                                                           m.query_start_loc, out=mixed_out, max_query_len=64),
+        **_transformers_calls(),
         **_append_calls(),
         "torch.add": lambda: torch.add(out, out),
     }
+    per = {name: (fn if isinstance(fn, tuple) else (fn, 1)) for name, fn in calls.items()}
     if args.profile:
+        if args.profile not in per:
+            parser.error(f"--profile {args.profile!r}: one of {sorted(per)}")
         prof = cProfile.Profile()
         prof.enable()
-        for _ in range(args.calls):
-            calls[args.profile]()
+        for _ in range(args.calls // per[args.profile][1]):
+            per[args.profile][0]()
         prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+        pstats.Stats(prof).sort_stats(args.sort).print_stats(30)
+    if args.count:
+        print("| call | Python function calls per call |\n|---|---|")
+        for name, (fn, n) in per.items():
+            fn()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(max(1, 200 // n)):
+                fn()
+            prof.disable()
+            total = sum(v[1] for v in pstats.Stats(prof).stats.values())  # primitive + recursive calls
+            print(f"| {name} | {total / (max(1, 200 // n) * n):.1f} |")
+        return
     print("| call | µs per call (CPU, launch a no-op) |\n|---|---|")
-    for name, fn in calls.items():
-        print(f"| {name} | {us_per_call(fn, args.calls):.1f} |")
+    for name, (fn, n) in per.items():
+        print(f"| {name} | {us_per_call(fn, max(1, args.calls // 5 // n)) / n:.1f} |")
 
 
 if __name__ == "__main__":
