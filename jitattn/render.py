@@ -19,6 +19,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable
 
+from jitattn import settings
 from jitattn.spec import AttentionSpec
 from jitattn.variant import builtin_symbols, builtin_transforms, structural_mask, trace_hook
 
@@ -278,7 +279,11 @@ def render(spec: AttentionSpec) -> RenderedSource:
     """
     fields = params_fields(spec)
     _, size = params_layout(fields)
-    context = {"spec": spec, "fields": fields, "params_size": size, "names": KERNEL_NAMES, **functors(spec)}
+    # The gate of the padded wgmma prefill: rendered only into the specs it changes, so the source (and the
+    # cache key) of every other spec is the same with or without it.
+    padded_sm90 = settings.unverified_padded_sm90() and (spec.head_dim_qk % 16 != 0 or spec.head_dim_vo % 16 != 0)
+    context = {"spec": spec, "fields": fields, "params_size": size, "names": KERNEL_NAMES, "padded_sm90": padded_sm90,
+               **functors(spec)}
     text = template(TEMPLATE_NAME).render(**context)
     return RenderedSource(_restore_line_directives(text), fields, size, dict(KERNEL_NAMES))
 
