@@ -66,11 +66,7 @@ struct PrefillSm90Traits {
   static constexpr bool kPadded = kTileQK != kHeadDimQK || kTileVO != kHeadDimVO;
   // Tile shapes and warpgroup counts follow the wider of the two tiles.
   static constexpr int kHeadDim = kTileQK > kTileVO ? kTileQK : kTileVO;
-#if defined(JITATTN_UNVERIFIED_PADDED_SM90)
-  static constexpr bool kPaddedServed = true;  // the rendered source's gate (jitattn/render.py)
-#else
-  static constexpr bool kPaddedServed = false;
-#endif
+  static constexpr bool kPaddedServed = kUnverifiedPadded;  // the gate (common.cuh)
   static constexpr bool served_dim(int d) { return (d % 16 == 0 || (kPaddedServed && d % 8 == 0)) && d >= 32 && d <= 256; }
   // Specs this kernel serves (the rest keep prefill_kernel): 16-bit q and KV of one type, head dims
   // that are multiples of 16 from 32 to 256 (and, behind the gate, multiples of 8 from 32).
