@@ -17,7 +17,10 @@
 // setmaxnreg moves its registers to the two (three at paged head dims 32, 48, 80, 96, 112) consumer
 // warpgroups. Served here (PrefillLaunch in attention.cu.j2 picks this kernel in the sm_90a cubin
 // only): 16-bit q/KV/o, head dims any multiple of 16 from 32 to 256, paged or ragged K/V (head_dim_qk
-// may differ from head_dim_vo, e.g. 192 / 128). FP8 caches keep prefill_kernel.
+// may differ from head_dim_vo, e.g. 192 / 128). FP8 caches keep prefill_kernel. Behind the gate
+// kUnverifiedPadded (common.cuh), multiples of 8 from 32 too: their tiles and MMA k-steps are padded
+// (PrefillSm90Traits::kTileQK / kTileVO), the pad chunks zeroed once in shared memory and never loaded,
+// P V runs over the padded V tile and the epilogue stores the real dims only.
 //
 // The wgmma m64nN fp32 accumulator of a warpgroup is, per warp, N/8 mma.sync m16n8 C fragments
 // (warp w owns rows 16w .. 16w + 15), and the register A operand of m64k16 is, per warp, an m16k16
