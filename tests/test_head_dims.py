@@ -164,6 +164,7 @@ GATED = {
     "paged-hd72": HD72,
     "paged-hd88-rotary-window": AttentionSpec(16, 2, 88, variant=rotary_embedding(88), window_left=63),
     "paged-hd40-alibi-noncausal-group16": AttentionSpec(16, 1, 40, alibi=True, causal=False),
+    "paged-hd248-group4": AttentionSpec(8, 2, 248),
     "ragged-hd72x88-softcap": AttentionSpec(16, 4, 72, 88, kv_storage="ragged", logits_soft_cap=30.0),
 }
 
@@ -188,3 +189,6 @@ def test_padded_head_dim_wgmma_prefill_compiles(compiled_gated, name):
     # 16 / 28 bytes at 160 registers; ragged specs keep two warpgroups and none
     spill = int(re.search(r"(\d+) bytes spill stores", prefill).group(1))
     assert spill == 0 if spec.ragged else spill <= 32, log
+    if not spec.ragged:  # the tensor-core decode's tile loader (groups 4 .. 16) or the CUDA-core decode
+        decode = log[log.index(f"'{KERNEL_NAMES['decode']}'"):].split("Compiling entry function")[0]
+        assert "0 bytes spill stores" in decode, log
