@@ -126,7 +126,11 @@ struct PrefillSm90Traits {
   static constexpr int kSmemBytes = kQBytes + kStages * kStageBytes + 1024;
   static_assert(!kSupported || kSmemBytes <= kSmemLimit, "stages exceed the shared memory of one SM");
   static constexpr int kNTiles = kBlockN / 8;   // n8 column groups of S
-  static constexpr int kDTiles = kTileVO / 8;        // n8 column groups of O (P V runs over the tile)
+  // O += P V's N: the padded V tile (its pad columns are zero, and O's are never stored). The real
+  // head_dim_vo (an odd multiple of 8: wgmma takes any multiple of 8) would skip the pad's MMA work but
+  // reads a partial swizzle atom of the N-major V tile, not yet checked on the GPU.
+  static constexpr int kPvN = kTileVO;
+  static constexpr int kDTiles = kPvN / 8;           // n8 column groups of O
   static constexpr int kDTilesOut = kHeadDimVO / 8;  // of them, the ones holding real output columns
   // Inside each consumer warpgroup, the S = Q K^T MMAs of tile j are issued before O += P V of tile
   // j - 1 and the softmax of tile j runs while those P V MMAs run (FlashAttention-3, Shah et al. 2024,
@@ -657,7 +661,7 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
       const uint64_t v_desc = swizzled_desc<kWV>(stage_v(j % T::kStages), kN * kWV * 2);
 #pragma unroll
       for (int kk = 0; kk < kN / 16; ++kk)
-        wgmma_rs<kDVO, DT>(o, a[kk], v_desc + static_cast<uint64_t>(kk * 16 * kWV * 2 / 16), 1);
+        wgmma_rs<T::kPvN, DT>(o, a[kk], v_desc + static_cast<uint64_t>(kk * 16 * kWV * 2 / 16), 1);
       wgmma_commit();
     };
     auto rescale_and_pack = [&](const float (&alpha)[2]) {
@@ -772,7 +776,7 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kN / 16; ++kk)
-        wgmma_rs<kDVO, DT>(o, a[kk], v_desc + static_cast<uint64_t>(kk * 16 * kWV * 2 / 16), 1);
+        wgmma_rs<T::kPvN, DT>(o, a[kk], v_desc + static_cast<uint64_t>(kk * 16 * kWV * 2 / 16), 1);
       wgmma_commit();
       wgmma_wait<0>();
       wgmma_fence_operands(o);
