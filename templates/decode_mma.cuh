@@ -103,10 +103,10 @@ struct DecodeMmaTraits {
   // divides no thread count: there kLoadChunks threads, the next power of two, serve a row and those
   // past its chunks idle (load_kv_rows_paged's per-copy division and addressing instead cost hd72 /
   // hd88 most of the loss against hd64 / hd128).
-  static constexpr int kPow2Chunks = kKvChunks <= 1 ? 1 : kKvChunks <= 2 ? 2 : kKvChunks <= 4 ? 4 : kKvChunks <= 8 ? 8
-                                     : kKvChunks <= 16 ? 16 : 32;
-  static constexpr bool kPaddedTileLoader = kUnverifiedPadded && kPadded && !kWholeWindow && kThreads % kPow2Chunks == 0 &&
-                                            kTileKeys % (kThreads / kPow2Chunks) == 0;
+  static constexpr int kPow2Chunks = kKvChunks <= 1 ? 1 : kKvChunks <= 2 ? 2 : kKvChunks <= 4 ? 4
+                                     : kKvChunks <= 8 ? 8 : kKvChunks <= 16 ? 16 : 32;
+  static constexpr bool kPaddedTileLoader = kUnverifiedPadded && kPadded && !kWholeWindow &&
+                                            kThreads % kPow2Chunks == 0 && kTileKeys % (kThreads / kPow2Chunks) == 0;
   static constexpr int kLoadChunks = kPaddedTileLoader ? kPow2Chunks : kKvChunks;
   static constexpr bool kTileLoader = kPaddedTileLoader || (!kWholeWindow && kThreads % kKvChunks == 0 &&
                                      (kTileKeys * kKvChunks) % kThreads == 0 && (kThreads / kKvChunks) % 8 == 0);
@@ -197,7 +197,8 @@ __device__ __forceinline__ void decode_mma_load_tile(
   // Threads past a padded row's chunks zero-fill its pad chunk (no read; a branch around their copies
   // cost the hoisted addressing: 36 instructions per K/V pair at hd72 against 7)
   const bool copies = kC == T::kKvChunks || threadIdx.x % kC < T::kKvChunks;
-  const int row0 = threadIdx.x / kC, chunk = kC == T::kKvChunks ? threadIdx.x % kC : min(threadIdx.x % kC, T::kKvChunks);
+  const int row0 = threadIdx.x / kC;
+  const int chunk = kC == T::kKvChunks ? threadIdx.x % kC : min(threadIdx.x % kC, T::kKvChunks);
   const int dst0 = row0 * T::kRowStride + (T::kSwizzle ? (chunk ^ (row0 % 8)) : chunk) * kVec;  // kStep % 8 == 0
   constexpr long long kSlotStride = S::kLayoutHND ? S::kHeadDimQK : static_cast<long long>(S::kNumKvHeads) * S::kHeadDimQK;
   const KV* base = p.kv_cache + (S::kLayoutHND ? static_cast<long long>(kv_head) * S::kPageSize * S::kHeadDimQK

@@ -70,7 +70,9 @@ struct PrefillSm90Traits {
   // Tile shapes and warpgroup counts follow the wider of the two tiles.
   static constexpr int kHeadDim = kTileQK > kTileVO ? kTileQK : kTileVO;
   static constexpr bool kPaddedServed = kUnverifiedPadded;  // the gate (common.cuh)
-  static constexpr bool served_dim(int d) { return (d % 16 == 0 || (kPaddedServed && d % 8 == 0)) && d >= 32 && d <= 256; }
+  static constexpr bool served_dim(int d) {
+    return (d % 16 == 0 || (kPaddedServed && d % 8 == 0)) && d >= 32 && d <= 256;
+  }
   // Specs this kernel serves (the rest keep prefill_kernel): 16-bit q and KV of one type, head dims
   // that are multiples of 16 from 32 to 256 (and, behind the gate, multiples of 8 from 32).
   static constexpr bool kSupported = sizeof(DT) == 2 && sizeof(typename S::DTypeKV) == 2 &&
@@ -437,7 +439,8 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
   const int n_first = (kv_begin / kN) * kN;
   const int num_tiles = kv_end > n_first ? ceil_div(kv_end - n_first, kN) : 0;
 
-  if constexpr (T::kPadded) {  // pad columns zeroed once (no load writes them); the fence and barrier order them before any wgmma
+  // Pad columns zeroed once (no load writes them); the fence and the barrier below order them before any wgmma.
+  if constexpr (T::kPadded) {
     zero_pad_columns<T::kBlockM, T::kHeadDimQK, kDQK, T::kThreads>(
         [&](int row, int col) { return sq + swizzled_offset<T::kBlockM, T::kSwizzle>(row, col); });
     zero_pad_columns<T::kStages * kN, T::kHeadDimQK, kDQK, T::kThreads>([&](int row, int col) {
