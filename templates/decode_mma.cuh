@@ -99,9 +99,17 @@ struct DecodeMmaTraits {
   // 3.18, 2 stages at 3 blocks/SM 4.00), 2 above and for the FP8 32-key tiles.
   static constexpr int kPipelineStages = kFp8Wide ? 2 : (kHeadDim <= 128 ? 3 : 2);
   // Tile pipeline: the copies are issued by decode_mma_load_tile where a thread's chunk of a row is the
-  // same on every pass (the threads are whole rows' worth of chunks).
-  static constexpr bool kTileLoader = !kWholeWindow && kThreads % kKvChunks == 0 &&
-                                     (kTileKeys * kKvChunks) % kThreads == 0 && (kThreads / kKvChunks) % 8 == 0;
+  // same on every pass (the threads are whole rows' worth of chunks). A padded row's odd chunk count
+  // divides no thread count: there kLoadChunks threads, the next power of two, serve a row and those
+  // past its chunks idle (load_kv_rows_paged's per-copy division and addressing instead cost hd72 /
+  // hd88 most of the loss against hd64 / hd128).
+  static constexpr int kPow2Chunks = kKvChunks <= 1 ? 1 : kKvChunks <= 2 ? 2 : kKvChunks <= 4 ? 4
+                                     : kKvChunks <= 8 ? 8 : kKvChunks <= 16 ? 16 : 32;
+  static constexpr bool kPaddedTileLoader = kUnverifiedPadded && kPadded && !kWholeWindow &&
+                                            kThreads % kPow2Chunks == 0 && kTileKeys % (kThreads / kPow2Chunks) == 0;
+  static constexpr int kLoadChunks = kPaddedTileLoader ? kPow2Chunks : kKvChunks;
+  static constexpr bool kTileLoader = kPaddedTileLoader || (!kWholeWindow && kThreads % kKvChunks == 0 &&
+                                     (kTileKeys * kKvChunks) % kThreads == 0 && (kThreads / kKvChunks) % 8 == 0);
   // Rows are unpadded and XOR-swizzled (load_kv_rows_paged) where a row is 8k chunks: whole-window and
   // FP8 rows always, 16-bit pipeline rows at head dims <= 128 (hd128 64x4096: 4.39 TB/s against 4.07
   // padded). 16-bit hd 256 keeps padded rows: swizzled, the gemma-3-1b decode (group 4) spilled 140
@@ -179,14 +187,18 @@ __device__ __forceinline__ void decode_mma_zero_pads(typename T::DT* sq, StageK 
 template <class S, int kRows = DecodeMmaTraits<S>::kTileKeys>
 __device__ __forceinline__ void decode_mma_load_tile(
     const Params& p, typename S::DTypeKV* sk, typename S::DTypeKV* sv, int kv_head, int start, int end,
-    const KvPages<S, kRows, DecodeMmaTraits<S>::kThreads>& pages, bool& bad) {
+    const KvPages<S, kRows, DecodeMmaTraits<S>::kThreads, DecodeMmaTraits<S>::kLoadChunks>& pages, bool& bad) {
   using T = DecodeMmaTraits<S>;
   using KV = typename S::DTypeKV;
-  constexpr int kC = T::kKvChunks, kStep = T::kThreads / kC, kIters = kRows / kStep;
+  constexpr int kC = T::kLoadChunks, kStep = T::kThreads / kC, kIters = kRows / kStep;
   constexpr int kVec = 16 / static_cast<int>(sizeof(KV));  // KV elements per 16-byte chunk
-  static_assert(kIters == KvPages<S, kRows, T::kThreads>::kIters && kRows % kStep == 0,
+  static_assert(kIters == KvPages<S, kRows, T::kThreads, kC>::kIters && kRows % kStep == 0,
                 "KvPages' rows are this loader's rows");
-  const int row0 = threadIdx.x / kC, chunk = threadIdx.x % kC;
+  // Threads past a padded row's chunks zero-fill its pad chunk (no read; a branch around their copies
+  // cost the hoisted addressing: 36 instructions per K/V pair at hd72 against 7)
+  const bool copies = kC == T::kKvChunks || threadIdx.x % kC < T::kKvChunks;
+  const int row0 = threadIdx.x / kC;
+  const int chunk = kC == T::kKvChunks ? threadIdx.x % kC : min(threadIdx.x % kC, T::kKvChunks);
   const int dst0 = row0 * T::kRowStride + (T::kSwizzle ? (chunk ^ (row0 % 8)) : chunk) * kVec;  // kStep % 8 == 0
   constexpr long long kSlotStride = S::kLayoutHND ? S::kHeadDimQK : static_cast<long long>(S::kNumKvHeads) * S::kHeadDimQK;
   const KV* base = p.kv_cache + (S::kLayoutHND ? static_cast<long long>(kv_head) * S::kPageSize * S::kHeadDimQK
@@ -194,7 +206,7 @@ __device__ __forceinline__ void decode_mma_load_tile(
 #pragma unroll
   for (int i = 0; i < kIters; ++i) {
     const int kv_idx = start + row0 + i * kStep;  // >= 0
-    const bool in = kv_idx < end;
+    const bool in = kv_idx < end && copies;
     int page = pages.page[i];
     if (in && static_cast<unsigned>(page) >= static_cast<unsigned>(p.num_pages)) {
       bad = true;
@@ -572,7 +584,7 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
   }
   // Page ids travel one tile ahead of the copies (KvPages): `pages` always holds those of the next
   // tile to issue, fetched right after the previous issue, so their latency hides behind a tile.
-  using Pages = KvPages<S, T::kTileKeys, T::kThreads>;
+  using Pages = KvPages<S, T::kTileKeys, T::kThreads, T::kLoadChunks>;
   auto load_stage = [&](int s, int start, const Pages& pg, bool& bad_ref) {
     if constexpr (T::kTileLoader) {
       decode_mma_load_tile<S>(p, stage_k(s), stage_v(s), kv_head, start, hi, pg, bad_ref);

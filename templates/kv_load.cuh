@@ -35,10 +35,12 @@ __device__ __forceinline__ int page_of(const Params& p, int batch, int kv_idx) {
 // The page ids of the rows this thread copies when load_kv_rows loads kRows keys from `start` (the
 // same chunk-to-thread assignment: chunk c = threadIdx.x + j * kThreads holds row c / kChunks).
 // A decode kernel fetches them one tile ahead, so the dependent block_table read is off the path
-// from a barrier to the next cp.async (with page_size 1 it is one read per row).
-template <class S, int kRows, int kThreads>
+// from a barrier to the next cp.async (with page_size 1 it is one read per row). kRowThreads: threads
+// per row, the row's chunk count unless a loader rounds it up (decode_mma_load_tile at padded dims).
+template <class S, int kRows, int kThreads,
+          int kRowThreads = S::kHeadDimQK * static_cast<int>(sizeof(typename S::DTypeKV)) / 16>
 struct KvPages {
-  static constexpr int kChunks = S::kHeadDimQK * static_cast<int>(sizeof(typename S::DTypeKV)) / 16;
+  static constexpr int kChunks = kRowThreads;
   static constexpr int kIters = ceil_div(kRows * kChunks, kThreads);
   int page[kIters];
   __device__ __forceinline__ void fetch(const Params& p, int batch, int start, int end) {

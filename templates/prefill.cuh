@@ -482,31 +482,35 @@ __device__ __forceinline__ void prefill_load_q(const Params& p, int q_start, int
   }
 }
 
+// Zeroes columns [kCol0, kCol1) (whole 16-byte chunks) of kRows rows, by kThreads threads; at(row, col):
+// the address of element col of row `row` in the caller's tile layout.
+template <int kRows, int kCol0, int kCol1, int kThreads, class At>
+__device__ __forceinline__ void zero_pad_columns(At at) {
+  constexpr int kPad = (kCol1 - kCol0) / 8;
+  static_assert(kCol0 % 8 == 0 && kCol1 % 8 == 0, "pads are whole 16-byte chunks");
+  if constexpr (kPad > 0) {
+    for (int c = threadIdx.x; c < kRows * kPad; c += kThreads)
+      *reinterpret_cast<uint4*>(at(c / kPad, kCol0 + (c % kPad) * 8)) = make_uint4(0, 0, 0, 0);
+  }
+}
+
 // A padded head dim (PrefillTraits::kPadded): zero the pad columns of the Q tile and of every stage's
 // K and V tiles once, before any load. No load or transform writes them afterwards, so zero Q and K
 // pads add nothing to the scores and zero V pads fill only the output columns that are never stored.
 template <class S>
 __device__ __forceinline__ void prefill_zero_pads(typename S::DTypeQ* sq, typename S::DTypeQ* skv) {
   using T = PrefillTraits<S>;
-  constexpr int kPadQK = (T::kHeadDimPad - T::kHeadDim) / 8, kPadVO = (T::kHeadDimVOPad - T::kHeadDimVO) / 8;
   constexpr int kStageElems = T::kBlockN * (T::kRowStride + T::kRowStrideV);
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  if constexpr (kPadQK > 0) {
-    for (int c = threadIdx.x; c < T::kBlockM * kPadQK; c += T::kThreads)
-      *reinterpret_cast<uint4*>(sq + (c / kPadQK) * T::kRowStride + T::kHeadDim + (c % kPadQK) * 8) = zero;
-    for (int c = threadIdx.x; c < T::kStages * T::kBlockN * kPadQK; c += T::kThreads) {
-      const int row = c / kPadQK;
-      *reinterpret_cast<uint4*>(skv + (row / T::kBlockN) * kStageElems + (row % T::kBlockN) * T::kRowStride +
-                                T::kHeadDim + (c % kPadQK) * 8) = zero;
-    }
-  }
-  if constexpr (kPadVO > 0) {
-    for (int c = threadIdx.x; c < T::kStages * T::kBlockN * kPadVO; c += T::kThreads) {
-      const int row = c / kPadVO;
-      *reinterpret_cast<uint4*>(skv + (row / T::kBlockN) * kStageElems + T::kBlockN * T::kRowStride +
-                                (row % T::kBlockN) * T::kRowStrideV + T::kHeadDimVO + (c % kPadVO) * 8) = zero;
-    }
-  }
+  constexpr int kStageRows = T::kStages * T::kBlockN;
+  zero_pad_columns<T::kBlockM, T::kHeadDim, T::kHeadDimPad, T::kThreads>(
+      [&](int row, int col) { return sq + row * T::kRowStride + col; });
+  zero_pad_columns<kStageRows, T::kHeadDim, T::kHeadDimPad, T::kThreads>([&](int row, int col) {
+    return skv + (row / T::kBlockN) * kStageElems + (row % T::kBlockN) * T::kRowStride + col;
+  });
+  zero_pad_columns<kStageRows, T::kHeadDimVO, T::kHeadDimVOPad, T::kThreads>([&](int row, int col) {
+    return skv + (row / T::kBlockN) * kStageElems + T::kBlockN * T::kRowStride + (row % T::kBlockN) * T::kRowStrideV +
+           col;
+  });
 }
 
 template <class S>

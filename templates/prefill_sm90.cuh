@@ -17,7 +17,10 @@
 // setmaxnreg moves its registers to the two (three at paged head dims 32, 48, 80, 96, 112) consumer
 // warpgroups. Served here (PrefillLaunch in attention.cu.j2 picks this kernel in the sm_90a cubin
 // only): 16-bit q/KV/o, head dims any multiple of 16 from 32 to 256, paged or ragged K/V (head_dim_qk
-// may differ from head_dim_vo, e.g. 192 / 128). FP8 caches keep prefill_kernel.
+// may differ from head_dim_vo, e.g. 192 / 128). FP8 caches keep prefill_kernel. Behind the gate
+// kUnverifiedPadded (common.cuh), multiples of 8 from 32 too: their tiles and MMA k-steps are padded
+// (PrefillSm90Traits::kTileQK / kTileVO), the pad chunks zeroed once in shared memory and never loaded,
+// P V runs over the padded V tile and the epilogue stores the real dims only.
 //
 // The wgmma m64nN fp32 accumulator of a warpgroup is, per warp, N/8 mma.sync m16n8 C fragments
 // (warp w owns rows 16w .. 16w + 15), and the register A operand of m64k16 is, per warp, an m16k16
@@ -54,22 +57,34 @@ __device__ __forceinline__ void static_for(F&& f) {
 template <class S>
 struct PrefillSm90Traits {
   using DT = typename S::DTypeQ;
-  // Q and K rows are kHeadDimQK wide, V and O rows kHeadDimVO (they differ only for ragged specs, e.g.
-  // 192 / 128); tile shapes and warpgroup counts follow the wider of the two (kHeadDim).
+  // Q and K rows are kHeadDimQK wide in global memory, V and O rows kHeadDimVO (they differ only for
+  // ragged specs, e.g. 192 / 128).
   static constexpr int kHeadDimQK = S::kHeadDimQK, kHeadDimVO = S::kHeadDimVO;
-  static constexpr int kHeadDim = kHeadDimQK > kHeadDimVO ? kHeadDimQK : kHeadDimVO;
+  // A head dim that is a multiple of 8 but not 16 pads its shared-memory tiles and MMA k-steps to
+  // kTileQK / kTileVO, a multiple of kPadTo: the pad chunks are zeroed once and never loaded (global
+  // reads and writes stop at the row). A multiple of 16 is its own tile width.
+  static constexpr int kPadTo = 16;
+  static constexpr int tile_for(int d) { return d % 16 == 0 ? d : round_up(d, kPadTo); }
+  static constexpr int kTileQK = tile_for(kHeadDimQK), kTileVO = tile_for(kHeadDimVO);
+  static constexpr bool kPadded = kTileQK != kHeadDimQK || kTileVO != kHeadDimVO;
+  // Tile shapes and warpgroup counts follow the wider of the two tiles.
+  static constexpr int kHeadDim = kTileQK > kTileVO ? kTileQK : kTileVO;
+  static constexpr bool kPaddedServed = kUnverifiedPadded;  // the gate (common.cuh)
+  static constexpr bool served_dim(int d) {
+    return (d % 16 == 0 || (kPaddedServed && d % 8 == 0)) && d >= 32 && d <= 256;
+  }
   // Specs this kernel serves (the rest keep prefill_kernel): 16-bit q and KV of one type, head dims
-  // that are multiples of 16 from 32 to 256 (what AttentionSpec allows).
+  // that are multiples of 16 from 32 to 256 (and, behind the gate, multiples of 8 from 32).
   static constexpr bool kSupported = sizeof(DT) == 2 && sizeof(typename S::DTypeKV) == 2 &&
-                                     sizeof(typename S::DTypeO) == 2 && kHeadDimQK % 16 == 0 && kHeadDimQK >= 32 &&
-                                     kHeadDimQK <= 256 && kHeadDimVO % 16 == 0 && kHeadDimVO >= 32 && kHeadDimVO <= 256;
+                                     sizeof(typename S::DTypeO) == 2 && served_dim(kHeadDimQK) &&
+                                     served_dim(kHeadDimVO);
   // Swizzle width in elements: the widest wgmma layout (128, 64 or 32 bytes per row of a column
   // block) whose rows tile the head dim. 64 (128-byte swizzle) for head dims 64, 128, 192, 256; 32
   // (64-byte) for 32, 96, 160, 224; 16 (32-byte) for the odd multiples of 16 (48, 80, ...).
   // kSwizzle: Q and K tiles; kSwizzleVO: V tiles.
   static constexpr int swizzle_for(int d) { return d % 64 == 0 ? 64 : d % 32 == 0 ? 32 : 16; }
-  static constexpr int kSwizzle = swizzle_for(kHeadDimQK);
-  static constexpr int kSwizzleVO = swizzle_for(kHeadDimVO);
+  static constexpr int kSwizzle = swizzle_for(kTileQK);
+  static constexpr int kSwizzleVO = swizzle_for(kTileVO);
   // Warp specialisation (FlashAttention-3's layout): warpgroups 0 .. kConsumerWGs - 1 compute, 64 rows
   // each; the last warpgroup only loads K/V (cp.async into the stages) and runs on few registers.
   // Three consumer warpgroups (192 rows, 96-key tiles, as FlashAttention-3 at head dim 96) for the
@@ -95,7 +110,7 @@ struct PrefillSm90Traits {
   // two (head dims 240, 256).
   static constexpr int kSmemLimit = kSmemPerSm - 256;  // 256: the static __shared__ (barriers, flags)
   static constexpr int kMaxStages =
-      (kSmemLimit - 1024 - kBlockM * kHeadDimQK * 2) / (2 * kBlockN * (kHeadDimQK + kHeadDimVO));
+      (kSmemLimit - 1024 - kBlockM * kTileQK * 2) / (2 * kBlockN * (kTileQK + kTileVO));
   static constexpr int kStages = kMaxStages < 3 ? 2 : 3;
   // setmaxnreg: 384 threads start at 168 registers; the producer gives most of its share to the
   // consumers (40 x 128 + 232 x 256 = 168 x 384; at 24 the producer's page walk spilled). 512 threads
@@ -105,15 +120,20 @@ struct PrefillSm90Traits {
   static constexpr bool kWideProducer = S::kRagged && kHeadDimQK != kHeadDimVO && kBlockN == 128;
   static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : kWideProducer ? 56 : 40;
   static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : kWideProducer ? 224 : 232;
-  static constexpr int kChunks = kHeadDimQK / 8;    // 16-byte chunks per Q / K row (a multiple of 2)
+  static constexpr int kChunks = kHeadDimQK / 8;    // 16-byte chunks per Q / K row in global memory
   static constexpr int kChunksVO = kHeadDimVO / 8;  // per V row
-  static constexpr int kQBytes = kBlockM * kHeadDimQK * 2;
-  static constexpr int kStageBytes = kBlockN * (kHeadDimQK + kHeadDimVO) * 2;  // a K tile and a V tile
+  static constexpr int kQBytes = kBlockM * kTileQK * 2;
+  static constexpr int kStageBytes = kBlockN * (kTileQK + kTileVO) * 2;  // a K tile and a V tile
   // +1024: the dynamic shared memory base is aligned up to a swizzle atom by hand.
   static constexpr int kSmemBytes = kQBytes + kStages * kStageBytes + 1024;
   static_assert(!kSupported || kSmemBytes <= kSmemLimit, "stages exceed the shared memory of one SM");
   static constexpr int kNTiles = kBlockN / 8;   // n8 column groups of S
-  static constexpr int kDTiles = kHeadDimVO / 8;  // n8 column groups of O
+  // O += P V's N: the padded V tile (its pad columns are zero, and O's are never stored). The real
+  // head_dim_vo (an odd multiple of 8: wgmma takes any multiple of 8) would skip the pad's MMA work but
+  // reads a partial swizzle atom of the N-major V tile, not yet checked on the GPU.
+  static constexpr int kPvN = kTileVO;
+  static constexpr int kDTiles = kPvN / 8;           // n8 column groups of O
+  static constexpr int kDTilesOut = kHeadDimVO / 8;  // of them, the ones holding real output columns
   // Inside each consumer warpgroup, the S = Q K^T MMAs of tile j are issued before O += P V of tile
   // j - 1 and the softmax of tile j runs while those P V MMAs run (FlashAttention-3, Shah et al. 2024,
   // sec. 3.2): hd128 causal 4x8192 348 -> 404 TFLOP/s. Specs with a key transform keep the loop
@@ -121,7 +141,7 @@ struct PrefillSm90Traits {
   // two-stage specs: a warpgroup in round j holds tiles j and j - 1, which leaves the producer
   // nothing to prefetch into (Gemma-2 hd256: 307 TFLOP/s with overlap, 355 without).
   static constexpr bool kOverlap = !S::kHasKTransform && kStages >= 3;
-  static_assert(!kSupported || (kHeadDimQK % kSwizzle == 0 && kHeadDimVO % kSwizzleVO == 0 && kBlockN % 32 == 0),
+  static_assert(!kSupported || (kTileQK % kSwizzle == 0 && kTileVO % kSwizzleVO == 0 && kBlockN % 32 == 0),
                 "tiles are whole swizzle columns");
 };
 
@@ -246,7 +266,8 @@ struct Sm90KvLoader {
   // general path recomputes the swizzled offset and selects both pointers per 16-byte copy, about 20
   // instructions per cp.async, and on hd128 the producer warpgroup then bounded the kernel (hd128
   // causal 4 x 8192 paged 403.9 -> 496.8 TFLOP/s, ragged 397.2 -> 462.5, Gemma-2 353.5 -> 387.7).
-  static constexpr bool kFast128B = T::kSwizzle == 64 && T::kHeadDimQK == T::kHeadDimVO;
+  // Not for padded tiles: its copies run over whole 128-byte rows.
+  static constexpr bool kFast128B = T::kSwizzle == 64 && T::kHeadDimQK == T::kHeadDimVO && !T::kPadded;
   static constexpr int kPasses = T::kBlockN / 32;
   static constexpr int kChunksPerThread = (T::kChunks + 3) / 4;  // the last one partial at 48, 80, ...
   static constexpr int kChunksPerThreadVO = (T::kChunksVO + 3) / 4;
@@ -278,7 +299,7 @@ struct Sm90KvLoader {
   // (the stage's V tile follows its K tile) are immediates.
   __device__ __forceinline__ void load_128b(const Params& p, KV* sk, int kv_head, int start, int end,
                                             bool& bad) const {
-    constexpr int kColBlock = T::kBlockN * 128, kVOff = T::kBlockN * T::kHeadDimQK * 2;
+    constexpr int kColBlock = T::kBlockN * 128, kVOff = T::kBlockN * T::kTileQK * 2;
     const uint32_t o0 = smem_u32(sk) + row0 * 128 + ((sub ^ (row0 % 8)) * 16);
     const uint32_t o1 = o0 ^ 64;  // a tile starts 1024-aligned: the XOR stays inside the 128-byte row
     static_for<kPasses>([&](auto i_const) {
@@ -368,7 +389,7 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T = PrefillSm90Traits<S>;
   using DT = typename T::DT;
-  constexpr int kN = T::kBlockN, kDQK = T::kHeadDimQK, kDVO = T::kHeadDimVO;
+  constexpr int kN = T::kBlockN, kDQK = T::kTileQK, kDVO = T::kTileVO;  // tile widths (padded)
   extern __shared__ __align__(16) uint8_t smem_sm90[];
   __shared__ uint64_t full_bar[T::kStages], empty_bar[T::kStages];
   __shared__ int bad_flag;
@@ -418,6 +439,18 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
   const int n_first = (kv_begin / kN) * kN;
   const int num_tiles = kv_end > n_first ? ceil_div(kv_end - n_first, kN) : 0;
 
+  // Pad columns zeroed once (no load writes them); the fence and the barrier below order them before any wgmma.
+  if constexpr (T::kPadded) {
+    zero_pad_columns<T::kBlockM, T::kHeadDimQK, kDQK, T::kThreads>(
+        [&](int row, int col) { return sq + swizzled_offset<T::kBlockM, T::kSwizzle>(row, col); });
+    zero_pad_columns<T::kStages * kN, T::kHeadDimQK, kDQK, T::kThreads>([&](int row, int col) {
+      return stage_k(row / kN) + swizzled_offset<kN, T::kSwizzle>(row % kN, col);
+    });
+    zero_pad_columns<T::kStages * kN, T::kHeadDimVO, kDVO, T::kThreads>([&](int row, int col) {
+      return stage_v(row / kN) + swizzled_offset<kN, T::kSwizzleVO>(row % kN, col);
+    });
+    fence_proxy_async();
+  }
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < T::kStages; ++s) {
@@ -631,7 +664,7 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
       const uint64_t v_desc = swizzled_desc<kWV>(stage_v(j % T::kStages), kN * kWV * 2);
 #pragma unroll
       for (int kk = 0; kk < kN / 16; ++kk)
-        wgmma_rs<kDVO, DT>(o, a[kk], v_desc + static_cast<uint64_t>(kk * 16 * kWV * 2 / 16), 1);
+        wgmma_rs<T::kPvN, DT>(o, a[kk], v_desc + static_cast<uint64_t>(kk * 16 * kWV * 2 / 16), 1);
       wgmma_commit();
     };
     auto rescale_and_pack = [&](const float (&alpha)[2]) {
@@ -746,7 +779,7 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kN / 16; ++kk)
-        wgmma_rs<kDVO, DT>(o, a[kk], v_desc + static_cast<uint64_t>(kk * 16 * kWV * 2 / 16), 1);
+        wgmma_rs<T::kPvN, DT>(o, a[kk], v_desc + static_cast<uint64_t>(kk * 16 * kWV * 2 / 16), 1);
       wgmma_commit();
       wgmma_wait<0>();
       wgmma_fence_operands(o);
@@ -760,7 +793,7 @@ __device__ __forceinline__ void prefill_sm90_kernel(const Params& p) {
 
 #pragma unroll
   for (int r = 0; r < 2; ++r)
-    prefill_finish_row<S, T::kDTiles>(p, st[r], row0 + 8 * r, b, frame[r], tig, poison,
+    prefill_finish_row<S, T::kDTilesOut>(p, st[r], row0 + 8 * r, b, frame[r], tig, poison,
                                       [&](int d, int e) { return o[d * 4 + 2 * r + e]; });
 #else
   __trap();  // only the sm_90a cubin dispatches here (PrefillLaunch)

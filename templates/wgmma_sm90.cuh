@@ -1,4 +1,4 @@
-// jitattn: wgmma.mma_async m64nNk16 wrappers (PTX ISA 9.7.15, sm_90a), fp32 accumulators, for N = 16, 32, ..., 256.
+// jitattn: wgmma.mma_async m64nNk16 wrappers (PTX ISA 9.7.15, sm_90a), fp32 accumulators, for N = 8, 16, ..., 256.
 // wgmma_ss: D(64 x N) (+)= A(64 x 16, smem, K-major) * B(16 x N, smem, K-major).
 // wgmma_rs: D(64 x N) (+)= A(64 x 16, registers) * B(16 x N, smem, N-major).
 // scale_d = 0 overwrites D. Both scale A and B by +1; the layouts come with the descriptors.
@@ -21,6 +21,8 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
 #define JITATTN_WGMMA_D8(b)                                                                                    \
   "+f"(d[b]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3]), "+f"(d[b + 4]), "+f"(d[b + 5]), "+f"(d[b + 6]), \
       "+f"(d[b + 7])
+// Four (N an odd multiple of 8).
+#define JITATTN_WGMMA_D4(b) "+f"(d[b]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3])
 // wgmma_ss and wgmma_rs of one N for the 16-bit type DT (PTX type TY). D: the accumulators' operands
 // ("%0, ..., %(N/2 - 1)"); SS, RS: the operands after them (A and B; A's four registers and B); SS_P,
 // RS_P: scale_d's operand; the rest: the outputs that bind D.
@@ -50,6 +52,7 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
 #undef JITATTN_WGMMA_BF16_F16
 #undef JITATTN_WGMMA
 #undef JITATTN_WGMMA_D8
+#undef JITATTN_WGMMA_D4
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 }  // namespace jitattn

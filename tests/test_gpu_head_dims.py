@@ -20,7 +20,7 @@ import dataclasses
 import pytest
 import torch
 
-from jitattn import AttentionSpec, reference
+from jitattn import AttentionSpec, reference, settings
 from jitattn.runtime import load_kernel
 from jitattn.testing import RaggedBatch, random_paged_batch, random_ragged_batch
 from jitattn.variant import rotary_embedding
@@ -86,6 +86,18 @@ def _out_with_sentinel_tail(total_q: int, spec: AttentionSpec) -> tuple[torch.Te
     return buf[:n].view(total_q, spec.num_qo_heads, spec.head_dim_vo), buf[n:]
 
 
+def _check_prefill_kernel(kernel, spec: AttentionSpec, record) -> None:
+    """Which prefill kernel the cubin runs, as the templates choose (PrefillLaunch): the wgmma prefill
+    (more than the mma.sync prefill's 128 threads) on sm_90a for 16-bit head dims from 32, the padded ones
+    only behind JITATTN_UNVERIFIED_PADDED_SM90; so the gate's run covers that path, not the old one."""
+    dims = (spec.head_dim_qk, spec.head_dim_vo)
+    padded_ok = settings.unverified_padded_sm90() or all(d % 16 == 0 for d in dims)
+    wgmma = kernel.entry.arch == "sm_90a" and all(d >= 32 for d in dims) and padded_ok
+    threads = kernel.geometry["prefill_threads"]
+    record(prefill_threads=threads)
+    assert (threads > 128) == wgmma, f"{spec.name} on {kernel.entry.arch}: prefill of {threads} threads"
+
+
 def _check(case: Case, out, lse, ref_out, ref_lse, tail, record) -> None:
     check_against_reference(case, out, lse, ref_out, ref_lse, record)
     assert torch.all(tail == NOT_WRITTEN), f"{case.name}: written past the output"
@@ -104,6 +116,7 @@ def test_head_dim_matches_reference(case, session_cache, record, seed):
     torch.cuda.synchronize()
     record(arch=kernel.entry.arch,
            splits=kernel.num_splits(len(case.q_lens), kernel.max_decode_keys(batch.block_table.shape[1])))
+    _check_prefill_kernel(kernel, case.spec, record)
     _check(case, got[0], got[1], want[0], want[1], tail, record)
     if case.spec.variant is HIDE_HEAD:  # the hidden head's rows see no key: the sink alone, output 0
         assert torch.all(got[0][:, 5] == 0)
@@ -130,4 +143,5 @@ def test_ragged_head_dim_matches_reference(case, session_cache, record, seed):
     got = kernel.ragged_attention(*batch.args(), **batch.kwargs(), out=out, return_lse=True, validate=True)
     torch.cuda.synchronize()
     record(arch=kernel.entry.arch)
+    _check_prefill_kernel(kernel, case.spec, record)
     _check(case, got[0], got[1], want[0], want[1], tail, record)
