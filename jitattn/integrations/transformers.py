@@ -528,8 +528,10 @@ class PagedCache(_cache_base()):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        for i, layer in enumerate(self.layers):
-            if layer.pending_key is not None:
+        # the layer run before this one (the last one, before layer 0) and this one: the attention function has
+        # read their new K/V unless the model bypasses it (one check per call, not one per layer per call)
+        for i in {(layer_idx - 1) % len(self.layers), layer_idx % len(self.layers)}:
+            if self.layers[i].pending_key is not None:
                 raise RuntimeError(f"PagedCache: layer {i}'s new K/V were not read by jitattn's attention function; "
                                    f"load the model with attn_implementation=\"{NAME}\" to use a PagedCache")
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
