@@ -179,30 +179,28 @@ class CubinModule:
 class StreamFork:
     """A caller's stream and the side stream a mixed batch's decode kernel runs on beside it: :meth:`fork`
     makes the side stream wait for the caller's work so far and returns its raw handle, :meth:`join` makes
-    the caller's stream wait for what was queued on the side. One event each, made once and recorded
-    again at every call (a wait takes the event's latest record at the time it is queued, so a record
-    of a later call never changes an earlier wait); CUDA graph capture records the two as a fork and a
-    join (the pattern of ``torch.cuda.Stream.wait_stream``, without an event made and freed per call).
+    the caller's stream wait for what was queued on the side (``torch.cuda.Stream.wait_stream`` both ways,
+    which CUDA graph capture records as a fork and a join). Both torch Stream objects are made once, when the
+    caller's stream is first seen (so no ``current_stream`` lookup per call).
 
     Args:
         device: the CUDA device of both streams.
-        main: the raw handle of the caller's stream (torch's current stream there).
+        main: the raw handle of the caller's stream (torch's current stream there, when this is made).
     """
 
     def __init__(self, device: torch.device, main: int):
-        self.main_stream = torch.cuda.ExternalStream(main, device=device)
+        self.main_stream = torch.cuda.current_stream(device)  # torch's own object for the caller's stream
+        if self.main_stream.cuda_stream != main:
+            raise RuntimeError(f"StreamFork: stream {main:#x} is not the current stream of {device}")
         self.side_stream = torch.cuda.Stream(device, priority=-1)  # lower is higher
         self.side = self.side_stream.cuda_stream
-        self._forked, self._joined = torch.cuda.Event(), torch.cuda.Event()
 
     def fork(self) -> int:
-        self._forked.record(self.main_stream)
-        self.side_stream.wait_event(self._forked)
+        self.side_stream.wait_stream(self.main_stream)
         return self.side
 
     def join(self) -> None:
-        self._joined.record(self.side_stream)
-        self.main_stream.wait_event(self._joined)
+        self.main_stream.wait_stream(self.side_stream)
 
 
 def choose_num_splits(blocks: int, slots: int, max_useful: int, *, min_wave_fill: float = 0.9) -> int:
