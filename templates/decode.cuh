@@ -119,21 +119,21 @@ constexpr int kMaxSplits = 64;
 
 // The split-KV merge, fused into every decode kernel that splits. Every block calls it after writing its
 // partial state; the last of the num_splits blocks of a tile to count itself in (one int per tile at
-// p.split_counters[counter], zero between launches: that block resets it) merges the partials of the tile's
-// rows 0 .. n_rows - 1 (n_rows <= kMaxRows) and writes their output and lse. No merge launch, and no wait for
-// the whole grid (the "last block" pattern: __threadfence, then an atomic count). Rows (GroupMergeRows,
-// FlatMergeRows) places row g: part(g) its partial state row, out(g) its o / lse row, head(g) its query
-// head, finish(...) its output element; stride(p) is the rows between two splits' partial states.
-// `scratch`: the block's merge scratch (free again), kMaxRows * (kMaxSplits + 2) + 1 words (no static
-// __shared__: a kernel whose dynamic shared memory is exactly the 48 KB default limit would not launch).
+// p.split_counters[rows.counter()], zero between launches: that block resets it) merges the partials of the
+// tile's rows 0 .. n_rows - 1 (n_rows <= kMaxRows) and writes their output and lse. No merge launch, and no
+// wait for the whole grid (the "last block" pattern: __threadfence, then an atomic count). Rows
+// (GroupMergeRows, FlatMergeRows) places row g: part(g) its partial state row, out(g) its o / lse row,
+// head(g) its query head, finish(...) its output element; stride(p) is the rows between two splits' partial
+// states. `scratch`: the block's merge scratch (free again), kMaxRows * (kMaxSplits + 2) + 1 words (no
+// static __shared__: a kernel whose dynamic shared memory is exactly the 48 KB default limit would not
+// launch).
 template <class S, int kMaxRows, int kThreads, class Rows>
-__device__ __forceinline__ void merge_rows_last_block(const Params& p, float* scratch, long long counter,
-                                                      int n_rows, const Rows& rows) {
+__device__ __forceinline__ void merge_rows_last_block(const Params& p, float* scratch, int n_rows, const Rows& rows) {
   int& last = reinterpret_cast<int*>(scratch)[kMaxRows * (kMaxSplits + 2)];
   __threadfence();  // this thread's partial writes are visible device-wide before the block counts itself
   __syncthreads();
   if (threadIdx.x == 0) {
-    int* c = p.split_counters + counter;
+    int* c = p.split_counters + rows.counter();
     last = atomicAdd(c, 1) == p.num_splits - 1;
     if (last) *c = 0;  // every split has counted: ready for the next launch (graph replays too)
   }
@@ -191,11 +191,14 @@ __device__ __forceinline__ void merge_rows_last_block(const Params& p, float* sc
 }
 
 // merge_rows_last_block's rows for a GQA group: row g is query head kv_head * kGroupSize + g of sequence
-// `batch` (partial states (num_splits, batch_size, heads, head_dim_vo)), written to query row q_row; the
-// output transform (if any) applies here.
+// `batch` (partial states (num_splits, batch_size, heads, head_dim_vo)), written to query row q_row; one
+// counter per (sequence, kv head); the output transform (if any) applies here.
 template <class S>
 struct GroupMergeRows {
   int batch, kv_head, q_row, qo_idx;
+  __device__ __forceinline__ long long counter() const {
+    return static_cast<long long>(batch) * S::kNumKvHeads + kv_head;
+  }
   __device__ __forceinline__ static long long stride(const Params& p) {
     return static_cast<long long>(p.batch_size) * S::kNumQoHeads;
   }
@@ -214,11 +217,13 @@ struct GroupMergeRows {
 };
 
 // merge_rows_last_block's rows for a tile of flattened (total_q * heads) query rows: row g is row row0 + g of
-// partials and output alike, its head (row0 + g) % heads (mla_decode_sm90.cuh). Softmax, no output transform.
+// partials and output alike, its head (row0 + g) % heads; the tile counts at tile_counter
+// (mla_decode_sm90.cuh). Softmax, no output transform.
 template <class S>
 struct FlatMergeRows {
   static_assert(S::kSoftmax && !S::kHasOutTransform, "FlatMergeRows: softmax rows, no output transform");
-  long long row0;
+  long long row0, tile_counter;
+  __device__ __forceinline__ long long counter() const { return tile_counter; }
   __device__ __forceinline__ static long long stride(const Params& p) {
     return static_cast<long long>(p.total_q) * S::kNumQoHeads;
   }
@@ -235,9 +240,8 @@ struct FlatMergeRows {
 template <class S, int kThreads>
 __device__ __forceinline__ void merge_splits_last_block(const Params& p, float* scratch, int batch, int kv_head,
                                                         int q_row, int qo_idx) {
-  merge_rows_last_block<S, S::kGroupSize, kThreads>(
-      p, scratch, static_cast<long long>(batch) * S::kNumKvHeads + kv_head, S::kGroupSize,
-      GroupMergeRows<S>{batch, kv_head, q_row, qo_idx});
+  merge_rows_last_block<S, S::kGroupSize, kThreads>(p, scratch, S::kGroupSize,
+                                                    GroupMergeRows<S>{batch, kv_head, q_row, qo_idx});
 }
 
 // Merges the kZ partial states (one per key slot or warp) of every query head of the group and

@@ -334,8 +334,8 @@ __device__ __forceinline__ void mla_sm90_tile(const Params& p, uint8_t* smem, in
     // One counter per (query row, 64-row tile slot of a query's heads): tile t of the sequence starting at
     // query row q_row0 counts at q_row0 * ceil(H / 64) + t (t < q_len * ceil(H / 64)).
     const long long counter = static_cast<long long>(q_row0) * ceil_div(H, T::kRows) + tile;
-    merge_rows_last_block<S, T::kRows, T::kThreads>(p, reinterpret_cast<float*>(smem), counter, n_rows,
-                                                    FlatMergeRows<S>{flat0});
+    merge_rows_last_block<S, T::kRows, T::kThreads>(p, reinterpret_cast<float*>(smem), n_rows,
+                                                    FlatMergeRows<S>{flat0, counter});
   }
   __syncthreads();  // shared memory (rows, merge scratch) is read until here; the next tile loads into it
 #endif
