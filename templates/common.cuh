@@ -86,6 +86,24 @@ __device__ __forceinline__ void unpack16(const uint4& raw, float (&out)[N]) {
   }
 }
 
+// One 16-byte chunk of 16 FP8 e4m3 values widened to 16-bit T (exact: every e4m3 value is a bf16 and an f16),
+// handed out as two 16-byte chunks: store(0, elements 0-7), then store(1, elements 8-15); the caller places them.
+template <class TIn, class T, class Store>
+__device__ __forceinline__ void widen16(const uint4& raw, Store&& store) {
+  static_assert(sizeof(TIn) == 1 && sizeof(T) == 2, "widen16: 8-bit values to 16-bit ones");
+  float x[16];
+  unpack16<TIn>(raw, x);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    uint4 out;
+    out.x = pack2<T>(x[8 * half], x[8 * half + 1]);
+    out.y = pack2<T>(x[8 * half + 2], x[8 * half + 3]);
+    out.z = pack2<T>(x[8 * half + 4], x[8 * half + 5]);
+    out.w = pack2<T>(x[8 * half + 6], x[8 * half + 7]);
+    store(half, out);
+  }
+}
+
 // Accumulator fragments set to zero.
 template <int kA, int kB>
 __device__ __forceinline__ void zero_fill(float (&x)[kA][kB]) {

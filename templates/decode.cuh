@@ -117,40 +117,41 @@ __device__ __forceinline__ void store2(T* dst, float a, float b) {
 // Upper bound of the split-KV factor (jitattn/runtime.py caps num_splits below it).
 constexpr int kMaxSplits = 64;
 
-// The split-KV merge, fused into the decode kernel. Every block calls it after writing its partial
-// state; the last of a (sequence, kv head)'s num_splits blocks to count itself in (one int per pair in
-// p.split_counters, zero between launches: that block resets it) merges the partials of the group's
-// heads and writes the output and lse. No merge launch, and no wait for the whole decode grid (the
-// "last block" pattern: __threadfence, then an atomic count). `scratch`: the block's merge scratch
-// (free again), kGroupSize * (kMaxSplits + 2) + 1 words (no static __shared__: a kernel whose dynamic
-// shared memory is exactly the 48 KB default limit would not launch).
-template <class S, int kThreads>
-__device__ __forceinline__ void merge_splits_last_block(const Params& p, float* scratch, int batch, int kv_head,
-                                                        int q_row, int qo_idx) {
-  int& last = reinterpret_cast<int*>(scratch)[S::kGroupSize * (kMaxSplits + 2)];
+// The split-KV merge, fused into every decode kernel that splits. Every block calls it after writing its
+// partial state; the last of the num_splits blocks of a tile to count itself in (one int per tile at
+// p.split_counters[rows.counter()], zero between launches: that block resets it) merges the partials of the
+// tile's rows 0 .. n_rows - 1 (n_rows <= kMaxRows) and writes their output and lse. No merge launch, and no
+// wait for the whole grid (the "last block" pattern: __threadfence, then an atomic count). Rows
+// (GroupMergeRows, FlatMergeRows) places row g: part(g) its partial state row, out(g) its o / lse row,
+// head(g) its query head, finish(...) its output element; stride(p) is the rows between two splits' partial
+// states. `scratch`: the block's merge scratch (free again), kMaxRows * (kMaxSplits + 2) + 1 words (no
+// static __shared__: a kernel whose dynamic shared memory is exactly the 48 KB default limit would not
+// launch).
+template <class S, int kMaxRows, int kThreads, class Rows>
+__device__ __forceinline__ void merge_rows_last_block(const Params& p, float* scratch, int n_rows, const Rows& rows) {
+  int& last = reinterpret_cast<int*>(scratch)[kMaxRows * (kMaxSplits + 2)];
   __threadfence();  // this thread's partial writes are visible device-wide before the block counts itself
   __syncthreads();
   if (threadIdx.x == 0) {
-    int* counter = p.split_counters + static_cast<long long>(batch) * S::kNumKvHeads + kv_head;
-    last = atomicAdd(counter, 1) == p.num_splits - 1;
-    if (last) *counter = 0;  // every split has counted: ready for the next launch (graph replays too)
+    int* c = p.split_counters + rows.counter();
+    last = atomicAdd(c, 1) == p.num_splits - 1;
+    if (last) *c = 0;  // every split has counted: ready for the next launch (graph replays too)
   }
   __syncthreads();
   if (!last) return;
   __threadfence();
   const int n = min(p.num_splits, kMaxSplits);
-  const long long stride = static_cast<long long>(p.batch_size) * S::kNumQoHeads;
-  float* weight = scratch;                              // [kGroupSize][kMaxSplits]
-  float* scale = weight + S::kGroupSize * kMaxSplits;   // [kGroupSize]
-  float* poison = scale + S::kGroupSize;                // [kGroupSize]
+  const long long stride = rows.stride(p);
+  float* weight = scratch;                         // [kMaxRows][kMaxSplits]
+  float* scale = weight + kMaxRows * kMaxSplits;   // [kMaxRows]
+  float* poison = scale + kMaxRows;                // [kMaxRows]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  // One warp per head: max over the splits' lse (base 2; a NaN one poisons the row), weights, sum.
+  // One warp per row: max over the splits' lse (base 2; a NaN one poisons the row), weights, sum.
   // Partials are read through L2 (__ldcg): other SMs wrote them during this launch.
-  for (int g = warp; g < S::kGroupSize; g += kThreads / 32) {
-    const int qo_head = kv_head * S::kGroupSize + g;
-    const long long base = static_cast<long long>(batch) * S::kNumQoHeads + qo_head;
-    const float l0 = lane < n ? __ldcg(p.partial_lse + lane * stride + base) : kNegInf;
-    const float l1 = lane + 32 < n ? __ldcg(p.partial_lse + (lane + 32) * stride + base) : kNegInf;
+  for (int g = warp; g < n_rows; g += kThreads / 32) {
+    const long long part = rows.part(g);
+    const float l0 = lane < n ? __ldcg(p.partial_lse + lane * stride + part) : kNegInf;
+    const float l1 = lane + 32 < n ? __ldcg(p.partial_lse + (lane + 32) * stride + part) : kNegInf;
     const bool bad = __any_sync(0xffffffffu, isnan(l0) || isnan(l1));
     const float m = group_max<32>(fmaxf(l0, l1));
     const float w0 = S::kSoftmax ? rescale_factor(l0, m) : (lane < n ? 1.f : 0.f);
@@ -160,101 +161,87 @@ __device__ __forceinline__ void merge_splits_last_block(const Params& p, float* 
     const float d = group_sum<32>(w0 + w1);
     if (lane == 0) {
       float lse;
-      scale[g] = finalize_state<S>(p, qo_head, SoftmaxState{m, d}, lse);
+      scale[g] = finalize_state<S>(p, rows.head(g), SoftmaxState{m, d}, lse);
       poison[g] = bad ? quiet_nan() : 0.f;
-      if (p.lse != nullptr) p.lse[static_cast<long long>(q_row) * S::kNumQoHeads + qo_head] = lse + poison[g];
+      if (p.lse != nullptr) p.lse[rows.out(g)] = lse + poison[g];
     }
   }
   __syncthreads();
-  // Every output element of the group, 4 at a time (head_dim_vo is a multiple of 16).
-  constexpr int kQuads = S::kHeadDimVO / 4;
-  for (int e = threadIdx.x; e < S::kGroupSize * kQuads; e += kThreads) {
-    const int g = e / kQuads, i = (e % kQuads) * 4;
-    const int qo_head = kv_head * S::kGroupSize + g;
-    const long long base = static_cast<long long>(batch) * S::kNumQoHeads + qo_head;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 16
-    for (int s = 0; s < n; ++s) {
-      const float w = weight[g * kMaxSplits + s];
-      const float4 x = __ldcg(reinterpret_cast<const float4*>(p.partial_o + (s * stride + base) * S::kHeadDimVO + i));
-      acc[0] = fmaf(w, x.x, acc[0]);
-      acc[1] = fmaf(w, x.y, acc[1]);
-      acc[2] = fmaf(w, x.z, acc[2]);
-      acc[3] = fmaf(w, x.w, acc[3]);
-    }
-    const long long row_head = static_cast<long long>(q_row) * S::kNumQoHeads + qo_head;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      float value = acc[j] * scale[g];
-      bool oob = false;
-      if constexpr (S::kHasOutTransform) value = S::output_transform(p, value, batch, qo_head, qo_idx, i + j, oob);
-      p.o[row_head * S::kHeadDimVO + i + j] =
-          from_float<typename S::DTypeO>(value + poison[g] + (oob ? quiet_nan() : 0.f));
-    }
-  }
-}
-
-// merge_splits_last_block over kMaxRows consecutive rows of the flattened (total_q * heads) output rather than
-// one (sequence, kv head)'s group: rows [row0, row0 + n_rows) (n_rows <= kMaxRows), head of row f = f % heads,
-// partial states (num_splits, total_q * heads, head_dim_vo), this tile's counter p.split_counters[counter]. For
-// kernels whose tiles are flattened query rows (mla_decode_sm90.cuh); softmax, no output transform.
-template <class S, int kMaxRows, int kThreads>
-__device__ __forceinline__ void merge_rows_last_block(const Params& p, float* scratch, long long counter,
-                                                      long long row0, int n_rows) {
-  static_assert(S::kSoftmax && !S::kHasOutTransform, "merge_rows_last_block: softmax rows, no output transform");
-  int& last = reinterpret_cast<int*>(scratch)[kMaxRows * (kMaxSplits + 2)];
-  __threadfence();  // this thread's partial writes are visible device-wide before the block counts itself
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int* c = p.split_counters + counter;
-    last = atomicAdd(c, 1) == p.num_splits - 1;
-    if (last) *c = 0;  // every split has counted: ready for the next launch (graph replays too)
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  const int n = min(p.num_splits, kMaxSplits);
-  const long long stride = static_cast<long long>(p.total_q) * S::kNumQoHeads;
-  float* weight = scratch;                         // [kMaxRows][kMaxSplits]
-  float* scale = weight + kMaxRows * kMaxSplits;   // [kMaxRows]
-  float* poison = scale + kMaxRows;                // [kMaxRows]
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int g = warp; g < n_rows; g += kThreads / 32) {
-    const long long row = row0 + g;
-    const float l0 = lane < n ? __ldcg(p.partial_lse + lane * stride + row) : kNegInf;
-    const float l1 = lane + 32 < n ? __ldcg(p.partial_lse + (lane + 32) * stride + row) : kNegInf;
-    const bool bad = __any_sync(0xffffffffu, isnan(l0) || isnan(l1));
-    const float m = group_max<32>(fmaxf(l0, l1));
-    const float w0 = rescale_factor(l0, m), w1 = rescale_factor(l1, m);
-    weight[g * kMaxSplits + lane] = w0;
-    weight[g * kMaxSplits + lane + 32] = w1;
-    const float d = group_sum<32>(w0 + w1);
-    if (lane == 0) {
-      float lse;
-      scale[g] = finalize_state<S>(p, static_cast<int>(row % S::kNumQoHeads), SoftmaxState{m, d}, lse);
-      poison[g] = bad ? quiet_nan() : 0.f;
-      if (p.lse != nullptr) p.lse[row] = lse + poison[g];
-    }
-  }
-  __syncthreads();
+  // Every output element of the rows, 4 at a time (head_dim_vo is a multiple of 16).
   constexpr int kQuads = S::kHeadDimVO / 4;
   for (int e = threadIdx.x; e < n_rows * kQuads; e += kThreads) {
     const int g = e / kQuads, i = (e % kQuads) * 4;
-    const long long row = row0 + g;
+    const long long part = rows.part(g);
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 16
     for (int s = 0; s < n; ++s) {
       const float w = weight[g * kMaxSplits + s];
-      const float4 x = __ldcg(reinterpret_cast<const float4*>(p.partial_o + (s * stride + row) * S::kHeadDimVO + i));
+      const float4 x = __ldcg(reinterpret_cast<const float4*>(p.partial_o + (s * stride + part) * S::kHeadDimVO + i));
       acc[0] = fmaf(w, x.x, acc[0]);
       acc[1] = fmaf(w, x.y, acc[1]);
       acc[2] = fmaf(w, x.z, acc[2]);
       acc[3] = fmaf(w, x.w, acc[3]);
     }
+    const long long out = rows.out(g);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
-      p.o[row * S::kHeadDimVO + i + j] = from_float<typename S::DTypeO>(acc[j] * scale[g] + poison[g]);
+      p.o[out * S::kHeadDimVO + i + j] =
+          from_float<typename S::DTypeO>(rows.finish(p, acc[j] * scale[g], poison[g], g, i + j));
   }
+}
+
+// merge_rows_last_block's rows for a GQA group: row g is query head kv_head * kGroupSize + g of sequence
+// `batch` (partial states (num_splits, batch_size, heads, head_dim_vo)), written to query row q_row; one
+// counter per (sequence, kv head); the output transform (if any) applies here.
+template <class S>
+struct GroupMergeRows {
+  int batch, kv_head, q_row, qo_idx;
+  __device__ __forceinline__ long long counter() const {
+    return static_cast<long long>(batch) * S::kNumKvHeads + kv_head;
+  }
+  __device__ __forceinline__ static long long stride(const Params& p) {
+    return static_cast<long long>(p.batch_size) * S::kNumQoHeads;
+  }
+  __device__ __forceinline__ int head(int g) const { return kv_head * S::kGroupSize + g; }
+  __device__ __forceinline__ long long part(int g) const {
+    return static_cast<long long>(batch) * S::kNumQoHeads + head(g);
+  }
+  __device__ __forceinline__ long long out(int g) const {
+    return static_cast<long long>(q_row) * S::kNumQoHeads + head(g);
+  }
+  __device__ __forceinline__ float finish(const Params& p, float value, float poison, int g, int dim) const {
+    bool oob = false;  // a parameter read out of range poisons this element
+    if constexpr (S::kHasOutTransform) value = S::output_transform(p, value, batch, head(g), qo_idx, dim, oob);
+    return value + poison + (oob ? quiet_nan() : 0.f);
+  }
+};
+
+// merge_rows_last_block's rows for a tile of flattened (total_q * heads) query rows: row g is row row0 + g of
+// partials and output alike, its head (row0 + g) % heads; the tile counts at tile_counter
+// (mla_decode_sm90.cuh). Softmax, no output transform.
+template <class S>
+struct FlatMergeRows {
+  static_assert(S::kSoftmax && !S::kHasOutTransform, "FlatMergeRows: softmax rows, no output transform");
+  long long row0, tile_counter;
+  __device__ __forceinline__ long long counter() const { return tile_counter; }
+  __device__ __forceinline__ static long long stride(const Params& p) {
+    return static_cast<long long>(p.total_q) * S::kNumQoHeads;
+  }
+  __device__ __forceinline__ int head(int g) const { return static_cast<int>((row0 + g) % S::kNumQoHeads); }
+  __device__ __forceinline__ long long part(int g) const { return row0 + g; }
+  __device__ __forceinline__ long long out(int g) const { return row0 + g; }
+  __device__ __forceinline__ float finish(const Params&, float value, float poison, int, int) const {
+    return value + poison;
+  }
+};
+
+// The merge of a GQA decode block: the group of (sequence batch, kv_head), one counter per pair, written to
+// query row q_row (position qo_idx).
+template <class S, int kThreads>
+__device__ __forceinline__ void merge_splits_last_block(const Params& p, float* scratch, int batch, int kv_head,
+                                                        int q_row, int qo_idx) {
+  merge_rows_last_block<S, S::kGroupSize, kThreads>(p, scratch, S::kGroupSize,
+                                                    GroupMergeRows<S>{batch, kv_head, q_row, qo_idx});
 }
 
 // Merges the kZ partial states (one per key slot or warp) of every query head of the group and
@@ -339,6 +326,15 @@ __device__ __forceinline__ bool decode_row(const Params& p, int batch, int& q_ro
   const int q_end = p.query_start_loc[batch + 1];
   kv_len = p.seq_lens[batch];
   return q_end - q_row == 1 && q_row >= 0 && q_row < p.total_q;
+}
+
+// The query rows [q_row0, q_end) of sequence `batch` and its key count, for both MLA decode kernels (every
+// query of the batch): false when the rows are empty or lie outside q (nothing to read or write).
+__device__ __forceinline__ bool latent_rows(const Params& p, int batch, int& q_row0, int& q_end, int& kv_len) {
+  q_row0 = p.query_start_loc[batch];
+  q_end = p.query_start_loc[batch + 1];
+  kv_len = p.seq_lens[batch];
+  return !(q_row0 < 0 || q_end > p.total_q || q_end <= q_row0);
 }
 
 template <class S>

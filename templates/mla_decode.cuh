@@ -115,17 +115,10 @@ __device__ __forceinline__ void mla_widen_tile(const typename S::DTypeKV* raw, t
   using DT = typename S::DTypeQ;
   for (int e = threadIdx.x; e < T::kTileKeys * T::kKvChunks; e += T::kThreads) {
     const int row = e / T::kKvChunks, c = e % T::kKvChunks;
-    float x[16];
-    unpack16<typename S::DTypeKV>(*reinterpret_cast<const uint4*>(raw + row * T::kRowStride + c * 16), x);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {  // 16-bit chunk 2c + half of the row
-      uint4 out;
-      out.x = pack2<DT>(x[8 * half], x[8 * half + 1]);
-      out.y = pack2<DT>(x[8 * half + 2], x[8 * half + 3]);
-      out.z = pack2<DT>(x[8 * half + 4], x[8 * half + 5]);
-      out.w = pack2<DT>(x[8 * half + 6], x[8 * half + 7]);
+    auto store = [&](int half, const uint4& out) {  // 16-bit chunk 2c + half of the row
       *reinterpret_cast<uint4*>(wide + row * T::kRowStride + ((2 * c + half) ^ (row % 8)) * 8) = out;
-    }
+    };
+    widen16<typename S::DTypeKV, DT>(*reinterpret_cast<const uint4*>(raw + row * T::kRowStride + c * 16), store);
   }
 }
 
@@ -311,10 +304,8 @@ __device__ __forceinline__ void mla_decode_kernel(const Params& p) {
   // hoisted the prologue's addresses and spilled ~440 bytes at 255 registers, sm_90a).
   const int num_splits = T::kSplitKV ? p.num_splits : min(p.num_splits, 1);
   if (split >= num_splits) return;
-  const int q_row0 = p.query_start_loc[batch];
-  const int q_end = p.query_start_loc[batch + 1];
-  const int kv_len = p.seq_lens[batch];
-  if (q_row0 < 0 || q_end > p.total_q || q_end <= q_row0) return;
+  int q_row0, q_end, kv_len;
+  if (!latent_rows(p, batch, q_row0, q_end, kv_len)) return;
   const int qo_len = q_end - q_row0;
   const bool ok = sequence_ok<S>(p, qo_len, kv_len);
   for (int tile = blockIdx.y; tile < qo_len * T::kHeadTiles; tile += gridDim.y) {

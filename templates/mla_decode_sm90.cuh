@@ -104,17 +104,10 @@ __device__ __forceinline__ void mla_sm90_widen(const typename S::DTypeKV* raw, t
 #pragma unroll 3
   for (int e = threadIdx.x; e < T::kTileKeys * T::kRawChunks; e += T::kThreads) {
     const int row = e / T::kRawChunks, c = e % T::kRawChunks;
-    float x[16];
-    unpack16<typename S::DTypeKV>(*reinterpret_cast<const uint4*>(raw + row * T::kDQK + c * 16), x);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      uint4 out;
-      out.x = pack2<DT>(x[8 * half], x[8 * half + 1]);
-      out.y = pack2<DT>(x[8 * half + 2], x[8 * half + 3]);
-      out.z = pack2<DT>(x[8 * half + 4], x[8 * half + 5]);
-      out.w = pack2<DT>(x[8 * half + 6], x[8 * half + 7]);
+    auto store = [&](int half, const uint4& out) {
       *reinterpret_cast<uint4*>(wide + swizzled_offset<T::kTileKeys, T::kW>(row, (2 * c + half) * 8)) = out;
-    }
+    };
+    widen16<typename S::DTypeKV, DT>(*reinterpret_cast<const uint4*>(raw + row * T::kDQK + c * 16), store);
   }
 }
 
@@ -341,7 +334,8 @@ __device__ __forceinline__ void mla_sm90_tile(const Params& p, uint8_t* smem, in
     // One counter per (query row, 64-row tile slot of a query's heads): tile t of the sequence starting at
     // query row q_row0 counts at q_row0 * ceil(H / 64) + t (t < q_len * ceil(H / 64)).
     const long long counter = static_cast<long long>(q_row0) * ceil_div(H, T::kRows) + tile;
-    merge_rows_last_block<S, T::kRows, T::kThreads>(p, reinterpret_cast<float*>(smem), counter, flat0, n_rows);
+    merge_rows_last_block<S, T::kRows, T::kThreads>(p, reinterpret_cast<float*>(smem), n_rows,
+                                                    FlatMergeRows<S>{flat0, counter});
   }
   __syncthreads();  // shared memory (rows, merge scratch) is read until here; the next tile loads into it
 #endif
@@ -358,10 +352,8 @@ __device__ __forceinline__ void mla_decode_sm90_kernel(const Params& p) {
   const int split = blockIdx.x, batch = blockIdx.z;
   const int num_splits = p.num_splits;
   if (split >= num_splits) return;
-  const int q_row0 = p.query_start_loc[batch];
-  const int q_end = p.query_start_loc[batch + 1];
-  const int kv_len = p.seq_lens[batch];
-  if (q_row0 < 0 || q_end > p.total_q || q_end <= q_row0) return;
+  int q_row0, q_end, kv_len;
+  if (!latent_rows(p, batch, q_row0, q_end, kv_len)) return;
   const int qo_len = q_end - q_row0;
   const bool ok = sequence_ok<S>(p, qo_len, kv_len);
   const int tiles = ceil_div(qo_len * S::kNumQoHeads, T::kRows);
