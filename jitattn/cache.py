@@ -166,13 +166,10 @@ def code_digest() -> str:
 
 def spec_key_inputs(spec: KernelModule, arch: str) -> dict[str, Any]:
     """What the spec key hashes: the key inputs, with the package's code instead of the rendered
-    source (which it determines) and without nvcc. ``JITATTN_UNVERIFIED_MLA_SM90`` changes a latent spec's
-    source, so it joins the inputs while it is on (off, the inputs are what they were without it)."""
+    source (which it determines) and without nvcc."""
     inputs = {"spec": json.loads(spec.canonical_json()), "arch": normalize_arch(arch),
               "templates": _render.template_hashes(), "code": code_digest(), "flags": list(_build.NVCC_FLAGS),
               "jitattn_version": _version.__version__}
-    if getattr(spec, "latent", False) and settings.unverified_mla_sm90():
-        inputs["mla_sm90"] = True
     return inputs
 
 

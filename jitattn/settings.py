@@ -13,7 +13,6 @@ Nothing else in the package calls ``os.environ``: modules ask this one. Tests ch
 | ``JITATTN_LOCK_TIMEOUT`` | seconds to wait for another process's build of the same kernel | ``600`` |
 | ``JITATTN_BACKEND`` | force one attention backend by name (see :mod:`jitattn.selector`) | automatic |
 | ``JITATTN_VERBOSE`` | ``1``: log each compile command and cache decision to stderr | ``0`` |
-| ``JITATTN_UNVERIFIED_MLA_SM90`` | ``1``: a latent spec's sm_90a cubin runs the warpgroup-MMA MLA decode kernel (templates/mla_decode_sm90.cuh), which compiles but has not passed the GPU suite; the switch goes once it passes | ``0`` |
 | ``JITATTN_UNVERIFIED_PADDED_SM90`` | ``1``: head dims that are multiples of 8 but not 16 run the wgmma prefill on sm_90a (padded tiles) instead of mma.sync, and the tensor-core decode's tile loader; not yet GPU-verified | ``0`` |
 
 Logging: every module logs on a child of the ``jitattn`` logger (``jitattn.cache``,
@@ -97,8 +96,6 @@ VARIABLES: dict[str, _Var] = {
         _Var("JITATTN_LOCK_TIMEOUT", "600", _parse_float, "seconds to wait for a build lock"),
         _Var("JITATTN_BACKEND", "", _parse_str, "force one backend by name"),
         _Var("JITATTN_VERBOSE", "0", _parse_bool, "log compiles and cache decisions"),
-        _Var("JITATTN_UNVERIFIED_MLA_SM90", "0", _parse_bool, "latent specs' sm_90a cubin runs the wgmma MLA decode "
-             "kernel not yet through the GPU suite"),
         _Var("JITATTN_UNVERIFIED_PADDED_SM90", "0", _parse_bool, "padded head dims: wgmma prefill, decode tile loader"),
     ]
 }
@@ -194,13 +191,6 @@ def unverified_padded_sm90() -> bool:
 def verbose() -> bool:
     """True when ``JITATTN_VERBOSE`` asks for each compile command and cache decision on stderr."""
     return bool(VARIABLES["JITATTN_VERBOSE"].get())
-
-
-def unverified_mla_sm90() -> bool:
-    """True when ``JITATTN_UNVERIFIED_MLA_SM90`` renders latent specs with the warpgroup-MMA MLA decode kernel for
-    sm_90a (templates/mla_decode_sm90.cuh), which has not passed the GPU suite yet; off, the sm_90a cubin keeps
-    the mma.sync kernel and the rendered source is today's."""
-    return bool(VARIABLES["JITATTN_UNVERIFIED_MLA_SM90"].get())
 
 
 #: The logger every jitattn module logs under (as ``jitattn.<module>``).

@@ -11,8 +11,7 @@
 // memory), the two exchange row maxima through shared memory so both take the same running max (their
 // softmax states stay equal and need no merge), exchange their halves of P (bf16 register A fragments), then
 // each runs O[:, w * D_vo / 2 ..] += P V (wgmma m64n256k16, V = the K tile's first D_vo columns as an
-// N-major B). An FP8 cache is staged raw and widened exactly to q's dtype in shared memory before the MMAs;
-// k_scale folds into the logit scale, v_scale into the output's. Layout: FlashMLA's published shape.
+// N-major B). k_scale folds into the logit scale, v_scale into the output's. Layout: FlashMLA's published shape.
 // MlaLaunch (attention.cu.j2) picks this kernel in the sm_90a cubin for the specs it serves (kSupported).
 #pragma once
 
@@ -30,7 +29,6 @@ struct MlaSm90Traits {
   using DT = typename S::DTypeQ;
   using KV = typename S::DTypeKV;
   static constexpr int kDQK = S::kHeadDimQK, kDVO = S::kHeadDimVO;
-  static constexpr bool kFp8Cache = sizeof(KV) == 1;
   static constexpr int kRows = 64;  // flattened query rows per tile: the m64 of wgmma
   static constexpr int kThreads = 256;
   static constexpr int kTileKeys = 64;
@@ -38,23 +36,20 @@ struct MlaSm90Traits {
   static constexpr int kWgDims = kDVO / 2;       // O = P V: output dims per warpgroup (the wgmma N)
   static constexpr int kW = 64;                  // 128-byte swizzle: column blocks of 64 elements
   static constexpr int kChunks = kDQK / 8;       // 16-byte chunks of a 16-bit row
-  static constexpr int kRawChunks = kDQK * static_cast<int>(sizeof(KV)) / 16;  // of a cache row
-  static constexpr int kKvVec = 16 / static_cast<int>(sizeof(KV));
   static constexpr int kQBytes = kRows * kDQK * 2;
-  static constexpr int kTileBytes = kTileKeys * kDQK * 2;                              // a 16-bit tile
-  static constexpr int kRawBytes = kTileKeys * kDQK * static_cast<int>(sizeof(KV));   // a staged cache tile
-  // Stages: two raw tiles, then (FP8) the widened tile the MMAs read.
-  static constexpr int kStagesBytes = 2 * kRawBytes + (kFp8Cache ? kTileBytes : 0);
+  static constexpr int kTileBytes = kTileKeys * kDQK * 2;
+  static constexpr int kStagesBytes = 2 * kTileBytes;  // double-buffered cache tiles
   static constexpr int kPBytes = 2 * 8 * 128 * 4;  // P halves: [warpgroup][register][thread] (uint32)
   static constexpr int kRowBytes = 2 * kRows * 4;  // row maxima (then sums): [warpgroup][row] floats
   // +1024: the dynamic shared memory base is aligned up to a swizzle atom by hand.
   static constexpr int kSmemBytes = kQBytes + kStagesBytes + kPBytes + kRowBytes + 1024;
   static constexpr int kMinBlocksPerSM = 1;
-  // Specs served (the rest keep mla_decode_kernel): 16-bit q, a cache of q's dtype or FP8 e4m3, latent rows
+  // Specs served (the rest keep mla_decode_kernel): 16-bit q, a cache of q's dtype (an FP8 cache keeps the
+  // mma.sync kernel: widening each tile in shared memory made this one slower there), latent rows
   // of whole swizzle columns, each warpgroup's output dims whole column blocks of one wgmma (N <= 256), the
   // plain causal softmax (latent specs take no variants today; a variant keeps the mma.sync kernel).
   static constexpr bool kSupported =
-      sizeof(DT) == 2 && (kSameType<KV, DT> || kSameType<KV, __nv_fp8_e4m3>) && S::kNumKvHeads == 1 &&
+      sizeof(DT) == 2 && kSameType<KV, DT> && S::kNumKvHeads == 1 &&
       kDQK % kW == 0 && kDVO % (2 * kW) == 0 && kWgDims <= 256 && kDVO < kDQK && S::kSoftmax &&
       !S::kLogitsNatural && !S::kHasMask && !S::kHasSinks && !S::kHasOutTransform && S::kWindowLeft < 0 &&
       kSmemBytes <= kSmemPerSm;
@@ -69,8 +64,8 @@ template <class S>
 struct MlaSm90Loader {
   using T = MlaSm90Traits<S>;
   using KV = typename S::DTypeKV;
-  static constexpr int kPerThread = T::kRawChunks / 4;
-  static_assert(T::kRawChunks % 4 == 0, "a cache row is whole quarters of 16-byte chunks");
+  static constexpr int kPerThread = T::kChunks / 4;
+  static_assert(T::kChunks % 4 == 0, "a cache row is whole quarters of 16-byte chunks");
   int row, sub, page;
   __device__ __forceinline__ explicit MlaSm90Loader(int tid) {
     const int q = tid / 4;
@@ -82,7 +77,7 @@ struct MlaSm90Loader {
     page = kv_idx < end ? page_of<S>(p, batch, kv_idx) : 0;
   }
   // cp.async of keys [start, start + kTileKeys) (rows at or past `end` zero-filled) into `dst`: swizzled
-  // 16-bit rows, or raw FP8 rows (kDQK bytes apart, widened later). A page id out of range sets `bad`.
+  // rows. A page id out of range sets `bad`.
   __device__ __forceinline__ void load(const Params& p, KV* dst, int start, int end, bool& bad) const {
     const int kv_idx = start + row;
     const bool in = kv_idx < end;
@@ -90,26 +85,10 @@ struct MlaSm90Loader {
 #pragma unroll
     for (int m = 0; m < kPerThread; ++m) {
       const int chunk = sub + 4 * m;
-      const int off = T::kFp8Cache ? row * T::kDQK + chunk * 16 : swizzled_offset<T::kTileKeys, T::kW>(row, chunk * 8);
-      cp_async_16(dst + off, in ? src + chunk * T::kKvVec : p.kv_cache, in);
+      cp_async_16(dst + swizzled_offset<T::kTileKeys, T::kW>(row, chunk * 8), in ? src + chunk * 8 : p.kv_cache, in);
     }
   }
 };
-
-// FP8 cache: the staged raw tile widened to q's dtype (exact) into the swizzled 16-bit tile, by every thread.
-template <class S>
-__device__ __forceinline__ void mla_sm90_widen(const typename S::DTypeKV* raw, typename S::DTypeQ* wide) {
-  using T = MlaSm90Traits<S>;
-  using DT = typename S::DTypeQ;
-#pragma unroll 3
-  for (int e = threadIdx.x; e < T::kTileKeys * T::kRawChunks; e += T::kThreads) {
-    const int row = e / T::kRawChunks, c = e % T::kRawChunks;
-    auto store = [&](int half, const uint4& out) {
-      *reinterpret_cast<uint4*>(wide + swizzled_offset<T::kTileKeys, T::kW>(row, (2 * c + half) * 8)) = out;
-    };
-    widen16<typename S::DTypeKV, DT>(*reinterpret_cast<const uint4*>(raw + row * T::kDQK + c * 16), store);
-  }
-}
 
 // Tile `tile` of sequence `batch` (flattened rows [64 tile, 64 tile + 64) of its q_len * H, the rest padding)
 // over the keys of split `split`: the pipeline, then the output, or this split's partial state and, in the
@@ -123,9 +102,8 @@ __device__ __forceinline__ void mla_sm90_tile(const Params& p, uint8_t* smem, in
   using KV = typename S::DTypeKV;
   constexpr int H = S::kNumQoHeads;
   DT* sq = reinterpret_cast<DT*>(smem);
-  KV* raw0 = reinterpret_cast<KV*>(smem + T::kQBytes);
-  auto stage = [&](int s) { return raw0 + s * (T::kRawBytes / static_cast<int>(sizeof(KV))); };
-  DT* wide = reinterpret_cast<DT*>(smem + T::kQBytes + 2 * T::kRawBytes);  // FP8 only
+  KV* stage0 = reinterpret_cast<KV*>(smem + T::kQBytes);
+  auto stage = [&](int s) { return stage0 + s * (T::kTileBytes / 2); };
   uint32_t* sp = reinterpret_cast<uint32_t*>(smem + T::kQBytes + T::kStagesBytes);
   float* srow = reinterpret_cast<float*>(smem + T::kQBytes + T::kStagesBytes + T::kPBytes);
 
@@ -187,15 +165,7 @@ __device__ __forceinline__ void mla_sm90_tile(const Params& p, uint8_t* smem, in
       cp_async_commit();
       loader.fetch(p, batch, next + T::kTileKeys, hi);
     }
-    const DT* sk;
-    if constexpr (T::kFp8Cache) {
-      mla_sm90_widen<S>(stage(it % 2), wide);
-      fence_proxy_async();
-      __syncthreads();
-      sk = wide;
-    } else {
-      sk = reinterpret_cast<const DT*>(stage(it % 2));
-    }
+    const DT* sk = reinterpret_cast<const DT*>(stage(it % 2));
 
     // S = Q K^T for this warpgroup's 32 keys (rows 32 wg .. of the tile: whole swizzle atoms).
     float s[T::kWgKeys / 2];

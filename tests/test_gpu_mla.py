@@ -155,14 +155,14 @@ def test_jit_latent_decode_replays_in_a_cuda_graph(mla_kernels, seed, record):
 
 
 # ---- which kernel runs, and the contracts a new kernel must keep ------------------------------------------
-def test_the_sm90_kernel_runs_exactly_when_the_gate_is_on_and_the_gpu_is_sm_90(mla_kernels):
-    """JITATTN_UNVERIFIED_MLA_SM90=1 on an sm_90 GPU: the cubin's geometry is the wgmma kernel's (256 threads,
-    tiles of 64 flattened rows); otherwise the mma.sync kernel's (its prefill_block_m entry 0)."""
-    from jitattn import settings
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_the_sm90_kernel_runs_on_sm_90_for_16_bit_caches_only(mla_kernels, kv_dtype):
+    """On an sm_90 GPU a 16-bit cache's cubin geometry is the wgmma kernel's (256 threads, tiles of 64 flattened
+    rows); an FP8 cache's, and any cache's on other GPUs, the mma.sync kernel's (its prefill_block_m entry 0)."""
     from jitattn.runtime import load_kernel
 
-    g = load_kernel(jit_latent(16, 64), "cuda").geometry
-    sm90 = settings.unverified_mla_sm90() and torch.cuda.get_device_capability()[0] == 9
+    g = load_kernel(jit_latent(16, 64, kv_dtype=kv_dtype), "cuda").geometry
+    sm90 = torch.cuda.get_device_capability()[0] == 9 and kv_dtype == "bfloat16"
     assert (g["decode_threads"], g["prefill_block_m"]) == ((256, 64) if sm90 else (128, 0))
 
 

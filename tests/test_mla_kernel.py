@@ -214,64 +214,73 @@ def test_groups_that_are_not_whole_tiles_run_one_split_and_graph_mode_bounds_the
     assert launch["grid"][:2] == [64, 1]  # one block per split: the 32,768 keys over a full wave
 
 
-# ---- the warpgroup-MMA kernel for sm_90a (templates/mla_decode_sm90.cuh), behind JITATTN_UNVERIFIED_MLA_SM90 ----
-GATE = "JITATTN_UNVERIFIED_MLA_SM90"
+# ---- the warpgroup-MMA kernel for sm_90a (templates/mla_decode_sm90.cuh): 16-bit caches' sm_90a cubin ----
 # A latent cubin whose sm_90a kernel takes tiles of 64 flattened query rows: no prefill kernel (prefill_threads 0),
 # the tile in prefill_block_m (attention.cu.j2's MlaLaunch geometry).
 SM90_GEOMETRY = {"decode_threads": 256, "decode_smem": 230912, "decode_tile_keys": 64, "prefill_threads": 0,
                  "prefill_smem": 0, "prefill_block_m": 64, "prefill_block_n": 0}
 
 
-def test_the_gate_renders_the_sm90_kernel_and_off_leaves_the_source_as_it_was(monkeypatch):
-    from jitattn.cache import spec_key
+def _cubin_geometry(entry) -> dict[str, int]:
+    """The cubin's launch geometry table (runtime._GEOMETRY order) read from its ELF symbol table, no GPU."""
+    data = entry.cubin.read_bytes()
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shnum, = struct.unpack_from("<H", data, 0x3C)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + 64 * i) for i in range(shnum)]
+    symtab = next(sec for sec in sections if sec[1] == 2)  # SHT_SYMTAB
+    strtab = sections[symtab[6]]
+    for off in range(symtab[4], symtab[4] + symtab[5], 24):
+        name, _, _, shndx, value, size = struct.unpack_from("<IBBHQQ", data, off)
+        end = data.index(b"\0", strtab[4] + name)
+        if data[strtab[4] + name:end] == KERNEL_NAMES["geometry"].encode():
+            raw = struct.unpack_from(f"<{size // 4}i", data, sections[shndx][4] + value)
+            return dict(zip(runtime._GEOMETRY, raw))
+    raise AssertionError(f"no {KERNEL_NAMES['geometry']} in {entry.cubin}")
 
-    monkeypatch.delenv(GATE, raising=False)
-    off = render(latent()).text
-    paged_off = render(AttentionSpec(32, 8, 128)).text
-    keys_off = spec_key(latent(), "sm_90a"), spec_key(AttentionSpec(32, 8, 128), "sm_90a")
-    assert "mla_decode_sm90" not in off and "MlaLaunch" not in off
-    monkeypatch.setenv(GATE, "1")
-    on = render(latent()).text
-    assert "#include \"mla_decode_sm90.cuh\"" in on and "jitattn::mla_decode_sm90_kernel<jitattn::Spec>(params)" in on
-    assert "jitattn::mla_decode_kernel<jitattn::Spec>(params)" in on  # the sm_80 cubin keeps mma.sync
-    assert render(AttentionSpec(32, 8, 128)).text == paged_off  # paged specs: untouched by the gate
-    assert spec_key(latent(), "sm_90a") != keys_off[0]  # the gate's source is not found under today's key
-    assert spec_key(AttentionSpec(32, 8, 128), "sm_90a") == keys_off[1]
 
-
-@pytest.fixture(scope="module")
-def compiled_sm90(tmp_path_factory) -> dict:
-    """The TP 8 decode spec with the gate on, for sm_90a (the wgmma kernel) and sm_80 (mma.sync still)."""
-    from jitattn import settings
-
-    with settings.scope(**{GATE: "1"}):
-        return build_in_parallel(tmp_path_factory.mktemp("mla-sm90"), [(latent(), a) for a in ("sm_90a", "sm_80")])
+def test_every_latent_render_holds_both_kernels_and_the_cubin_picks():
+    # One source for both archs: MlaLaunch picks the kernel at compile time (the sm_90a feature macro and the
+    # spec), so a bf16 and an FP8 spec render the same dispatch; which one runs is the cubin's geometry (below).
+    for spec in (latent(), latent(kv_dtype="float8_e4m3fn")):
+        text = render(spec).text
+        assert "#include \"mla_decode_sm90.cuh\"" in text and "MlaLaunch<jitattn::Spec>::kSm90" in text
+        assert "jitattn::mla_decode_sm90_kernel<jitattn::Spec>(params)" in text
+        assert "jitattn::mla_decode_kernel<jitattn::Spec>(params)" in text
+    assert "mla_decode" not in render(AttentionSpec(32, 8, 128)).text  # paged specs: no MLA kernel
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
-def test_the_gated_sm90_kernel_compiles_without_spills(compiled_sm90, arch):
-    entry = built(compiled_sm90, latent(), arch)
-    _check_cubin(entry, arch)
-    assert "used 2 barriers" in entry.manifest["compiler_log"] or arch == "sm_80"  # the named barrier: sm90 kernel
-
-
-SM90_SLOW_SPECS = {"h128-p1-fp8": latent(128, 1, kv_dtype="float8_e4m3fn"), "h1-p16-f16": latent(1, 16, "float16"),
-                   "h20-p64": latent(20, 64)}
-
-
-@pytest.fixture(scope="module")
-def compiled_sm90_more(tmp_path_factory) -> dict:
-    from jitattn import settings
-
-    with settings.scope(**{GATE: "1"}):
-        return build_in_parallel(tmp_path_factory.mktemp("mla-sm90-more"),
-                                 [(s, "sm_90a") for s in SM90_SLOW_SPECS.values()])
+def test_a_bf16_latent_cubin_runs_the_sm90_kernel_on_sm_90a_only(compiled, arch):
+    entry = built(compiled, latent(), arch)
+    g = _cubin_geometry(entry)
+    assert g["params_size"] == runtime.ParamsLayout(latent()).size
+    g.pop("params_size")
+    log = entry.manifest["compiler_log"]
+    if arch == "sm_90a":
+        assert g == SM90_GEOMETRY
+        assert "used 2 barriers" in log  # the named barrier the two warpgroups exchange maxima and P through
+    else:
+        assert (g["decode_threads"], g["prefill_threads"], g["prefill_block_m"]) == (128, 0, 0)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(SM90_SLOW_SPECS))
-def test_more_gated_sm90_specs_compile_without_spills(compiled_sm90_more, name):
-    _check_cubin(built(compiled_sm90_more, SM90_SLOW_SPECS[name], "sm_90a"), "sm_90a")
+@pytest.mark.parametrize("name", sorted(n for n in SLOW_SPECS if "fp8" in n))
+def test_an_fp8_latent_cubin_runs_the_mma_sync_kernel_on_sm_90a_too_and_plans_its_tiles(compiled_more, name):
+    # An FP8 cache is faster on mma.sync than widened in shared memory for wgmma (BENCHMARKS.md, #20).
+    spec = SLOW_SPECS[name]
+    g90, g80 = (_cubin_geometry(built(compiled_more, spec, a)) for a in ("sm_90a", "sm_80"))
+    assert g90 == g80 and (g90["decode_threads"], g90["prefill_block_m"]) == (128, 0)
+    assert "used 2 barriers" not in built(compiled_more, spec, "sm_90a").manifest["compiler_log"]
+    g90.pop("params_size")
+    module = Recorder()
+    kernel = runtime.JitKernel.from_module(spec, module, g90, device=torch.device("cpu"), num_sms=lc.NUM_SMS,
+                                           decode_blocks_per_sm=1, stream_handle=lambda: lc.STREAM)
+    module.kernel = kernel
+    batch = random_paged_batch(spec, [4, 1], [900, 300], device="cpu", seed=3)
+    kernel.paged_attention(*batch.args(), max_query_len=4, k_scale=0.25)
+    (launch,) = module.launches
+    tiles = -(-spec.num_qo_heads // LATENT_TILE_ROWS)  # per query: tiles of 16 heads, not 64 flattened rows
+    assert launch["grid"][1:] == [4 * tiles, 2] and launch["block"] == 128
 
 
 def _launch_sm90(spec, q_lens, kv_lens, **kw):
