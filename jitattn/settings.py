@@ -14,7 +14,6 @@ Nothing else in the package calls ``os.environ``: modules ask this one. Tests ch
 | ``JITATTN_BACKEND`` | force one attention backend by name (see :mod:`jitattn.selector`) | automatic |
 | ``JITATTN_VERBOSE`` | ``1``: log each compile command and cache decision to stderr | ``0`` |
 | ``JITATTN_UNVERIFIED_MLA_SM90`` | ``1``: a latent spec's sm_90a cubin runs the warpgroup-MMA MLA decode kernel (templates/mla_decode_sm90.cuh), which compiles but has not passed the GPU suite; the switch goes once it passes | ``0`` |
-| ``JITATTN_UNVERIFIED_PADDED_SM90`` | ``1``: head dims that are multiples of 8 but not 16 run the wgmma prefill on sm_90a (padded tiles) instead of mma.sync, and the tensor-core decode's tile loader; not yet GPU-verified | ``0`` |
 
 Logging: every module logs on a child of the ``jitattn`` logger (``jitattn.cache``,
 ``jitattn.build``, ``jitattn.selector``). :func:`configure_logging` gives that logger a stderr
@@ -99,7 +98,6 @@ VARIABLES: dict[str, _Var] = {
         _Var("JITATTN_VERBOSE", "0", _parse_bool, "log compiles and cache decisions"),
         _Var("JITATTN_UNVERIFIED_MLA_SM90", "0", _parse_bool, "latent specs' sm_90a cubin runs the wgmma MLA decode "
              "kernel not yet through the GPU suite"),
-        _Var("JITATTN_UNVERIFIED_PADDED_SM90", "0", _parse_bool, "padded head dims: wgmma prefill, decode tile loader"),
     ]
 }
 
@@ -182,13 +180,6 @@ def lock_timeout() -> float:
 def forced_backend() -> str | None:
     """The backend named by ``JITATTN_BACKEND``, or None for automatic selection."""
     return VARIABLES["JITATTN_BACKEND"].get() or None  # type: ignore[return-value]
-
-
-def unverified_padded_sm90() -> bool:
-    """True when ``JITATTN_UNVERIFIED_PADDED_SM90`` routes head dims that are multiples of 8 but not 16 to
-    the sm_90a wgmma prefill (padded tiles) and their tensor-core decode to its tile loader. The gate of
-    kernel paths awaiting their GPU tests (templates/common.cuh, kUnverifiedPadded)."""
-    return bool(VARIABLES["JITATTN_UNVERIFIED_PADDED_SM90"].get())
 
 
 def verbose() -> bool:
