@@ -279,11 +279,7 @@ def render(spec: AttentionSpec) -> RenderedSource:
     """
     fields = params_fields(spec)
     _, size = params_layout(fields)
-    # The gate of the padded head dims' wgmma prefill and decode tile loader (templates/common.cuh),
-    # rendered only into the specs it changes: every other spec's source (and cache key) stays the same.
-    padded_sm90 = settings.unverified_padded_sm90() and (spec.head_dim_qk % 16 != 0 or spec.head_dim_vo % 16 != 0)
-    context = {"spec": spec, "fields": fields, "params_size": size, "names": KERNEL_NAMES, "padded_sm90": padded_sm90,
-               **functors(spec)}
+    context = {"spec": spec, "fields": fields, "params_size": size, "names": KERNEL_NAMES, **functors(spec)}
     text = template(TEMPLATE_NAME).render(**context)
     return RenderedSource(_restore_line_directives(text), fields, size, dict(KERNEL_NAMES))
 

@@ -13,7 +13,6 @@ Nothing else in the package calls ``os.environ``: modules ask this one. Tests ch
 | ``JITATTN_LOCK_TIMEOUT`` | seconds to wait for another process's build of the same kernel | ``600`` |
 | ``JITATTN_BACKEND`` | force one attention backend by name (see :mod:`jitattn.selector`) | automatic |
 | ``JITATTN_VERBOSE`` | ``1``: log each compile command and cache decision to stderr | ``0`` |
-| ``JITATTN_UNVERIFIED_PADDED_SM90`` | ``1``: head dims that are multiples of 8 but not 16 run the wgmma prefill on sm_90a (padded tiles) instead of mma.sync, and the tensor-core decode's tile loader; not yet GPU-verified | ``0`` |
 
 Logging: every module logs on a child of the ``jitattn`` logger (``jitattn.cache``,
 ``jitattn.build``, ``jitattn.selector``). :func:`configure_logging` gives that logger a stderr
@@ -96,7 +95,6 @@ VARIABLES: dict[str, _Var] = {
         _Var("JITATTN_LOCK_TIMEOUT", "600", _parse_float, "seconds to wait for a build lock"),
         _Var("JITATTN_BACKEND", "", _parse_str, "force one backend by name"),
         _Var("JITATTN_VERBOSE", "0", _parse_bool, "log compiles and cache decisions"),
-        _Var("JITATTN_UNVERIFIED_PADDED_SM90", "0", _parse_bool, "padded head dims: wgmma prefill, decode tile loader"),
     ]
 }
 
@@ -179,13 +177,6 @@ def lock_timeout() -> float:
 def forced_backend() -> str | None:
     """The backend named by ``JITATTN_BACKEND``, or None for automatic selection."""
     return VARIABLES["JITATTN_BACKEND"].get() or None  # type: ignore[return-value]
-
-
-def unverified_padded_sm90() -> bool:
-    """True when ``JITATTN_UNVERIFIED_PADDED_SM90`` routes head dims that are multiples of 8 but not 16 to
-    the sm_90a wgmma prefill (padded tiles) and their tensor-core decode to its tile loader. The gate of
-    kernel paths awaiting their GPU tests (templates/common.cuh, kUnverifiedPadded)."""
-    return bool(VARIABLES["JITATTN_UNVERIFIED_PADDED_SM90"].get())
 
 
 def verbose() -> bool:

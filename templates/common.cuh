@@ -17,14 +17,6 @@ constexpr float kNegInf = -__builtin_huge_valf();
 
 // Shared memory of one SM that blocks may take on sm_90 (228 KB less the 1 KB the hardware reserves
 // for each resident block; also the most one block may take), and that reserve.
-// The gate of the padded head dims' paths awaiting their GPU tests: the wgmma prefill (prefill_sm90.cuh)
-// and the tensor-core decode's tile loader (decode_mma.cuh). jitattn/render.py defines the macro in
-// the specs it changes only, under JITATTN_UNVERIFIED_PADDED_SM90.
-#if defined(JITATTN_UNVERIFIED_PADDED_SM90)
-constexpr bool kUnverifiedPadded = true;
-#else
-constexpr bool kUnverifiedPadded = false;
-#endif
 constexpr int kSmemPerSm = 227 * 1024;
 constexpr int kSmemReservedPerBlock = 1024;
 // The quiet-NaN bit pattern: written into the output of a row whose metadata or parameter reads were

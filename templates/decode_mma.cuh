@@ -105,7 +105,7 @@ struct DecodeMmaTraits {
   // hd88 most of the loss against hd64 / hd128).
   static constexpr int kPow2Chunks = kKvChunks <= 1 ? 1 : kKvChunks <= 2 ? 2 : kKvChunks <= 4 ? 4
                                      : kKvChunks <= 8 ? 8 : kKvChunks <= 16 ? 16 : 32;
-  static constexpr bool kPaddedTileLoader = kUnverifiedPadded && kPadded && !kWholeWindow &&
+  static constexpr bool kPaddedTileLoader = kPadded && !kWholeWindow &&
                                             kThreads % kPow2Chunks == 0 && kTileKeys % (kThreads / kPow2Chunks) == 0;
   static constexpr int kLoadChunks = kPaddedTileLoader ? kPow2Chunks : kKvChunks;
   static constexpr bool kTileLoader = kPaddedTileLoader || (!kWholeWindow && kThreads % kKvChunks == 0 &&

@@ -4,8 +4,8 @@ types.
 
 A wgmma instruction names every accumulator register in its PTX text, so each N needs its own
 operand list ("%0, ..., %(N/2 - 1)" and the numbers after it); they are generated here, not written
-by hand. N runs over the multiples of 8 from 8 to 256: S = Q K^T uses N = the key tile (kBlockN),
-O += P V uses N = the head dim (PrefillSm90Traits::kPvN).
+by hand. N runs over the multiples of 16 from 16 to 256: S = Q K^T uses N = the key tile (kBlockN),
+O += P V uses N = the V tile width (PrefillSm90Traits::kPvN, a head dim padded to 16).
 
 Run: `python templates/gen_wgmma_sm90.py`. tests/test_render_build.py checks that the
 checked-in file equals this script's output.
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 ROWS = Path(__file__).resolve().parent / "wgmma_sm90_rows.cuh"
-N_VALUES = tuple(range(8, 257, 8))
+N_VALUES = tuple(range(16, 257, 16))
 
 
 def _regs(first: int, count: int) -> str:
@@ -26,8 +26,7 @@ def _regs(first: int, count: int) -> str:
 
 def _row(n: int) -> str:
     acc = n // 2
-    outputs = ", ".join([f"JITATTN_WGMMA_D8({b})" for b in range(0, acc - acc % 8, 8)] +
-                        ([f"JITATTN_WGMMA_D4({acc - 4})"] if acc % 8 else []))
+    outputs = ", ".join(f"JITATTN_WGMMA_D8({b})" for b in range(0, acc, 8))
     return (f'JITATTN_WGMMA_BF16_F16({n}, "{_regs(0, acc)}", "%{acc}, %{acc + 1}", "%{acc + 2}", '
             f'"{{{_regs(acc, 4)}}}, %{acc + 4}", "%{acc + 5}", {outputs})\n')
 

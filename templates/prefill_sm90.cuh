@@ -16,11 +16,11 @@
 // kStages stages with cp.async and hands them over through mbarriers (prefill_sm90_kernel says how);
 // setmaxnreg moves its registers to the two (three at paged head dims 32, 48, 80, 96, 112) consumer
 // warpgroups. Served here (PrefillLaunch in attention.cu.j2 picks this kernel in the sm_90a cubin
-// only): 16-bit q/KV/o, head dims any multiple of 16 from 32 to 256, paged or ragged K/V (head_dim_qk
-// may differ from head_dim_vo, e.g. 192 / 128). FP8 caches keep prefill_kernel. Behind the gate
-// kUnverifiedPadded (common.cuh), multiples of 8 from 32 too: their tiles and MMA k-steps are padded
-// (PrefillSm90Traits::kTileQK / kTileVO), the pad chunks zeroed once in shared memory and never loaded,
-// P V runs over the padded V tile and the epilogue stores the real dims only.
+// only): 16-bit q/KV/o, head dims any multiple of 8 from 32 to 256, paged or ragged K/V (head_dim_qk
+// may differ from head_dim_vo, e.g. 192 / 128). FP8 caches keep prefill_kernel. A multiple of 8 that is
+// not one of 16 pads its tiles and MMA k-steps to 16 (PrefillSm90Traits::kTileQK / kTileVO), the pad
+// chunks zeroed once in shared memory and never loaded, P V runs over the padded V tile and the
+// epilogue stores the real dims only.
 //
 // The wgmma m64nN fp32 accumulator of a warpgroup is, per warp, N/8 mma.sync m16n8 C fragments
 // (warp w owns rows 16w .. 16w + 15), and the register A operand of m64k16 is, per warp, an m16k16
@@ -69,12 +69,9 @@ struct PrefillSm90Traits {
   static constexpr bool kPadded = kTileQK != kHeadDimQK || kTileVO != kHeadDimVO;
   // Tile shapes and warpgroup counts follow the wider of the two tiles.
   static constexpr int kHeadDim = kTileQK > kTileVO ? kTileQK : kTileVO;
-  static constexpr bool kPaddedServed = kUnverifiedPadded;  // the gate (common.cuh)
-  static constexpr bool served_dim(int d) {
-    return (d % 16 == 0 || (kPaddedServed && d % 8 == 0)) && d >= 32 && d <= 256;
-  }
+  static constexpr bool served_dim(int d) { return d % 8 == 0 && d >= 32 && d <= 256; }
   // Specs this kernel serves (the rest keep prefill_kernel): 16-bit q and KV of one type, head dims
-  // that are multiples of 16 from 32 to 256 (and, behind the gate, multiples of 8 from 32).
+  // that are multiples of 8 from 32 to 256.
   static constexpr bool kSupported = sizeof(DT) == 2 && sizeof(typename S::DTypeKV) == 2 &&
                                      sizeof(typename S::DTypeO) == 2 && served_dim(kHeadDimQK) &&
                                      served_dim(kHeadDimVO);
@@ -128,9 +125,8 @@ struct PrefillSm90Traits {
   static constexpr int kSmemBytes = kQBytes + kStages * kStageBytes + 1024;
   static_assert(!kSupported || kSmemBytes <= kSmemLimit, "stages exceed the shared memory of one SM");
   static constexpr int kNTiles = kBlockN / 8;   // n8 column groups of S
-  // O += P V's N: the padded V tile (its pad columns are zero, and O's are never stored). The real
-  // head_dim_vo (an odd multiple of 8: wgmma takes any multiple of 8) would skip the pad's MMA work but
-  // reads a partial swizzle atom of the N-major V tile, not yet checked on the GPU.
+  // O += P V's N: the padded V tile (its pad columns are zero, and O's are never stored); N = the real
+  // head_dim_vo (an odd multiple of 8) ran no faster.
   static constexpr int kPvN = kTileVO;
   static constexpr int kDTiles = kPvN / 8;           // n8 column groups of O
   static constexpr int kDTilesOut = kHeadDimVO / 8;  // of them, the ones holding real output columns

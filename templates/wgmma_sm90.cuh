@@ -21,8 +21,6 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
 #define JITATTN_WGMMA_D8(b)                                                                                    \
   "+f"(d[b]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3]), "+f"(d[b + 4]), "+f"(d[b + 5]), "+f"(d[b + 6]), \
       "+f"(d[b + 7])
-// Four (N an odd multiple of 8).
-#define JITATTN_WGMMA_D4(b) "+f"(d[b]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3])
 // wgmma_ss and wgmma_rs of one N for the 16-bit type DT (PTX type TY). D: the accumulators' operands
 // ("%0, ..., %(N/2 - 1)"); SS, RS: the operands after them (A and B; A's four registers and B); SS_P,
 // RS_P: scale_d's operand; the rest: the outputs that bind D.
@@ -52,7 +50,6 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
 #undef JITATTN_WGMMA_BF16_F16
 #undef JITATTN_WGMMA
 #undef JITATTN_WGMMA_D8
-#undef JITATTN_WGMMA_D4
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 }  // namespace jitattn

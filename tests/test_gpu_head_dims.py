@@ -20,7 +20,7 @@ import dataclasses
 import pytest
 import torch
 
-from jitattn import AttentionSpec, reference, settings
+from jitattn import AttentionSpec, reference
 from jitattn.runtime import load_kernel
 from jitattn.testing import RaggedBatch, random_paged_batch, random_ragged_batch
 from jitattn.variant import rotary_embedding
@@ -89,10 +89,9 @@ def _out_with_sentinel_tail(total_q: int, spec: AttentionSpec) -> tuple[torch.Te
 def _check_prefill_kernel(kernel, spec: AttentionSpec, record) -> None:
     """Which prefill kernel the cubin runs, as the templates choose (PrefillLaunch): the wgmma prefill
     (more than the mma.sync prefill's 128 threads) on sm_90a for 16-bit head dims from 32, the padded ones
-    only behind JITATTN_UNVERIFIED_PADDED_SM90; so the gate's run covers that path, not the old one."""
+    (multiples of 8, not 16) included, so their cases cover that path."""
     dims = (spec.head_dim_qk, spec.head_dim_vo)
-    padded_ok = settings.unverified_padded_sm90() or all(d % 16 == 0 for d in dims)
-    wgmma = kernel.entry.arch == "sm_90a" and all(d >= 32 for d in dims) and padded_ok
+    wgmma = kernel.entry.arch == "sm_90a" and all(d >= 32 for d in dims)
     threads = kernel.geometry["prefill_threads"]
     record(prefill_threads=threads)
     assert (threads > 128) == wgmma, f"{spec.name} on {kernel.entry.arch}: prefill of {threads} threads"

@@ -273,7 +273,7 @@ def test_missing_nvcc_is_a_build_error(tmp_path, monkeypatch):
 
 def test_wgmma_rows_are_generated():
     """templates/wgmma_sm90_rows.cuh is templates/gen_wgmma_sm90.py's output (regenerate it, do not edit it),
-    with one row per N = 8, 16, ..., 256, and wgmma_sm90.cuh includes it."""
+    with one row per N = 16, 32, ..., 256, and wgmma_sm90.cuh includes it."""
     import importlib.util
 
     path = template_dir() / "gen_wgmma_sm90.py"
@@ -282,7 +282,7 @@ def test_wgmma_rows_are_generated():
     spec.loader.exec_module(gen)
     assert (template_dir() / "wgmma_sm90_rows.cuh").read_text() == gen.rows_text()
     rows = [line for line in gen.rows_text().splitlines() if line.startswith("JITATTN_WGMMA_BF16_F16(")]
-    assert [int(line.split("(", 1)[1].split(",", 1)[0]) for line in rows] == list(range(8, 257, 8))
-    assert rows[8].startswith("JITATTN_WGMMA_BF16_F16(72, ") and rows[8].endswith("JITATTN_WGMMA_D4(32))")  # 36 accumulators
+    assert [int(line.split("(", 1)[1].split(",", 1)[0]) for line in rows] == list(range(16, 257, 16))
+    assert rows[4].startswith("JITATTN_WGMMA_BF16_F16(80, ") and rows[4].endswith("JITATTN_WGMMA_D8(32))")  # 40 accumulators
     assert '"%128, %129", "%130", "{%128, %129, %130, %131}, %132", "%133"' in rows[-1]  # N = 256: 128 accumulators
     assert '#include "wgmma_sm90_rows.cuh"' in (template_dir() / "wgmma_sm90.cuh").read_text()
