@@ -19,7 +19,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable
 
-from jitattn import settings
 from jitattn.spec import AttentionSpec
 from jitattn.variant import builtin_symbols, builtin_transforms, structural_mask, trace_hook
 
