@@ -814,7 +814,7 @@ class SpecPlan:
         disjoint rows and share no scratch, so the prefill blocks take each SM the memory-bound decode
         leaves (a fork and join that CUDA graph capture records as two branches)."""
         main = self._stream()
-        fork = self.kernel.stream_fork(main)  # made once per caller's stream: its side stream and two events
+        fork = self.kernel.stream_fork(main)  # made once per caller's stream: its side stream
         side = fork.fork()
         try:
             (grid, block, smem), prefill = self.decode, self.prefill
