@@ -167,10 +167,9 @@ def code_digest() -> str:
 def spec_key_inputs(spec: KernelModule, arch: str) -> dict[str, Any]:
     """What the spec key hashes: the key inputs, with the package's code instead of the rendered
     source (which it determines) and without nvcc."""
-    inputs = {"spec": json.loads(spec.canonical_json()), "arch": normalize_arch(arch),
-              "templates": _render.template_hashes(), "code": code_digest(), "flags": list(_build.NVCC_FLAGS),
-              "jitattn_version": _version.__version__}
-    return inputs
+    return {"spec": json.loads(spec.canonical_json()), "arch": normalize_arch(arch),
+            "templates": _render.template_hashes(), "code": code_digest(), "flags": list(_build.NVCC_FLAGS),
+            "jitattn_version": _version.__version__}
 
 
 def spec_key(spec: KernelModule, arch: str) -> str:
