@@ -156,7 +156,7 @@ class CudaDriver:
         if args is None or len(args[0]) < n:
             args = _launch_args.buffers = _argument_buffers(n)
         buf, argv = args
-        ctypes.memmove(buf, params, n)  # this thread's buffer: ctypes releases the GIL during the call
+        buf.raw = params  # into this thread's buffer (ctypes releases the GIL in the launch); no foreign call
         status = self._cuLaunchKernel(function, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem,
                                       stream, argv, None)
         if status:

@@ -479,6 +479,9 @@ class SpecPlan:
         self._fast = plan.kind == "paged" and plan.total_q > 0 and not self.layout.param_fields
         self._sinks_shape = (spec.num_qo_heads,)
         self._q_inner_strides = (spec.head_dim_qk, 1)
+        self._has_sinks = spec.sinks
+        slopes = kernel.default_slopes if spec.alibi else None  # made once per kernel: its address holds
+        self._slopes_ptr = 0 if slopes is None else slopes.data_ptr()
 
     # ---- plan ---------------------------------------------------------------------------------------
     def _plan_fields(self, plan: Plan, kernel: Any, shared_scratch: bool, kv_stride_kv: int) -> dict[str, Any]:
@@ -619,7 +622,7 @@ class SpecPlan:
         kp = kv.data_ptr()
         if ks[1:] != self._kv_strides or ks[0] % self._kv_align or kp & 15:
             return None
-        if self.spec.sinks:
+        if self._has_sinks:
             if type(sinks) is not tensor or sinks.dtype is not torch.float32 or sinks.shape != self._sinks_shape or \
                     sinks.device != dev or not sinks.is_contiguous():
                 return None
@@ -629,7 +632,7 @@ class SpecPlan:
         else:
             sp = 0
         if out is None:
-            out = torch.empty(self._out_shape, dtype=dtypes[2], device=dev)
+            out = torch.empty(*self._out_shape, dtype=dtypes[2], device=dev)  # unpacked sizes: torch parses them faster
             op = out.data_ptr()
         else:
             if type(out) is not tensor or out.dtype is not dtypes[2] or out.shape != self._out_shape or \
@@ -641,8 +644,7 @@ class SpecPlan:
             k1 = kp + (pages - 1) * ks[0] * self._kv_item + self._page_bytes
             if op & 15 or (qp < end and op < q1) or (kp < end and op < k1):
                 return None
-        slopes = self.kernel.default_slopes if self.spec.alibi else None
-        return qp, kp, op, 0, sp, 0 if slopes is None else slopes.data_ptr(), qs[0], ks[0], pages, 1.0, 1.0, out
+        return qp, kp, op, 0, sp, self._slopes_ptr, qs[0], ks[0], pages, 1.0, 1.0, out
 
     def check(self, q: Any, kv: Any, out: Any, return_lse: Any, sinks: Any, alibi_slopes: Any,
               params: Mapping[str, Any], k_scale: Any, v_scale: Any) -> tuple[float, float]:

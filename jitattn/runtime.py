@@ -431,10 +431,6 @@ class JitKernel:
         Raises:
             ValueError: a tensor does not match the spec (before any launch).
         """
-        spec = self.spec
-        if spec.ragged:
-            fail("spec.kv_storage='ragged': this kernel reads ragged K/V; call "
-                 "ragged_attention(q, k, v, query_start_loc, kv_start_loc, ...)")
         part = self._one_call_plan(q, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, validate,
                                    (query_positions, functor_batch, position_offset))
         return part.run(q, kv_cache, out=out, return_lse=return_lse, sinks=sinks, alibi_slopes=alibi_slopes,
@@ -451,19 +447,24 @@ class JitKernel:
         """
         key = stream = None
         if validate is False and (max_query_len is None or type(max_query_len) is int) and not capturing():
-            try:
-                pages = kv_cache.shape[0] if type(kv_cache) is torch.Tensor else kv_num_pages(kv_cache)
-                key = (q.shape[0], pages, max_query_len, _layout_key(block_table), _layout_key(seq_lens),
-                       _layout_key(query_start_loc),
+            bt, sl, qs = block_table, seq_lens, query_start_loc
+            try:  # what a graph-mode plan reads of each metadata tensor (_layout_key), written out: per call
+                key = (q.shape[0], kv_cache.shape[0] if type(kv_cache) is torch.Tensor else kv_num_pages(kv_cache),
+                       max_query_len, bt.data_ptr(), bt.shape, bt.stride(), bt.dtype, bt.device,
+                       sl.data_ptr(), sl.shape, sl.stride(), sl.dtype, sl.device,
+                       qs.data_ptr(), qs.shape, qs.stride(), qs.dtype, qs.device,
                        None if positions[0] is None and positions[1] is None and positions[2] is None
                        else tuple(map(_layout_key, positions)))
-            except AttributeError:  # not tensors: the checks below say what is wrong
+            except Exception:  # not tensors, or q / the cache without a dim 0: the checks below say what is wrong
                 key = None
             if key is not None:
                 stream = self.stream_handle()
                 last = self._last_plans.get(stream)
-                if last is not None and last[0] == key:
+                if last is not None and last[0] == key:  # only a paged plan holds a paged key: not ragged
                     return last[1]
+        if self.spec.ragged:
+            fail("spec.kv_storage='ragged': this kernel reads ragged K/V; call "
+                 "ragged_attention(q, k, v, query_start_loc, kv_start_loc, ...)")
         check_paged_q(self.spec, q)  # q and the cache first: their sizes go into the plan
         check_kv_cache(self.spec, kv_cache, q.device)
         p = self.plan(block_table, seq_lens, query_start_loc, total_q=q.shape[0], max_query_len=max_query_len,
@@ -509,7 +510,7 @@ class JitKernel:
         if validate is False and not capturing():  # as paged_attention: the stream's last plan if it fits
             try:
                 key = ("ragged", q.shape[0], k.shape[0], _layout_key(query_start_loc), _layout_key(kv_start_loc))
-            except AttributeError:
+            except Exception:  # as paged_attention's: the checks below say what is wrong
                 key = None
             if key is not None:
                 stream = self.stream_handle()
@@ -519,7 +520,7 @@ class JitKernel:
                                        alibi_slopes=alibi_slopes, params=params)
         check_paged_q(spec, q)
         part = self.plan_ragged(query_start_loc, kv_start_loc, total_q=q.shape[0],
-                                total_kv=k.shape[0] if isinstance(k, torch.Tensor) else None, mode="graph",
+                                total_kv=k.shape[0] if isinstance(k, torch.Tensor) and k.dim() else None, mode="graph",
                                 validate=validate)._first
         if key is not None:
             self._last_plans[stream] = (key, part)  # type: ignore[index]
@@ -538,11 +539,14 @@ class LoadedOnce:
     def __init__(self) -> None:
         self._loaded: dict[Any, Any] = {}
         self._lock = threading.Lock()
+        # a caller's memo of recent gets under a cheaper key: key -> (the object the key names, the value)
+        self.recent: dict[Any, tuple[Any, Any]] = {}
 
     def clear(self) -> None:
         """Forget every loaded object (the next get loads again; tools that swap templates use it)."""
         with self._lock:
             self._loaded.clear()
+            self.recent.clear()
 
     def get(self, key: Any, load: Callable[[], Any]) -> Any:
         found = self._loaded.get(key)
@@ -594,19 +598,35 @@ def stream_handle(device: torch.device) -> Callable[[], int]:
 def load_kernel(spec: AttentionSpec, device: torch.device | str | int | None = None) -> JitKernel:
     """The :class:`JitKernel` of ``spec`` on ``device`` (built or loaded once per process, then reused).
 
-    Threads loading different kernels do not wait for each other (:class:`LoadedOnce`).
+    Threads loading different kernels do not wait for each other (:class:`LoadedOnce`). A spec object
+    already loaded on an explicit ``torch.device("cuda", i)`` is found by its identity, without hashing
+    the spec (the one-call path: each call looks its kernel up).
 
     Raises:
         ValueError: a latent spec the MLA decode kernel cannot serve (latent head dims not multiples of 64:
             :func:`jitattn.spec.latent_kernel_problem`), with the call that gives a backend serving it.
     """
+    recent = _KERNELS.recent
+    if type(device) is torch.device:  # a one-call's path: this spec object was loaded on this device before
+        hit = recent.get((id(spec), device))
+        if hit is not None and hit[0] is spec:
+            return hit[1]
     problem = latent_kernel_problem(spec)  # before any device, cache or compile work: plan / run land here
     if problem:
         fail(f"spec {spec.name}: {problem}; jitattn.selector.select(spec, device).build() gives a backend that "
              f"serves it")
-    dev = device if isinstance(device, torch.device) and device.type == "cuda" and device.index is not None \
-        else cuda_device(device)
-    return _KERNELS.get((spec, dev.index), lambda: JitKernel(spec, dev))
+    explicit = isinstance(device, torch.device) and device.type == "cuda" and device.index is not None
+    dev = device if explicit else cuda_device(device)
+    kernel = _KERNELS.get((spec, dev.index), lambda: JitKernel(spec, dev))
+    if explicit and type(device) is torch.device:  # not "cuda" alone: the current device may change
+        if len(recent) >= _RECENT_KERNELS:
+            recent.clear()
+        recent[(id(spec), device)] = (spec, kernel)  # the entry holds the spec, so its id is not reused
+    return kernel
+
+
+#: Most (spec object, device) pairs :func:`load_kernel` remembers by identity (a model's layers share a few).
+_RECENT_KERNELS = 64
 
 
 def _specs(spec: AttentionSpec | Sequence[AttentionSpec], call: str) -> tuple[AttentionSpec, ...]:
@@ -739,7 +759,8 @@ def paged_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor
     Raises:
         ValueError: ``spec`` not an AttentionSpec, ``q`` not a tensor, or a bad input (before any launch).
     """
-    _check_spec_and_q(spec, q, "paged_attention(spec, q, kv_cache, block_table, seq_lens, query_start_loc, ...)")
+    if type(spec) is not AttentionSpec or type(q) is not torch.Tensor:  # exact types first: the per-call path
+        _check_spec_and_q(spec, q, "paged_attention(spec, q, kv_cache, block_table, seq_lens, query_start_loc, ...)")
     return load_kernel(spec, q.device).paged_attention(q, kv_cache, block_table, seq_lens, query_start_loc, **kwargs)
 
 

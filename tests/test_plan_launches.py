@@ -351,6 +351,24 @@ def test_a_one_call_plan_is_not_reused_for_metadata_changed_in_place(kernels, mo
     assert module.launches[-1]["fields"]["block_table"] == table.data_ptr()
 
 
+def test_one_call_inputs_without_a_dim_0_are_named_not_an_index_error(kernels):
+    """The one-call's plan memo reads q's and the cache's dim 0 for its key: a 0-d q, an empty pair or a 0-d
+    k give way to the checks, which name the argument (an IndexError escaped before), and nothing launches."""
+    case = lc.cases()["mixed_out_hint"]
+    t = case.tensors
+    meta = (t["block_table"], t["seq_lens"], t["query_start_loc"])
+    with pytest.raises(ValueError, match=r"^q: "):
+        runtime.paged_attention(case.spec, torch.tensor(1.0, dtype=torch.bfloat16), t["kv_cache"], *meta)
+    with pytest.raises(ValueError, match=r"^kv_cache: "):
+        runtime.paged_attention(case.spec, t["q"], (), *meta)
+    ragged = lc.cases()["ragged"]
+    r = ragged.tensors
+    with pytest.raises(ValueError, match=r"^k: "):
+        runtime.ragged_attention(ragged.spec, r["q"], r["k"][0, 0, 0], r["v"], r["query_start_loc"],
+                                 r["kv_start_loc"])
+    assert all(not module.launches for _, module in kernels.values())
+
+
 def test_a_reused_one_call_plan_checks_the_layer_tensors(kernels):
     """A reused plan still checks q / kv_cache / out of each call."""
     case = lc.cases()["mixed_out_hint"]

@@ -307,3 +307,27 @@ def test_loaded_once_loads_each_key_once_until_cleared():
     assert loads == ["a", "b"]
     memo.clear()
     assert memo.get("a", lambda: load("a")) is not a and loads == ["a", "b", "a"]
+
+
+def test_load_kernel_finds_a_loaded_spec_object_by_identity_until_cleared(monkeypatch):
+    """The one-call path's lookup: the same spec object on the same explicit device, no new load; an equal
+    spec object gets the same kernel; another device or a cleared memo loads again."""
+    from jitattn import runtime
+    from jitattn.spec import AttentionSpec
+
+    loads = []
+
+    def build(spec, dev):
+        loads.append((spec, dev))
+        return object()
+
+    monkeypatch.setattr(runtime, "_KERNELS", runtime.LoadedOnce())
+    monkeypatch.setattr(runtime, "JitKernel", build)
+    spec, dev = AttentionSpec(8, 2, 64), torch.device("cuda", 0)
+    kernel = runtime.load_kernel(spec, dev)
+    assert runtime.load_kernel(spec, torch.device("cuda", 0)) is kernel
+    assert runtime.load_kernel(AttentionSpec(8, 2, 64), dev) is kernel  # equal, not identical: the process's kernel
+    assert runtime.load_kernel(spec, torch.device("cuda", 1)) is not kernel
+    assert len(loads) == 2
+    runtime._KERNELS.clear()
+    assert runtime.load_kernel(spec, dev) is not kernel and len(loads) == 3
