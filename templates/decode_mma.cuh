@@ -96,8 +96,10 @@ struct DecodeMmaTraits {
   static constexpr int kWarpKeys = kFp8Wide ? 32 : 16;
   static constexpr int kTileKeys = kWarps * kWarpKeys;  // keys per pipeline stage
   // Tile pipeline stages: 3 for head dims <= 128 (hd128 64x4096: 4.39 TB/s; 4 stages at 1 block/SM
-  // 3.18, 2 stages at 3 blocks/SM 4.00), 2 above and for the FP8 32-key tiles.
-  static constexpr int kPipelineStages = kFp8Wide ? 2 : (kHeadDim <= 128 ? 3 : 2);
+  // 3.18, 2 stages at 3 blocks/SM 4.00), 2 above and for the FP8 32-key tiles. Padded rows up to hd72
+  // take 4: their blocks are short of bytes in flight, and 4 stages still leave 2 blocks per SM (hd72
+  // 64x4096: 0.194 -> 0.185 ms; hd88 even, hd104 falls to 1 block per SM and loses 10%).
+  static constexpr int kPipelineStages = kFp8Wide ? 2 : kPadded && kHeadDim <= 72 ? 4 : (kHeadDim <= 128 ? 3 : 2);
   // Tile pipeline: the copies are issued by decode_mma_load_tile where a thread's chunk of a row is the
   // same on every pass (the threads are whole rows' worth of chunks). A padded row's odd chunk count
   // divides no thread count: there kLoadChunks threads, the next power of two, serve a row and those
