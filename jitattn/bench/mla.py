@@ -87,7 +87,10 @@ def jitattn_latent_runner(case: BenchCase, batch: PagedBatch) -> Runner:
     if why:
         raise Skip(why)
     call = plan_run_call(case.spec, batch, new_out(case.spec, batch), max(case.q_lens))
-    return Runner(call, note="jitattn.plan once, jitattn.run timed (MLA decode kernel, mma.sync)")
+    # which MLA kernel the cubin runs: the warpgroup-MMA one on sm_90a for a cache of q's dtype (MlaSm90Traits)
+    sm90 = batch.q.is_cuda and torch.cuda.get_device_capability(batch.q.device) >= (9, 0)
+    kernel = "warpgroup MMA" if sm90 and case.spec.kv_dtype == case.spec.q_dtype else "mma.sync"
+    return Runner(call, note=f"jitattn.plan once, jitattn.run timed (MLA decode kernel, {kernel})")
 
 
 def sdpa_latent_runner(case: BenchCase, batch: PagedBatch) -> Runner:
