@@ -22,32 +22,27 @@ from pathlib import Path
 import jitattn.render as _render
 from jitattn.spec import AttentionSpec
 
-HD128 = AttentionSpec(32, 8, 128)
-HD128_HND = AttentionSpec(32, 8, 128, kv_layout="HND")
-GEMMA = AttentionSpec(16, 8, 256, logits_soft_cap=50.0, window_left=4095, sm_scale=256 ** -0.5)
-GPT_OSS = AttentionSpec(64, 8, 64, window_left=127, sinks=True, sm_scale=64 ** -0.5)  # whole-window mode
-FP8 = AttentionSpec(32, 8, 128, kv_dtype="float8_e4m3fn")
 # case name -> (spec, batch, kv_len)
-CASES = {
-    "b64x4096": (HD128, 64, 4096),
-    "b64x4096-hnd": (HD128_HND, 64, 4096),
-    "b1x32768": (HD128, 1, 32768),
-    "gemma2-b64x8192": (GEMMA, 64, 8192),
-    "gpt-oss-sliding-b256x8192": (GPT_OSS, 256, 8192),
-    "fp8-b64x4096": (FP8, 64, 4096),
-}
+CASES = {f"hd{d}-b64x4096": (AttentionSpec(32, 8, d), 64, 4096) for d in (128, 72, 88, 40, 104)}
 # variant -> (switches, cases, split overrides {case: [splits]}); "base" is --base-templates as they are.
 # A switch whose name holds "=>" replaces text in decode_mma.cuh instead: "old=>new" (value unused).
-# The variants measured in the fourth session (stages, swizzle, merge batching, Gemma-2 tiles) are in
-# BENCHMARKS.md (history v17) and decode_mma.cuh's comments; these are the open ones.
+# Issue 21's open question: the tile pipeline's stages for a padded head dim (72, 88, ...); "stages3" is the
+# rule before padded rows up to hd72 took 4. Earlier variants (packed rows, stages, swizzle, merge batching,
+# Gemma-2 tiles, FP8) are in BENCHMARKS.md's history.
+_STAGES = ("  static constexpr int kPipelineStages = kFp8Wide ? 2 : kPadded && kHeadDim <= 72 ? 4 : "
+           "(kHeadDim <= 128 ? 3 : 2);")
+_PADDED = ["hd72-b64x4096", "hd88-b64x4096", "hd40-b64x4096", "hd104-b64x4096"]
+
+
+def _stages(n: int) -> dict:
+    return {f"{_STAGES}=>  static constexpr int kPipelineStages = kFp8Wide ? 2 : kPadded ? {n} : "
+            f"(kHeadDim <= 128 ? 3 : 2);": 1}
+
+
 VARIANTS = {
-    "base": ({}, ["b64x4096", "b1x32768", "gpt-oss-sliding-b256x8192", "fp8-b64x4096"], {}),
-    # The sixth session's first call (2026-11-29) turned these two on; kept as the "off" side of the A/B.
-    "ww-loader-off": ({"JITATTN_DECODE_MMA_WINDOW_LOADER": 0}, ["gpt-oss-sliding-b256x8192"], {}),
-    "fp8-bitmoves": ({"JITATTN_FP8_CVT": 0}, ["fp8-b64x4096"], {}),
-    # Split counts beside the rule's (1 for 64x4096 at 2 blocks/SM, 33 for 1x32768).
-    "splits": ({}, ["b64x4096", "b1x32768", "fp8-b64x4096"],
-               {"b64x4096": [2, 3], "b1x32768": [16, 24, 48, 64], "fp8-b64x4096": [1, 2, 4]}),
+    "base": ({}, ["hd128-b64x4096", *_PADDED], {c: [1, 2] for c in _PADDED[:2]}),
+    "stages3": (_stages(3), _PADDED, {}),
+    "stages4": (_stages(4), _PADDED, {}),
 }
 DIAG = ("JITATTN_DIAG_",)
 
@@ -101,6 +96,27 @@ def build(root: Path) -> None:
             print(name, spec.name if hasattr(spec, "name") else spec, "built" if built else "cached", regs, flush=True)
 
 
+def cudnn_anchor_runs(cases: set[str]) -> list[dict]:
+    """torch SDPA's cuDNN backend on each case's shape (dense random q, K, V in q's dtype), timed in the
+    same rounds as the variants: the ratio's denominator."""
+    import torch
+    from torch.nn.attention import SDPBackend
+    from jitattn.backends.sdpa import dense_attention_fn
+    from jitattn.dtypes import torch_dtype
+
+    runs = []
+    for c in sorted(cases):
+        spec, b, n = CASES[c]
+        fn = dense_attention_fn(spec, sdp_backend=SDPBackend.CUDNN_ATTENTION)
+        dt = torch_dtype(spec.q_dtype)
+        q = torch.randn(b, spec.num_qo_heads, 1, spec.head_dim_qk, device="cuda", dtype=dt)
+        k = torch.randn(b, spec.num_kv_heads, n, spec.head_dim_qk, device="cuda", dtype=dt)
+        v = torch.randn(b, spec.num_kv_heads, n, spec.head_dim_vo, device="cuda", dtype=dt)
+        runs.append({"variant": "sdpa-cudnn", "case": c, "splits": 0, "rule": True, "err": 0.0, "blocks_per_sm": 0,
+                     "call": lambda fn=fn, q=q, k=k, v=v: fn(q, k, v), "ms": []})
+    return runs
+
+
 def time_all(root: Path, out: str | None, rounds: int) -> None:
     import torch
     from jitattn import reference, runtime
@@ -133,6 +149,7 @@ def time_all(root: Path, out: str | None, rounds: int) -> None:
                 err = relative_error(call(), refs[c])
                 runs.append({"variant": name, "case": c, "splits": s or rule, "rule": s is None, "err": err,
                              "blocks_per_sm": k._decode_blocks_per_sm, "call": call, "ms": []})
+    runs += cudnn_anchor_runs({r["case"] for r in runs})
     torch.cuda.synchronize()
     for _ in range(rounds):
         for r in runs:
