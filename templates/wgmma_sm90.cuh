@@ -1,6 +1,8 @@
 // jitattn: wgmma.mma_async m64nNk16 wrappers (PTX ISA 9.7.15, sm_90a), fp32 accumulators, for N = 8, 16, ..., 256.
 // wgmma_ss: D(64 x N) (+)= A(64 x 16, smem, K-major) * B(16 x N, smem, K-major).
 // wgmma_rs: D(64 x N) (+)= A(64 x 16, registers) * B(16 x N, smem, N-major).
+// wgmma_rs_kb: D(64 x N) (+)= A(64 x 16, registers) * B(16 x N, smem, K-major), the swapped-operand MMAs of
+// mla_decode_sm90.cuh.
 // scale_d = 0 overwrites D. Both scale A and B by +1; the layouts come with the descriptors.
 // A wgmma instruction names every accumulator register in its PTX text, so each N has its own asm
 // string: the wrappers are written once here, as a macro, and wgmma_sm90_rows.cuh (written by
@@ -15,6 +17,8 @@ template <int N, class DT>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t da, uint64_t db, int scale_d);
 template <int N, class DT>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db, int scale_d);
+template <int N, class DT>
+__device__ __forceinline__ void wgmma_rs_kb(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db, int scale_d);
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // Eight accumulators from d[b] as asm outputs.
@@ -39,6 +43,15 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " RS_P ", 0;\n"                                            \
                  "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " {" D "}, " RS                   \
                  ", p, 1, 1, 1;\n}\n"                                                                         \
+                 : __VA_ARGS__                                                                                \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));                       \
+  }                                                                                                           \
+  template <>                                                                                                 \
+  __device__ __forceinline__ void wgmma_rs_kb<N, DT>(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db,  \
+                                                     int scale_d) {                                           \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " RS_P ", 0;\n"                                            \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " {" D "}, " RS                   \
+                 ", p, 1, 1, 0;\n}\n"                                                                         \
                  : __VA_ARGS__                                                                                \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));                       \
   }

@@ -216,6 +216,7 @@ def test_jitattn_row_times_jitattn_run_on_the_batch(monkeypatch):
     runner = mla.jitattn_latent_runner(case, batch)
     assert seen == {"spec": case.spec, "batch": batch, "max_query_len": 1, "out": (6, 4, 512)}
     assert runner.call().shape == (6, 4, 512) and runner.graph
+    assert runner.note == "jitattn.plan once, jitattn.run timed (MLA decode kernel, none loaded on cpu)"
 
     def other_refusal(*args):
         raise ValueError("block_table: something else")

@@ -76,7 +76,8 @@ HEADS, PAGE_SIZES = (1, 16, 64, 128), (1, 16, 64)
 
 
 KV_DTYPES = ("bfloat16", "float8_e4m3fn")
-# Groups whose (query, head) rows straddle the sm_90a kernel's 64-row tiles (templates/mla_decode_sm90.cuh).
+# Groups whose (query, head) rows straddle the sm_90a kernels' tiles of 16, 32 and 64 flattened rows
+# (templates/mla_decode_sm90.cuh).
 PACKED_HEADS = (3, 20, 48)
 
 
@@ -156,14 +157,18 @@ def test_jit_latent_decode_replays_in_a_cuda_graph(mla_kernels, seed, record):
 
 # ---- which kernel runs, and the contracts a new kernel must keep ------------------------------------------
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_the_sm90_kernel_runs_on_sm_90_for_16_bit_caches_only(mla_kernels, kv_dtype):
-    """On an sm_90 GPU a 16-bit cache's cubin geometry is the wgmma kernel's (256 threads, tiles of 64 flattened
-    rows); an FP8 cache's, and any cache's on other GPUs, the mma.sync kernel's (its prefill_block_m entry 0)."""
+def test_the_sm90_kernels_run_on_sm_90_only(mla_kernels, kv_dtype):
+    """On an sm_90 GPU the cubin geometry of 16 heads is the swapped-operand wgmma kernel's (128 threads, tiles of
+    16 flattened rows), a bf16 cache's at 128 heads the 64-row wgmma kernel's (256 threads) and an FP8 one's there
+    the mma.sync kernel's; on other GPUs every one is the mma.sync kernel's (prefill_block_m 0)."""
     from jitattn.runtime import load_kernel
 
+    sm90 = torch.cuda.get_device_capability()[0] == 9
     g = load_kernel(jit_latent(16, 64, kv_dtype=kv_dtype), "cuda").geometry
-    sm90 = torch.cuda.get_device_capability()[0] == 9 and kv_dtype == "bfloat16"
-    assert (g["decode_threads"], g["prefill_block_m"]) == ((256, 64) if sm90 else (128, 0))
+    assert (g["decode_threads"], g["prefill_block_m"]) == ((128, 16) if sm90 else (128, 0))
+    g = load_kernel(jit_latent(128, 64, kv_dtype=kv_dtype), "cuda").geometry
+    wide = sm90 and kv_dtype == "bfloat16"
+    assert (g["decode_threads"], g["prefill_block_m"]) == ((256, 64) if wide else (128, 0))
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)

@@ -219,6 +219,9 @@ def test_groups_that_are_not_whole_tiles_run_one_split_and_graph_mode_bounds_the
 # the tile in prefill_block_m (attention.cu.j2's MlaLaunch geometry).
 SM90_GEOMETRY = {"decode_threads": 256, "decode_smem": 230912, "decode_tile_keys": 64, "prefill_threads": 0,
                  "prefill_smem": 0, "prefill_block_m": 64, "prefill_block_n": 0}
+# The swapped-operand kernel at 16 heads over a bf16 cache (MlaSm90SwapTraits: tiles of 16 flattened rows).
+SWAP_GEOMETRY = {"decode_threads": 128, "decode_smem": 171280, "decode_tile_keys": 64, "prefill_threads": 0,
+                 "prefill_smem": 0, "prefill_block_m": 16, "prefill_block_n": 0}
 
 
 def _cubin_geometry(entry) -> dict[str, int]:
@@ -244,42 +247,55 @@ def test_every_latent_render_holds_both_kernels_and_the_cubin_picks():
     for spec in (latent(), latent(kv_dtype="float8_e4m3fn")):
         text = render(spec).text
         assert "#include \"mla_decode_sm90.cuh\"" in text and "MlaLaunch<jitattn::Spec>::kSm90" in text
-        assert "jitattn::mla_decode_sm90_kernel<jitattn::Spec>(params)" in text
+        assert "jitattn::mla_decode_sm90_kernel<jitattn::Spec, jitattn::MlaLaunch<jitattn::Spec>::T>(params)" in text
         assert "jitattn::mla_decode_kernel<jitattn::Spec>(params)" in text
     assert "mla_decode" not in render(AttentionSpec(32, 8, 128)).text  # paged specs: no MLA kernel
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
-def test_a_bf16_latent_cubin_runs_the_sm90_kernel_on_sm_90a_only(compiled, arch):
+def test_a_16_head_latent_cubin_runs_the_swapped_operand_kernel_on_sm_90a_only(compiled, arch):
     entry = built(compiled, latent(), arch)
     g = _cubin_geometry(entry)
     assert g["params_size"] == runtime.ParamsLayout(latent()).size
     g.pop("params_size")
     log = entry.manifest["compiler_log"]
     if arch == "sm_90a":
-        assert g == SM90_GEOMETRY
-        assert "used 2 barriers" in log  # the named barrier the two warpgroups exchange maxima and P through
+        assert g == SWAP_GEOMETRY
+        assert "used 1 barriers" in log  # one warpgroup: no named barrier
     else:
         assert (g["decode_threads"], g["prefill_threads"], g["prefill_block_m"]) == (128, 0, 0)
 
 
 @pytest.mark.slow
+def test_a_128_head_bf16_latent_cubin_runs_the_64_row_kernel_on_sm_90a(compiled_more):
+    entry = built(compiled_more, SLOW_SPECS["h128-p16"], "sm_90a")
+    g = _cubin_geometry(entry)
+    g.pop("params_size")
+    assert g == SM90_GEOMETRY
+    assert "used 2 barriers" in entry.manifest["compiler_log"]  # the two warpgroups exchange maxima and P
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(n for n in SLOW_SPECS if "fp8" in n))
-def test_an_fp8_latent_cubin_runs_the_mma_sync_kernel_on_sm_90a_too_and_plans_its_tiles(compiled_more, name):
-    # An FP8 cache is faster on mma.sync than widened in shared memory for wgmma (BENCHMARKS.md, #20).
+def test_an_fp8_latent_cubin_runs_the_swapped_kernel_up_to_32_heads_else_mma_sync_and_plans_its_tiles(
+        compiled_more, name):
+    # Up to 32 heads an FP8 cache is widened per tile for the swapped-operand kernel on sm_90a; a larger group stays
+    # on mma.sync, faster there than widened for the 64-row kernel (BENCHMARKS.md, #20).
     spec = SLOW_SPECS[name]
     g90, g80 = (_cubin_geometry(built(compiled_more, spec, a)) for a in ("sm_90a", "sm_80"))
-    assert g90 == g80 and (g90["decode_threads"], g90["prefill_block_m"]) == (128, 0)
+    assert (g80["decode_threads"], g80["prefill_block_m"]) == (128, 0)
+    swapped = spec.num_qo_heads <= 32
+    assert (g90["decode_threads"], g90["prefill_block_m"]) == ((128, 16) if swapped else (128, 0))
     assert "used 2 barriers" not in built(compiled_more, spec, "sm_90a").manifest["compiler_log"]
-    g90.pop("params_size")
+    g80.pop("params_size")
     module = Recorder()
-    kernel = runtime.JitKernel.from_module(spec, module, g90, device=torch.device("cpu"), num_sms=lc.NUM_SMS,
+    kernel = runtime.JitKernel.from_module(spec, module, g80, device=torch.device("cpu"), num_sms=lc.NUM_SMS,
                                            decode_blocks_per_sm=1, stream_handle=lambda: lc.STREAM)
     module.kernel = kernel
     batch = random_paged_batch(spec, [4, 1], [900, 300], device="cpu", seed=3)
     kernel.paged_attention(*batch.args(), max_query_len=4, k_scale=0.25)
     (launch,) = module.launches
-    tiles = -(-spec.num_qo_heads // LATENT_TILE_ROWS)  # per query: tiles of 16 heads, not 64 flattened rows
+    tiles = -(-spec.num_qo_heads // LATENT_TILE_ROWS)  # per query: tiles of 16 heads, not flattened rows
     assert launch["grid"][1:] == [4 * tiles, 2] and launch["block"] == 128
 
 
@@ -312,3 +328,18 @@ def test_the_sm90_geometry_plans_tiles_of_64_flattened_rows_and_splits_every_gro
         assert f["partial_lse"] - f["partial_o"] == 4 * splits * 5 * 128 * 512
     _, _, _, launch = _launch_sm90(latent(20), [4], [32768], max_query_len=4)
     assert launch["grid"][1:] == [2, 1] and launch["fields"]["num_splits"] > 1  # 80 rows: 2 tiles
+
+
+def test_the_swapped_geometry_plans_tiles_of_16_flattened_rows():
+    # 16 heads x 4 queries: 4 tiles of 16 rows, one per query; the split count by the wave rule over batch x slots.
+    module = Recorder()
+    spec = latent(16)
+    kernel = runtime.JitKernel.from_module(spec, module, SWAP_GEOMETRY, device=torch.device("cpu"),
+                                           num_sms=lc.NUM_SMS, decode_blocks_per_sm=1, stream_handle=lambda: lc.STREAM)
+    module.kernel = kernel
+    batch = random_paged_batch(spec, [4, 1], [32768, 300], device="cpu", seed=3)
+    kernel.paged_attention(*batch.args(), max_query_len=4)
+    (launch,) = module.launches
+    splits = kernel.num_splits(2 * 4, kernel.max_decode_keys(batch.block_table.shape[1]))
+    assert launch["grid"] == [splits, 4, 2] and launch["block"] == 128 and splits > 1
+    assert next(iter(kernel._split_counters.values())).numel() >= 5  # one per (query row, tile of 16 heads)

@@ -87,10 +87,24 @@ def jitattn_latent_runner(case: BenchCase, batch: PagedBatch) -> Runner:
     if why:
         raise Skip(why)
     call = plan_run_call(case.spec, batch, new_out(case.spec, batch), max(case.q_lens))
-    # which MLA kernel the cubin runs: the warpgroup-MMA one on sm_90a for a cache of q's dtype (MlaSm90Traits)
-    sm90 = batch.q.is_cuda and torch.cuda.get_device_capability(batch.q.device) >= (9, 0)
-    kernel = "warpgroup MMA" if sm90 and case.spec.kv_dtype == case.spec.q_dtype else "mma.sync"
-    return Runner(call, note=f"jitattn.plan once, jitattn.run timed (MLA decode kernel, {kernel})")
+    return Runner(call, note=f"jitattn.plan once, jitattn.run timed (MLA decode kernel, "
+                  f"{mla_kernel_name(case.spec, batch.q.device)})")
+
+
+def mla_kernel_name(spec: AttentionSpec, device: torch.device) -> str:
+    """Which MLA decode kernel the cubin loaded on ``device`` runs, read off its geometry (templates/attention.cu.j2,
+    MlaLaunch): tiles of flattened query rows (``prefill_block_m``) of 64 on 256 threads, or of 16 / 32 with
+    swapped operands, else mma.sync's tiles of 16 heads. Off CUDA (a bench test's CPU batch) nothing is loaded."""
+    if device.type != "cuda":
+        return f"none loaded on {device}"
+    from jitattn.runtime import load_kernel
+
+    g = load_kernel(spec, device).geometry
+    if not g["prefill_block_m"]:
+        return "mma.sync"
+    if g["decode_threads"] == 256:
+        return "warpgroup MMA, 64-row tiles"
+    return f"warpgroup MMA, swapped operands, {g['prefill_block_m']}-row tiles"
 
 
 def sdpa_latent_runner(case: BenchCase, batch: PagedBatch) -> Runner:
