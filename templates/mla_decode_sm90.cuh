@@ -49,7 +49,7 @@ struct MlaSm90Traits {
   static constexpr int kMinBlocksPerSM = 1;
   // Specs served (groups of up to 32 heads take MlaSm90SwapTraits first; the rest keep mla_decode_kernel): 16-bit
   // q, a cache of q's dtype (an FP8 cache keeps the mma.sync kernel: widening each tile in shared memory made this
-  // one slower there), latent rows
+  // one slower there; the swapped kernel's register widening is untried here), latent rows
   // of whole swizzle columns, each warpgroup's output dims whole column blocks of one wgmma (N <= 256), the
   // plain causal softmax (latent specs take no variants today; a variant keeps the mma.sync kernel).
   static constexpr bool kSupported =
@@ -333,7 +333,9 @@ __device__ __forceinline__ void mla_sm90_tile(const Params& p, uint8_t* smem, in
 // row keeps the same running state. Cache rows arrive by bulk copy (cp.async.bulk, one per row, completing on
 // the stage's mbarrier), issued by all 4 warps: with a 16-byte cp.async per thread and chunk, the copies' issue,
 // not DRAM, was the limit (ncu, BENCHMARKS.md, #20). 16-bit tiles are row-major with rows padded by 16 bytes (ldmatrix's 8
-// rows hit distinct banks); an FP8 cache is staged raw (3 stages) and widened per tile. The swapped-operand
+// rows hit distinct banks). An FP8 cache stays raw in shared memory (rows padded by 16 bytes, likewise) and its
+// A fragments widen in registers (mla_fp8_k_fragments, mla_fp8_vt_fragments): half the shared-memory bytes of a
+// 16-bit tile, so at 16 rows two blocks fit per SM. The swapped-operand
 // form is the one FlashInfer and TensorRT-LLM use for small-M GEMMs; the tile and layouts are this kernel's own.
 template <class S>
 struct MlaSm90SwapTraits {
@@ -345,23 +347,23 @@ struct MlaSm90SwapTraits {
   static constexpr int kTileKeys = 64;  // the wgmma M of S^T
   static constexpr int kW = 64;         // Q and P^T: 128-byte swizzle
   static constexpr bool kFp8Cache = sizeof(KV) == 1;
-  static constexpr int kStages = kFp8Cache ? 3 : 2;
+  // An FP8 cache at 16 rows: 2 stages and 2 blocks per SM; at 32 rows (Q twice the size) 4 stages and one.
+  static constexpr int kStages = kFp8Cache && kRows == 32 ? 4 : 2;
   static constexpr int kDBlocks = kDVO / 64;  // m64 blocks of O^T
   static constexpr int kCols = kRows / 4;     // query rows per thread
   static constexpr int kPitch = kDQK + 8;     // elements between the rows of a 16-bit tile
   static constexpr int kCacheRowBytes = kDQK * static_cast<int>(sizeof(KV));
-  static constexpr int kStagePitch = kFp8Cache ? kCacheRowBytes : kPitch * 2;  // bytes between staged rows
-  static constexpr int kKGroup = kRows == 16 ? 12 : 6;  // S^T k-steps whose A fragments load together
+  static constexpr int kStagePitch = kCacheRowBytes + 16;  // bytes between staged rows (8 ldmatrix rows: 8 banks)
+  static constexpr int kKGroup = kRows == 16 ? 12 : kFp8Cache ? 4 : 6;  // S^T k-steps whose A fragments load together
   static constexpr int kVGroup = kRows == 16 ? 2 : 1;   // O^T k-steps likewise
   static constexpr int kQBytes = kRows * kDQK * 2;
   static constexpr int kStageBytes = kTileKeys * kStagePitch;
-  static constexpr int kWideBytes = kFp8Cache ? kTileKeys * kPitch * 2 : 0;
   static constexpr int kPBytes = kRows * kTileKeys * 2;
   static constexpr int kColBytes = 4 * kRows * 4;  // [warp][row] floats: maxima, then sums
   static constexpr int kBarBytes = 8 * kStages;
   static constexpr int kSmemBytes =
-      kQBytes + kStages * kStageBytes + kWideBytes + kPBytes + kColBytes + kBarBytes + 1024;
-  static constexpr int kMinBlocksPerSM = 1;
+      kQBytes + kStages * kStageBytes + kPBytes + kColBytes + kBarBytes + 1024;
+  static constexpr int kMinBlocksPerSM = kFp8Cache && kRows == 16 ? 2 : 1;
   static constexpr bool kSupported =
       sizeof(DT) == 2 && (kSameType<KV, DT> || kSameType<KV, __nv_fp8_e4m3>) && S::kNumKvHeads == 1 &&
       S::kNumQoHeads <= 32 && kDQK % kW == 0 && kDVO % kW == 0 && kDVO < kDQK && kDQK % 16 == 0 && S::kSoftmax &&
@@ -402,20 +404,68 @@ struct MlaBulkLoader {
   }
 };
 
-// FP8 cache: one staged tile (64 raw rows) widened to q's dtype (exact: every e4m3 value is a bf16 and an f16)
-// into the padded row-major 16-bit tile; 16 raw values (two 16-bit chunks) per step.
+// Four e4m3 values (the bytes of q) as two pairs of 16-bit DT: lo = bytes 0 and 2, hi = bytes 1 and 3
+// (e4m3x4_to_f16x4's order; exact: every e4m3 value is a bf16 and an f16), times 1 / kE4m3Unscale.
+template <class DT>
+__device__ __forceinline__ void e4m3x4_to_pairs(uint32_t q, uint32_t& lo, uint32_t& hi) {
+  e4m3x4_to_f16x4(q, lo, hi);
+  if constexpr (kSameType<DT, __nv_bfloat16>) {
+    const float2 l = __half22float2(*reinterpret_cast<const __half2*>(&lo));
+    const float2 h = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+    lo = pack2<DT>(l.x, l.y);
+    hi = pack2<DT>(h.x, h.y);
+  }
+}
+
+// FP8 cache, S^T's A: k-steps kk and kk + 1 (32 head dims) of this thread's two key rows from the raw tile, one
+// ldmatrix.x4 (m0 / m1: keys 0-7 / 8-15 at bytes 16 kk .. + 15, m2 / m3 the next 16 bytes). A thread's register
+// holds dims 4 tig .. 4 tig + 3 of a 16-dim step, widened to pairs (4 tig, 4 tig + 2) and (4 tig + 1, 4 tig + 3):
+// the fragment's k order is every step's even dims, then its odd ones, and Q is stored in that order
+// (mla_deinterleave_q).
 template <class S>
-__device__ __forceinline__ void mla_widen_tile_sm90(const uint8_t* raw, typename S::DTypeQ* wide) {
+__device__ __forceinline__ void mla_fp8_k_fragments(const uint8_t* raw, int kk, uint32_t (&a0)[4], uint32_t (&a1)[4]) {
   using T = MlaSm90SwapTraits<S>;
-  constexpr int kRawChunks = T::kCacheRowBytes / 16;
-#pragma unroll 6
-  for (int e = threadIdx.x; e < T::kTileKeys * kRawChunks; e += T::kThreads) {
-    const int row = e / kRawChunks, c = e % kRawChunks;
-    auto store = [&](int half, const uint4& out) {
-      *reinterpret_cast<uint4*>(wide + row * T::kPitch + (2 * c + half) * 8) = out;
-    };
-    widen16<typename S::DTypeKV, typename S::DTypeQ>(*reinterpret_cast<const uint4*>(raw + row * T::kStagePitch + c * 16),
-                                                     store);
+  const int lane = threadIdx.x % 32;
+  const int row = threadIdx.x / 32 * 16 + lane % 8 + 8 * ((lane / 8) % 2);
+  uint32_t r[4];
+  ldmatrix_x4(r, raw + row * T::kStagePitch + kk * 16 + 16 * (lane / 16));
+  e4m3x4_to_pairs<typename S::DTypeQ>(r[0], a0[0], a0[2]);
+  e4m3x4_to_pairs<typename S::DTypeQ>(r[1], a0[1], a0[3]);
+  e4m3x4_to_pairs<typename S::DTypeQ>(r[2], a1[0], a1[2]);
+  e4m3x4_to_pairs<typename S::DTypeQ>(r[3], a1[1], a1[3]);
+}
+
+// FP8 cache, O^T's A: keys 16 kk .. 16 kk + 15 of output blocks b and b + 1 (this warp's 16 dims of each), one
+// ldmatrix.x4.trans (m0 / m1: keys 0-7 / 8-15 of block b, m2 / m3 of block b + 1). On 8-bit data the transpose
+// moves byte pairs: a register holds keys (2 tig, 2 tig + 1) x dims (2 g, 2 g + 1), widened to one pair per dim,
+// so fragment row g is dim 2 g and row g + 8 dim 2 g + 1 (the epilogue's `dim`).
+template <class S>
+__device__ __forceinline__ void mla_fp8_vt_fragments(const uint8_t* raw, int kk, int b, uint32_t (&v0)[4],
+                                                     uint32_t (&v1)[4]) {
+  using T = MlaSm90SwapTraits<S>;
+  const int lane = threadIdx.x % 32;
+  const int key = kk * 16 + lane % 8 + 8 * ((lane / 8) % 2);
+  uint32_t r[4];
+  ldmatrix_x4_trans(r, raw + key * T::kStagePitch + 64 * (b + lane / 16) + 16 * (threadIdx.x / 32));
+  e4m3x4_to_pairs<typename S::DTypeQ>(r[0], v0[0], v0[1]);
+  e4m3x4_to_pairs<typename S::DTypeQ>(r[1], v0[2], v0[3]);
+  e4m3x4_to_pairs<typename S::DTypeQ>(r[2], v1[0], v1[1]);
+  e4m3x4_to_pairs<typename S::DTypeQ>(r[3], v1[2], v1[3]);
+}
+
+// FP8 cache: every 16 dims of each Q row in the k order of mla_fp8_k_fragments (even dims, then odd ones).
+template <class S, int N>
+__device__ __forceinline__ void mla_deinterleave_q(typename S::DTypeQ* sq) {
+  constexpr int kSteps = S::kHeadDimQK / 16;
+  for (int e = threadIdx.x; e < N * kSteps; e += MlaSm90SwapTraits<S>::kThreads) {
+    const int r = e / kSteps, k = 16 * (e % kSteps);
+    uint4* lo = reinterpret_cast<uint4*>(sq + swizzled_offset<N, 64>(r, k));
+    uint4* hi = reinterpret_cast<uint4*>(sq + swizzled_offset<N, 64>(r, k + 8));
+    const uint4 x = *lo, y = *hi;
+    *lo = make_uint4(__byte_perm(x.x, x.y, 0x5410), __byte_perm(x.z, x.w, 0x5410), __byte_perm(y.x, y.y, 0x5410),
+                     __byte_perm(y.z, y.w, 0x5410));
+    *hi = make_uint4(__byte_perm(x.x, x.y, 0x7632), __byte_perm(x.z, x.w, 0x7632), __byte_perm(y.x, y.y, 0x7632),
+                     __byte_perm(y.z, y.w, 0x7632));
   }
 }
 
@@ -429,9 +479,8 @@ __device__ __forceinline__ void mla_sm90_swap_tile(const Params& p, uint8_t* sme
   DT* sq = reinterpret_cast<DT*>(smem);
   uint8_t* stages = smem + T::kQBytes;
   auto stage = [&](int s) { return stages + s * T::kStageBytes; };
-  DT* wide = reinterpret_cast<DT*>(stages + T::kStages * T::kStageBytes);  // FP8 cache: the widened tile
-  DT* sp = reinterpret_cast<DT*>(stages + T::kStages * T::kStageBytes + T::kWideBytes);
-  float* scol = reinterpret_cast<float*>(stages + T::kStages * T::kStageBytes + T::kWideBytes + T::kPBytes);
+  DT* sp = reinterpret_cast<DT*>(stages + T::kStages * T::kStageBytes);
+  float* scol = reinterpret_cast<float*>(stages + T::kStages * T::kStageBytes + T::kPBytes);
   uint64_t* bars = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(scol) + T::kColBytes);
 
   const int rows_total = qo_len * H;
@@ -464,6 +513,10 @@ __device__ __forceinline__ void mla_sm90_swap_tile(const Params& p, uint8_t* sme
 #pragma unroll
   for (int s = 0; s < T::kStages; ++s) refill(s, lo + s * T::kTileKeys);
   cp_async_wait<0>();
+  if constexpr (T::kFp8Cache) {
+    __syncthreads();
+    mla_deinterleave_q<S, N>(sq);
+  }
   fence_proxy_async();  // Q (cp.async) and the zero-filled rows, read by wgmma / ldmatrix next
   __syncthreads();
 
@@ -474,7 +527,8 @@ __device__ __forceinline__ void mla_sm90_swap_tile(const Params& p, uint8_t* sme
     const int tok = min(r0 + col_of(c), r0 + n_rows - 1) / H;
     col_end[c] = min(hi, kv_len - qo_len + tok + 1);
   }
-  const float qk_scale = q_prescale<S>() * p.k_scale;
+  const float unscale = T::kFp8Cache ? kE4m3Unscale : 1.f;  // what the widened FP8 values are multiplied by
+  const float qk_scale = q_prescale<S>() * p.k_scale * unscale;
   const uint64_t q_desc = swizzled_desc<kW>(sq, 16);
   const uint64_t p_desc = swizzled_desc<kW>(sp, 16);
   auto qstep_off = [](int kk) {  // 16-byte units from Q's start to k-step kk (column blocks of N rows)
@@ -495,15 +549,8 @@ __device__ __forceinline__ void mla_sm90_swap_tile(const Params& p, uint8_t* sme
   int it = 0;
   for (int start = lo; start < hi; start += T::kTileKeys, ++it) {
     mbar_wait(&bars[it % T::kStages], (it / T::kStages) & 1);  // tile `it` landed
-    const DT* sk;
-    if constexpr (T::kFp8Cache) {
-      mla_widen_tile_sm90<S>(stage(it % T::kStages), wide);
-      __syncthreads();  // the widened tile is whole; the raw stage is read: it refills now
-      refill(it % T::kStages, start + T::kStages * T::kTileKeys);
-      sk = wide;
-    } else {
-      sk = reinterpret_cast<const DT*>(stage(it % T::kStages));
-    }
+    const uint8_t* raw = stage(it % T::kStages);
+    const DT* sk = reinterpret_cast<const DT*>(raw);
     // S^T = K Q^T: 64 keys x N rows; A fragments kKGroup k-steps at a time, in two register sets (group g + 1
     // loads while group g multiplies).
     float s[N / 2];
@@ -513,8 +560,13 @@ __device__ __forceinline__ void mla_sm90_swap_tile(const Params& p, uint8_t* sme
 #pragma unroll
       for (int gi = 0; gi < kGroups; ++gi) {
         const int k0 = gi * T::kKGroup;
+        if constexpr (T::kFp8Cache) {
 #pragma unroll
-        for (int i = 0; i < T::kKGroup; ++i) ldmatrix_x4(a[gi % 2][i], sk + a_row * T::kPitch + (k0 + i) * 16 + a_col);
+          for (int i = 0; i < T::kKGroup; i += 2) mla_fp8_k_fragments<S>(raw, k0 + i, a[gi % 2][i], a[gi % 2][i + 1]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < T::kKGroup; ++i) ldmatrix_x4(a[gi % 2][i], sk + a_row * T::kPitch + (k0 + i) * 16 + a_col);
+        }
         wgmma_fence();
 #pragma unroll
         for (int i = 0; i < T::kKGroup; ++i)
@@ -584,10 +636,16 @@ __device__ __forceinline__ void mla_sm90_swap_tile(const Params& p, uint8_t* sme
     for (int k0 = 0; k0 < T::kTileKeys / 16; k0 += T::kVGroup) {
       uint32_t v[T::kVGroup][T::kDBlocks][4];
 #pragma unroll
-      for (int i = 0; i < T::kVGroup; ++i)
+      for (int i = 0; i < T::kVGroup; ++i) {
+        if constexpr (T::kFp8Cache) {
 #pragma unroll
-        for (int b = 0; b < T::kDBlocks; ++b)
-          ldmatrix_x4_trans(v[i][b], sk + ((k0 + i) * 16 + v_key) * T::kPitch + 64 * b + v_dim);
+          for (int b = 0; b < T::kDBlocks; b += 2) mla_fp8_vt_fragments<S>(raw, k0 + i, b, v[i][b], v[i][b + 1]);
+        } else {
+#pragma unroll
+          for (int b = 0; b < T::kDBlocks; ++b)
+            ldmatrix_x4_trans(v[i][b], sk + ((k0 + i) * 16 + v_key) * T::kPitch + 64 * b + v_dim);
+        }
+      }
 #pragma unroll
       for (int b = 0; b < T::kDBlocks; ++b) wgmma_fence_operands(o[b]);
       wgmma_fence();
@@ -600,8 +658,8 @@ __device__ __forceinline__ void mla_sm90_swap_tile(const Params& p, uint8_t* sme
 #pragma unroll
       for (int b = 0; b < T::kDBlocks; ++b) wgmma_fence_operands(o[b]);
     }
-    __syncthreads();  // every thread has read the tile (the stage, or the widened tile the next one replaces)
-    if constexpr (!T::kFp8Cache) refill(it % T::kStages, start + T::kStages * T::kTileKeys);
+    __syncthreads();  // every thread has read the stage: it refills
+    refill(it % T::kStages, start + T::kStages * T::kTileKeys);
   }
   // Any thread's bad metadata poisons every output of the tile (the barrier also ends the loop's reads of scol).
   const float poison = __syncthreads_or(bad) ? quiet_nan() : 0.f;
@@ -631,11 +689,11 @@ __device__ __forceinline__ void mla_sm90_swap_tile(const Params& p, uint8_t* sme
     float* dst = nullptr;
     if (!split_kv) {
       float lse;
-      scale = finalize_state<S>(p, head, SoftmaxState{st[c].m, d}, lse) * p.v_scale;
+      scale = finalize_state<S>(p, head, SoftmaxState{st[c].m, d}, lse) * p.v_scale * unscale;
       if (warp == 0 && g == 0 && p.lse != nullptr) p.lse[row] = lse + poison;
     } else {  // normalised, base 2 (the merge's convention), rows of all splits total_q * H apart
       const long long part = static_cast<long long>(split) * p.total_q * H + row;
-      scale = d > 0.f ? p.v_scale / d : 0.f;
+      scale = d > 0.f ? p.v_scale * unscale / d : 0.f;
       if (warp == 0 && g == 0) p.partial_lse[part] = (d > 0.f ? st[c].m + __log2f(d) : kNegInf) + poison;
       dst = p.partial_o + part * T::kDVO;
     }
@@ -643,7 +701,7 @@ __device__ __forceinline__ void mla_sm90_swap_tile(const Params& p, uint8_t* sme
     for (int b = 0; b < T::kDBlocks; ++b)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int dim = 64 * b + 16 * warp + g + 8 * r;
+        const int dim = 64 * b + 16 * warp + (T::kFp8Cache ? 2 * g + r : g + 8 * r);  // mla_fp8_vt_fragments
         const float v = o[b][(c / 2) * 4 + 2 * r + c % 2] * scale + poison;
         if (split_kv) {
           dst[dim] = v;
