@@ -332,11 +332,11 @@ __device__ __forceinline__ void mla_sm90_tile(const Params& p, uint8_t* smem, in
 // the M dimension: its maximum and sum meet across the 4 warps in shared memory, and every thread holding the
 // row keeps the same running state. Cache rows arrive by bulk copy (cp.async.bulk, one per row, completing on
 // the stage's mbarrier), issued by all 4 warps: with a 16-byte cp.async per thread and chunk, the copies' issue,
-// not DRAM, was the limit (ncu, BENCHMARKS.md, #20). 16-bit tiles are row-major with rows padded by 16 bytes (ldmatrix's 8
-// rows hit distinct banks). An FP8 cache stays raw in shared memory (rows padded by 16 bytes, likewise) and its
+// not DRAM, was the limit (ncu, BENCHMARKS.md, #20). 16-bit tiles are row-major with rows padded by 16 bytes
+// (ldmatrix's 8 rows hit distinct banks). An FP8 cache stays raw in shared memory (rows padded likewise) and its
 // A fragments widen in registers (mla_fp8_k_fragments, mla_fp8_vt_fragments): half the shared-memory bytes of a
-// 16-bit tile, so at 16 rows two blocks fit per SM. The swapped-operand
-// form is the one FlashInfer and TensorRT-LLM use for small-M GEMMs; the tile and layouts are this kernel's own.
+// 16-bit tile, so at 16 rows two blocks fit per SM. The swapped-operand form is the one FlashInfer and
+// TensorRT-LLM use for small-M GEMMs; the tile and layouts are this kernel's own.
 template <class S>
 struct MlaSm90SwapTraits {
   using DT = typename S::DTypeQ;
@@ -562,10 +562,12 @@ __device__ __forceinline__ void mla_sm90_swap_tile(const Params& p, uint8_t* sme
         const int k0 = gi * T::kKGroup;
         if constexpr (T::kFp8Cache) {
 #pragma unroll
-          for (int i = 0; i < T::kKGroup; i += 2) mla_fp8_k_fragments<S>(raw, k0 + i, a[gi % 2][i], a[gi % 2][i + 1]);
+          for (int i = 0; i < T::kKGroup; i += 2)
+            mla_fp8_k_fragments<S>(raw, k0 + i, a[gi % 2][i], a[gi % 2][i + 1]);
         } else {
 #pragma unroll
-          for (int i = 0; i < T::kKGroup; ++i) ldmatrix_x4(a[gi % 2][i], sk + a_row * T::kPitch + (k0 + i) * 16 + a_col);
+          for (int i = 0; i < T::kKGroup; ++i)
+            ldmatrix_x4(a[gi % 2][i], sk + a_row * T::kPitch + (k0 + i) * 16 + a_col);
         }
         wgmma_fence();
 #pragma unroll
@@ -576,13 +578,13 @@ __device__ __forceinline__ void mla_sm90_swap_tile(const Params& p, uint8_t* sme
           wgmma_wait<1>();  // group gi - 1 is done: its fragments' registers may be reused
 #pragma unroll
           for (int i = 0; i < T::kKGroup; ++i)
-            asm volatile("" ::"r"(a[(gi + 1) % 2][i][0]), "r"(a[(gi + 1) % 2][i][1]), "r"(a[(gi + 1) % 2][i][2]), "r"(a[(gi + 1) % 2][i][3]));
+            wgmma_keep_fragment(a[(gi + 1) % 2][i]);
         }
       }
       wgmma_wait<0>();
 #pragma unroll
       for (int i = 0; i < T::kKGroup; ++i)
-        asm volatile("" ::"r"(a[(kGroups - 1) % 2][i][0]), "r"(a[(kGroups - 1) % 2][i][1]), "r"(a[(kGroups - 1) % 2][i][2]), "r"(a[(kGroups - 1) % 2][i][3]));
+        wgmma_keep_fragment(a[(kGroups - 1) % 2][i]);
       wgmma_fence_operands(s);
     }
     // Scale, causal mask (each row its own bound), each row's maximum over this warp's 16 keys.

@@ -180,6 +180,10 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
+// Keeps an RS wgmma's A registers alive until its wait: the compiler must not reuse them while it runs.
+__device__ __forceinline__ void wgmma_keep_fragment(const uint32_t (&a)[4]) {
+  asm volatile("" ::"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]));
+}
 // Ordinary (generic-proxy) writes to shared memory that wgmma (async proxy) reads next: cp.async
 // results and in-place transforms. Each writing thread fences before the barrier.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
