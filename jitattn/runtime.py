@@ -204,20 +204,30 @@ class StreamFork:
 
 
 def choose_num_splits(blocks: int, slots: int, max_useful: int, *, min_wave_fill: float = 0.9) -> int:
-    """Split-KV factor (FlashDecoding; Dao et al. 2023): the smallest that fills whole waves.
+    """Split-KV factor (FlashDecoding; Dao et al. 2023): one wave filled as far as it goes, else the
+    fewest splits whose waves are all nearly full.
 
     ``blocks`` = batch x num_kv_heads decode blocks; ``slots`` = SMs x resident blocks per SM (the
     driver's occupancy); each sequence's keys are split into ``s`` blocks, merged by log-sum-exp.
-    The smallest ``s`` with at least one full wave (``blocks * s >= slots``) whose waves are at least
-    ``min_wave_fill`` full (the last, partial wave idles the rest of the GPU), capped by
-    ``max_useful`` (>= 4 tiles per split) and MAX_SPLITS. Fewer splits mean longer blocks (less
-    prologue, no merge kernel at s = 1). Rule fitted to tools/tune_decode_splits.py on the H200,
-    2026-11-29: 64 x 4096 hd128 (512 blocks, 264 slots) best at 1 (the old ">= 4 waves" rule took 3,
-    4 % slower); 1 x 32768 (8 blocks) best at 33, one exact wave (the old rule took 64, 31 % slower);
-    Gemma-2 64 x 8192 on the CUDA-core decode (512 blocks, 396 slots) best at 2-3.
+    Capped by ``max_useful`` (>= 4 tiles per split) and MAX_SPLITS. When the blocks fit one wave, ``s``
+    is the most that still fit it (``slots // blocks``: a split there costs no wave, and shortens the
+    longest block), taken when it fills the wave to ``min_wave_fill``; otherwise the smallest ``s``
+    whose waves are each at least ``min_wave_fill`` full (the last, partial wave idles the rest of the
+    GPU). Fitted on the H200 (graph times): 64 x 4096 hd128 (512 blocks, 264 slots) best at 1, 3 was 4 %
+    slower; 1 x 32768 (8 blocks) best at 33 (0.0411 ms; 30: 0.0432, 24: 0.0438; 64 was 31 % slower);
+    Gemma-2 64 x 8192 on the CUDA-core decode (512 blocks, 396 slots) best at 2-3; one wave 97 % full
+    unsplit beats two waves at 2 splits: issue 18's mixed probe (32 x 512, 256 blocks, 264 slots) 20.4
+    against 27.4 us, MLA TP8 (128 blocks, 132 slots) 0.174 against 0.204 ms, MLA TP1 0.194 against 0.251,
+    MLA TP8 FP8 (128 blocks, 264 slots) 0.146 at 2 against 0.188 at 4 (tools/tune_decode_splits.py,
+    2026-11-29; the one-wave cases 2026-12-04).
     """
     cap = max(1, min(max_useful, MAX_SPLITS))
-    s = min(max(1, math.ceil(slots / max(blocks, 1))), cap)
+    if blocks <= slots:
+        s = min(cap, max(1, slots // max(blocks, 1)))
+        if s == cap or blocks * s >= min_wave_fill * slots:
+            return s
+    else:
+        s = 1
     while s < cap:
         waves = math.ceil(blocks * s / slots)
         if blocks * s / (waves * slots) >= min_wave_fill:

@@ -10,6 +10,7 @@ scratch worktree of a351357); pointer fields are compared as the names of the te
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -47,10 +48,22 @@ def fake_kernel(spec, *, two_streams: bool = False) -> tuple[runtime.JitKernel, 
     return kernel, module
 
 
+def _recorded_split_rule(blocks: int, slots: int, max_useful: int, *, min_wave_fill: float = 0.9) -> int:
+    """The split-KV rule the golden launches were recorded under (until 2026-12-04 a single wave had to be
+    whole): the split count is the rule's choice (tests/test_runtime.py holds today's), not what is compared."""
+    cap = max(1, min(max_useful, runtime.MAX_SPLITS))
+    s = min(max(1, math.ceil(slots / max(blocks, 1))), cap)
+    while s < cap and blocks * s / (math.ceil(blocks * s / slots) * slots) < min_wave_fill:
+        s += 1
+    return s
+
+
 @pytest.fixture
 def kernels(monkeypatch):
-    """load_kernel returns recording kernels (one per spec), so jitattn.plan / paged_attention run on the CPU."""
+    """load_kernel returns recording kernels (one per spec), so jitattn.plan / paged_attention run on the CPU;
+    split counts by the rule the golden record was made under."""
     made: dict[str, tuple[runtime.JitKernel, Recorder]] = {}
+    monkeypatch.setattr(runtime, "choose_num_splits", _recorded_split_rule)
 
     def load(spec, device=None):
         if spec.canonical_text not in made:
