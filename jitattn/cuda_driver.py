@@ -1,7 +1,9 @@
 """The CUDA driver-API calls the runtime makes, bound with ctypes on the driver library (``libcuda.so.1``).
 
-The runtime needs eight driver entry points: load a cubin image, find its kernels and a global, set a
-kernel's dynamic shared memory limit, ask the occupancy calculator, launch, unload, and name an error.
+The runtime needs twelve driver entry points: load a cubin image, find its kernels and a global, set a
+kernel's dynamic shared memory limit, ask the occupancy calculator, launch, unload, name an error, and
+make, record, wait on and destroy the events of a mixed batch's fork to a side stream and join back
+("Event Management", "Stream Management": cuStreamWaitEvent).
 They are bound here directly, with their C signatures from ``cuda.h`` (CUDA Driver API reference,
 "Module Management", "Execution Control", "Occupancy"), instead of through CuPy: CuPy's bindings
 import all of ``cupy`` on the first call, ~130 ms of a process's first kernel load (cProfile on the
@@ -42,11 +44,16 @@ _SIGNATURES = {
     "cuOccupancyMaxActiveBlocksPerMultiprocessor": (_P(_c_int), _c_void_p, _c_int, _c_size_t),
     "cuLaunchKernel": (_c_void_p, _c_uint, _c_uint, _c_uint, _c_uint, _c_uint, _c_uint, _c_uint, _c_void_p,
                        _P(_c_void_p), _P(_c_void_p)),
+    "cuEventCreate": (_P(_c_void_p), _c_uint),
+    "cuEventRecord": (_c_void_p, _c_void_p),
+    "cuStreamWaitEvent": (_c_void_p, _c_void_p, _c_uint),
+    "cuEventDestroy_v2": (_c_void_p,),
     "cuGetErrorName": (_c_int, _P(_c_char_p)),
     "cuGetErrorString": (_c_int, _P(_c_char_p)),
 }
 
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CUfunction_attribute in cuda.h
+CU_EVENT_DISABLE_TIMING = 2  # CUevent_flags in cuda.h
 
 
 class CudaDriverError(RuntimeError):
@@ -139,6 +146,31 @@ class CudaDriver:
                     self._cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(blocks), function, block_threads,
                                                                        dynamic_smem))
         return int(blocks.value)
+
+    def event_create(self, flags: int = CU_EVENT_DISABLE_TIMING) -> int:
+        """``cuEventCreate`` in the current context (default: no timing, the cheapest to record); the ``CUevent``."""
+        event = _c_void_p()
+        self._check("cuEventCreate", self._cuEventCreate(ctypes.byref(event), flags))
+        return int(event.value)
+
+    def event_destroy(self, event: int) -> None:
+        """``cuEventDestroy_v2``."""
+        self._check("cuEventDestroy", self._cuEventDestroy_v2(event))
+
+    def record_and_wait(self, event: int, stream: int, waiter: int) -> int:
+        """``cuEventRecord(event, stream)``, then ``cuStreamWaitEvent(waiter, event, 0)``: ``waiter``'s later work
+        waits for what ``stream`` has queued so far (under CUDA graph capture, a fork or a join of the capture).
+
+        Returns:
+            0, or the ``CUresult`` of the call that failed (:meth:`check` raises it), so that the caller may
+            make its context current and retry first.
+        """
+        status = self._cuEventRecord(event, stream)
+        return status or self._cuStreamWaitEvent(waiter, event, 0)
+
+    def check(self, call: str, status: int) -> None:
+        """Raise :class:`CudaDriverError` for a nonzero ``status`` returned by ``call``."""
+        self._check(call, status)
 
     def launch_kernel(self, function: int, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
                       stream: int, params: bytes) -> None:

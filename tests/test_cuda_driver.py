@@ -62,14 +62,25 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
   memcpy(params, kernel_params[0], sizeof(params));
   return gx == 0 ? 1 : 0;                                       /* CUDA_ERROR_INVALID_VALUE */
 }
+typedef void *CUevent;
+CUresult cuEventCreate(CUevent *e, unsigned flags) { rec[0] = flags; *e = (CUevent)(uintptr_t)0x5E0000000001ULL; return 0; }
+CUresult cuEventDestroy_v2(CUevent e) { rec[0] = (long long)(uintptr_t)e; return 0; }
+/* rec[10..12]: the event and stream recorded, then rec[13..15]: the waiting stream, the event, the flags */
+CUresult cuEventRecord(CUevent e, CUstream s) {
+  rec[10] = (long long)(uintptr_t)e; rec[11] = (long long)(uintptr_t)s; rec[12] = 1;
+  return s == (CUstream)(uintptr_t)0xBAD ? 201 : 0;               /* CUDA_ERROR_INVALID_CONTEXT */
+}
+CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags) {
+  rec[13] = (long long)(uintptr_t)s; rec[14] = (long long)(uintptr_t)e; rec[15] = flags; return 0;
+}
 CUresult cuGetErrorName(CUresult e, const char **s) {
   *s = e == 200 ? "CUDA_ERROR_INVALID_IMAGE" : e == 500 ? "CUDA_ERROR_NOT_FOUND"
-     : e == 1 ? "CUDA_ERROR_INVALID_VALUE" : NULL;
+     : e == 1 ? "CUDA_ERROR_INVALID_VALUE" : e == 201 ? "CUDA_ERROR_INVALID_CONTEXT" : NULL;
   return *s ? 0 : 1;
 }
 CUresult cuGetErrorString(CUresult e, const char **s) {
   *s = e == 200 ? "device kernel image is invalid" : e == 500 ? "named symbol not found"
-     : e == 1 ? "invalid argument" : NULL;
+     : e == 1 ? "invalid argument" : e == 201 ? "invalid device context" : NULL;
   return *s ? 0 : 1;
 }
 """
@@ -112,6 +123,24 @@ def test_attribute_occupancy_and_launch_arguments(fake):
     drv.launch_kernel(fn, (132, 8, 3), (384, 1, 1), 230_000, 0x55AA0000F0, payload)
     assert list(rec[:10]) == [fn, 132, 8, 3, 384, 1, 1, 230_000, 0x55AA0000F0, 1]
     assert bytes(params[:len(payload)]) == payload
+
+
+def test_events_record_then_wait(fake):
+    """The fork / join of a mixed batch: the event recorded on one stream, then waited on by the other; a
+    failure is returned (the caller retries with its context current), not raised."""
+    drv, rec, _ = fake
+    event = drv.event_create()
+    assert event == 0x5E0000000001 and rec[0] == 2  # CU_EVENT_DISABLE_TIMING
+    main, side = 0x7F00000000A0, 0x7F00000000B0
+    rec[10:16] = [0] * 6
+    assert drv.record_and_wait(event, main, side) == 0
+    assert list(rec[10:16]) == [event, main, 1, side, event, 0]
+    rec[10:16] = [0] * 6
+    assert drv.record_and_wait(event, 0xBAD, side) == 201 and rec[13] == 0  # no wait after a failed record
+    with pytest.raises(CudaDriverError, match=r"cuEventRecord failed: CUDA_ERROR_INVALID_CONTEXT \(201\)"):
+        drv.check("cuEventRecord", 201)
+    drv.event_destroy(event)
+    assert rec[0] == event
 
 
 def test_errors_name_the_call_and_the_cuda_error(fake):

@@ -63,6 +63,35 @@ def test_plan_run_matches_the_reference_over_several_layers(session_cache, q_len
         assert (lse - ref_lse).abs().max().item() < 2e-2
 
 
+@pytest.mark.parametrize("one_call", [False, True], ids=["run", "one-call"])
+def test_the_side_stream_waits_for_the_caller_and_joins_back(session_cache, one_call):
+    """The mixed path's fork and join (runtime.StreamFork: two driver events, made once, recorded again per call):
+    before each call the caller's stream is kept busy (a 256 MB fill), then q is rewritten and out poisoned on it,
+    and the error is read on it after the call. A decode kernel started before the fork would read an earlier
+    q, a caller's stream run ahead of the join would read rows not yet written (NaN)."""
+    q_lens, kv_lens = [64, 64] + [1] * 30, [256, 200] + [512] * 30
+    batch = random_paged_batch(BASE, q_lens, kv_lens, device="cuda", seed=11)
+    qs = [torch.randn_like(batch.q) for _ in range(3)]
+    refs = [reference.paged_attention(BASE, q, batch.kv_cache, batch.block_table, batch.seq_lens,
+                                      batch.query_start_loc) for q in qs]
+    plan = jitattn.plan(BASE, batch.block_table, batch.seq_lens, batch.query_start_loc, max_query_len=64)
+    assert plan.decode_rows and plan.prefill_rows  # both kernels, so the decode runs on the side stream
+    out = torch.empty_like(refs[0])
+    busy = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    errors = []
+    for trial in range(9):
+        i = trial % 3
+        busy.fill_(trial)
+        batch.q.copy_(qs[i])
+        out.fill_(float("nan"))
+        if one_call:
+            out.copy_(jitattn.paged_attention(BASE, *batch.args()))
+        else:
+            jitattn.run(batch.q, batch.kv_cache, plan, out=out)
+        errors.append(relative_error(out, refs[i]))  # NaN (a row not written) fails the comparison below
+    assert all(e < GPU_TOL[BASE.q_dtype] for e in errors), errors
+
+
 def test_sliding_and_full_layers_share_one_plan(session_cache):
     batch = random_paged_batch(FULL, [1, 1, 5, 1], [9000, 100, 300, 5000], device="cuda", seed=5)
     plan = jitattn.plan([SLIDING, FULL], batch.block_table, batch.seq_lens, batch.query_start_loc)
