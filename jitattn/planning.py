@@ -264,12 +264,14 @@ class Plan:
                  metadata: dict[str, torch.Tensor | None], *, max_pages_per_seq: int = 0,
                  num_pages: int | None = None, max_query_len: int | None = None,
                  decode_rows: bool | None = None, prefill_rows: bool | None = None, validate: bool = False,
-                 load: Callable[[AttentionSpec], Any], shared_scratch: bool = False):
+                 load: Callable[[AttentionSpec], Any], shared_scratch: bool = False,
+                 query_lens: list[int] | None = None):
         self.kind, self.device, self.mode = kind, device, mode
         self.batch, self.total_q, self.max_pages_per_seq, self.num_pages = batch, total_q, max_pages_per_seq, num_pages
         self.total_kv: int | None = None  # a ragged plan's rows of k and v, when given
         self.max_query_len = max_query_len
         self.decode_rows, self.prefill_rows = decode_rows, prefill_rows  # None: unknown (graph mode)
+        self.query_lens = query_lens if mode == "eager" else None  # each sequence's queries, where read
         self.metadata, self.validate = metadata, validate
         self._load, self._shared_scratch = load, shared_scratch
         self._parts: dict[str, SpecPlan] = {}
@@ -361,7 +363,7 @@ def make_paged_plan(load: Callable[[AttentionSpec], Any], specs: Sequence[Attent
     metadata = {"block_table": block_table, "seq_lens": seq_lens, "query_start_loc": query_start_loc, **positions}
     plan = Plan("paged", device, mode, batch, total_q, metadata, max_pages_per_seq=max_pages, num_pages=num_pages,
                 max_query_len=max_query_len, decode_rows=decode_rows, prefill_rows=prefill_rows, validate=validate,
-                load=load, shared_scratch=shared_scratch)
+                load=load, shared_scratch=shared_scratch, query_lens=lens)
     for spec in specs:
         plan.add(spec)
     return plan
@@ -494,7 +496,14 @@ class SpecPlan:
         if spec.latent:  # a paged batch; the run checks q's head stride: the spec's
             fields.update(block_table_stride=md["block_table"].stride(0), q_stride_head=spec.head_dim_qk)
             return self._latent_fields(plan, g, fields, shared_scratch)
-        tiles = math.ceil(plan.total_q * spec.group_size / g["prefill_block_m"]) + plan.batch
+        block_m = g["prefill_block_m"]
+        tiles = math.ceil(plan.total_q * spec.group_size / block_m) + plan.batch  # an upper bound for any values
+        if plan.query_lens is not None and plan.kind == "paged":
+            # eager, the lengths read: exactly the m-tiles prefill_find_tile numbers (never fewer: a sequence it
+            # finds no rows for counts here too), so no block of the grid is one that only finds nothing
+            skip = not spec.explicit_positions  # prefill_skip_decode_rows below
+            tiles = max(1, sum(-(-n * spec.group_size // block_m) for n in plan.query_lens if n > 0
+                               and not (skip and n == 1)))
         self.prefill = (tiles, spec.num_kv_heads, 1), g["prefill_threads"], g["prefill_smem"]
         if plan.kind == "ragged":
             return fields

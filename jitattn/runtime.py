@@ -712,9 +712,10 @@ def plan(spec: AttentionSpec | Sequence[AttentionSpec], block_table: torch.Tenso
         query_positions, functor_batch, position_offset: the explicit positions of a spec with
             ``query_positions="explicit"`` (:func:`jitattn.reference.paged_attention`).
         mode: "eager" (default outside graph capture): reads ``query_start_loc`` on the host once (one
-            device sync) and launches exactly the kernels this step's values need (a pure decode
-            batch only the decode kernel, a pure prefill batch only the prefill kernel): the plan
-            holds for these values. "graph" (the default while the stream captures): reads nothing,
+            device sync) when ``total_q`` or ``max_query_len`` is not given, and launches exactly the
+            kernels this step's values need (a pure decode batch only the decode kernel, a pure prefill
+            batch only the prefill kernel; the prefill grid then its exact tile count): the plan holds
+            for these values. "graph" (the default while the stream captures): reads nothing,
             decides from shapes and arguments: valid for any values of the same shapes, so a graph
             captured from its runs replays with new metadata values.
         validate: also check the metadata values (a device sync; not under capture).

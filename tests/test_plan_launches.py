@@ -136,7 +136,19 @@ def test_plan_run_launches_equal_the_old_ones_that_do_work(name, kernels):
     if [w["kernel"] for w in want] == ["prefill"] and GOLDEN[name][0]["kernel"] == "decode":
         for w in want:
             w["fields"] = {**w["fields"], "num_splits": 1, "partial_o": 0, "partial_lse": 0, "split_counters": 0}
+    if case.kind == "paged":  # an eager plan read the lengths: its prefill grid is the exact tile count
+        for w in want:
+            if w["kernel"] == "prefill":
+                w["grid"] = [_exact_prefill_tiles(case), *w["grid"][1:]]
     assert got == want
+
+
+def _exact_prefill_tiles(case) -> int:
+    """The m-tiles the prefill kernel's prefill_find_tile numbers for the case's lengths: ceil(queries x group
+    / block_m) per sequence it serves (one-query sequences go to the decode kernel, but for explicit positions)."""
+    lens = case.tensors["query_start_loc"].diff().tolist()
+    served = [n for n in lens if n > 0 and (n > 1 or case.spec.explicit_positions)]
+    return max(1, sum(-(-n * case.spec.group_size // lc.GEOMETRY["prefill_block_m"]) for n in served))
 
 
 def test_a_plan_serves_every_layer_with_its_own_pointers(kernels):
@@ -196,9 +208,10 @@ def test_graph_mode_decides_from_shapes_only(kernels, monkeypatch):
     assert len(reads) == 1 and eager.decode_rows and eager.prefill_rows is False  # the one host read
 
 
-def _two_stream_plan(monkeypatch):
-    """The split_kv_mixed case planned on a recording kernel with mixed_on_two_streams, torch's current
-    stream and the kernel's side stream replaced by fakes that record what they waited for."""
+def _two_stream_plan(monkeypatch, mode="graph"):
+    """The split_kv_mixed case planned (graph mode: the lengths unknown) on a recording kernel with
+    mixed_on_two_streams, torch's current stream and the kernel's side stream replaced by fakes that record
+    what they waited for."""
     case = lc.cases()["split_kv_mixed"]
     t = case.tensors
     kernel, module = fake_kernel(case.spec, two_streams=True)
@@ -211,7 +224,8 @@ def _two_stream_plan(monkeypatch):
         return _FakeFork(main, side)
 
     kernel.stream_fork = stream_fork
-    return t, module, main, side, kernel.plan(t["block_table"], t["seq_lens"], t["query_start_loc"])
+    plan = kernel.plan(t["block_table"], t["seq_lens"], t["query_start_loc"], total_q=t["q"].shape[0], mode=mode)
+    return t, module, main, side, plan
 
 
 def test_mixed_plan_forks_the_decode_onto_a_side_stream(monkeypatch):
@@ -221,6 +235,19 @@ def test_mixed_plan_forks_the_decode_onto_a_side_stream(monkeypatch):
     runtime.run(t["q"], t["kv_cache"], plan)
     assert [(x["kernel"], x["stream"]) for x in module.launches] == [("decode", 8), ("prefill", lc.STREAM)]
     assert side.waited_for == [lc.STREAM] and main.waited_for == [8]
+
+
+def test_an_eager_plan_launches_the_prefill_on_its_exact_grid(monkeypatch):
+    """Eager, the lengths read: the prefill grid is its tile count (1 x 7 queries x group 4 rows in 128-row
+    tiles: one tile per KV head), not the bound any lengths of these shapes fit (ceil(9 x 4 / 128) + 3 = 4),
+    so no block of it only finds it has nothing to do; a graph-mode plan keeps the bound."""
+    t, module, main, side, plan = _two_stream_plan(monkeypatch, mode="eager")
+    runtime.run(t["q"], t["kv_cache"], plan)
+    assert [(x["kernel"], x["grid"]) for x in module.launches][1] == ("prefill", [1, 8, 1])
+    module.launches.clear()
+    t, module, main, side, plan = _two_stream_plan(monkeypatch, mode="graph")
+    runtime.run(t["q"], t["kv_cache"], plan)
+    assert [(x["kernel"], x["grid"]) for x in module.launches][1] == ("prefill", [4, 8, 1])
 
 
 @pytest.mark.parametrize("fails", ["decode", "prefill"])
