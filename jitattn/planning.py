@@ -492,19 +492,22 @@ class SpecPlan:
         fields = {k: _ptr(t) for k, t in md.items()}
         fields.update(batch_size=plan.batch, total_q=plan.total_q, num_splits=1, prefill_skip_decode_rows=0,
                       k_scale=1.0, v_scale=1.0)
-        self.decode = None
+        self.decode, self._prefill_bound = None, None
         if spec.latent:  # a paged batch; the run checks q's head stride: the spec's
             fields.update(block_table_stride=md["block_table"].stride(0), q_stride_head=spec.head_dim_qk)
             return self._latent_fields(plan, g, fields, shared_scratch)
         block_m = g["prefill_block_m"]
-        tiles = math.ceil(plan.total_q * spec.group_size / block_m) + plan.batch  # an upper bound for any values
+        bound = math.ceil(plan.total_q * spec.group_size / block_m) + plan.batch  # tiles for any values
+        tiles = bound
         if plan.query_lens is not None and plan.kind == "paged":
             # eager, the lengths read: exactly the m-tiles prefill_find_tile numbers (never fewer: a sequence it
             # finds no rows for counts here too), so no block of the grid is one that only finds nothing
             skip = not spec.explicit_positions  # prefill_skip_decode_rows below
-            tiles = max(1, sum(-(-n * spec.group_size // block_m) for n in plan.query_lens if n > 0
-                               and not (skip and n == 1)))
+            tiles = max(1, sum(-(-n * spec.group_size // block_m) for n in plan.query_lens
+                               if n > 0 and not (skip and n == 1)))
         self.prefill = (tiles, spec.num_kv_heads, 1), g["prefill_threads"], g["prefill_smem"]
+        # a graph captured from a run may replay with other lengths: there, the bound (see launch)
+        self._prefill_bound = None if tiles >= bound else ((bound, spec.num_kv_heads, 1), *self.prefill[1:])
         if plan.kind == "ragged":
             return fields
         # a paged run checks q's head stride and the cache's inner strides: they are the spec's
@@ -811,8 +814,10 @@ class SpecPlan:
         if self._unzeroed:
             self._zero_counters()
         decode, prefill = self.decode, self.prefill
+        if prefill is not None and self._prefill_bound is not None and capturing():  # exact: for the values read
+            prefill = self._prefill_bound
         if decode is not None and prefill is not None and self.kernel.mixed_on_two_streams:
-            self._launch_two_streams(args)
+            self._launch_two_streams(args, prefill)
             return
         stream = self._stream()
         if decode is not None:
@@ -820,7 +825,7 @@ class SpecPlan:
         if prefill is not None:
             self._launch("prefill", prefill[0], prefill[1], prefill[2], args, stream)
 
-    def _launch_two_streams(self, args: bytes) -> None:
+    def _launch_two_streams(self, args: bytes, prefill: tuple) -> None:
         """The decode kernel on a side stream beside the prefill kernel on the caller's: they write
         disjoint rows and share no scratch, so the prefill blocks take each SM the memory-bound decode
         leaves (a fork and join that CUDA graph capture records as two branches)."""
@@ -828,7 +833,7 @@ class SpecPlan:
         fork = self.kernel.stream_fork(main)  # made once per caller's stream: its side stream
         side = fork.fork()
         try:
-            (grid, block, smem), prefill = self.decode, self.prefill
+            grid, block, smem = self.decode
             self._launch("decode", grid, block, smem, args, side)
             self._launch("prefill", prefill[0], prefill[1], prefill[2], args, main)
         finally:  # joined even when a launch raises: the caller's stream must not run ahead of the

@@ -163,11 +163,16 @@ class CubinModule:
         return max(1, self._driver.occupancy_max_active_blocks_per_multiprocessor(self.functions[kernel], threads,
                                                                                    smem))
 
+    def is_current(self) -> bool:
+        """Whether this device's primary context is current on the calling thread already (the usual case: a
+        raw stream handle, 0 = the legacy default stream, then means this device's stream)."""
+        primed = getattr(_thread_state, "primed", None)
+        return primed is not None and self.device_index in primed and _current_device() == self.device_index
+
     def launch(self, kernel: str, grid: tuple[int, int, int], block: int, smem: int, params: bytes,
                stream: int) -> None:
         """``cuLaunchKernel`` with one by-value struct argument (the driver copies it before returning)."""
-        primed = getattr(_thread_state, "primed", None)
-        if primed is not None and self.device_index in primed and _current_device() == self.device_index:
+        if self.is_current():
             self._driver.launch_kernel(self.functions[kernel], grid, (block, 1, 1), smem, stream, params)
             return  # the usual case: this device's context is current on this thread already
         prev = self._make_current()
@@ -184,7 +189,9 @@ class StreamFork:
     recorded again at every call (a wait takes the event's latest record at the time it is queued, so a
     later record never changes an earlier wait); CUDA graph capture records the pair as a fork and a join,
     as it does ``torch.cuda.Stream.wait_stream``, whose Event object per call cost the one-call path ~13 us
-    on the H200 (2026-12-04).
+    on the H200 (2026-12-04). Both calls run with the module's context current, as the launches do: a raw
+    handle of 0 (the legacy default stream) names the current context's stream, and a wait on another
+    device's stream would succeed and order nothing here.
 
     Args:
         module: the kernels' loaded module (its context: the device's primary one).
@@ -200,25 +207,30 @@ class StreamFork:
         self.side_stream = torch.cuda.Stream(device, priority=-1)  # lower is higher
         self.side = self.side_stream.cuda_stream
         drv = module._driver
+        events: list[int] = []
         prev = module._make_current()
         try:
-            self._forked, self._joined = drv.event_create(), drv.event_create()
+            events += [drv.event_create(), drv.event_create()]
         finally:
             module._restore(prev)
+            if len(events) < 2:  # the second create failed: the first is not left behind
+                _destroy_events(drv, tuple(events))
+        self._forked, self._joined = events
         self._record_and_wait = drv.record_and_wait
         weakref.finalize(self, _destroy_events, drv, (self._forked, self._joined))
 
     def fork(self) -> int:
-        if self._record_and_wait(self._forked, self.main, self.side):
-            self._retry(self._forked, self.main, self.side)
+        if not self.module.is_current() or self._record_and_wait(self._forked, self.main, self.side):
+            self._with_context(self._forked, self.main, self.side)
         return self.side
 
     def join(self) -> None:
-        if self._record_and_wait(self._joined, self.side, self.main):
-            self._retry(self._joined, self.side, self.main)
+        if not self.module.is_current() or self._record_and_wait(self._joined, self.side, self.main):
+            self._with_context(self._joined, self.side, self.main)
 
-    def _retry(self, event: int, stream: int, waiter: int) -> None:
-        """Once more with the module's context made current (a thread that has not launched yet), then raise."""
+    def _with_context(self, event: int, stream: int, waiter: int) -> None:
+        """The record and the wait with the module's context made current (another device is current, or this
+        thread has not launched yet), then restored; a failure raises."""
         prev = self.module._make_current()
         try:
             self.module._driver.check("cuEventRecord / cuStreamWaitEvent",
@@ -237,15 +249,15 @@ def _destroy_events(drv: cuda_driver.CudaDriver, events: tuple[int, ...]) -> Non
 
 def choose_num_splits(blocks: int, slots: int, max_useful: int, *, min_wave_fill: float = 0.9) -> int:
     """Split-KV factor (FlashDecoding; Dao et al. 2023): one wave filled as far as it goes, else the
-    fewest splits whose waves are all nearly full.
+    fewest splits whose waves are nearly full on average.
 
     ``blocks`` = batch x num_kv_heads decode blocks; ``slots`` = SMs x resident blocks per SM (the
     driver's occupancy); each sequence's keys are split into ``s`` blocks, merged by log-sum-exp.
     Capped by ``max_useful`` (>= 4 tiles per split) and MAX_SPLITS. When the blocks fit one wave, ``s``
     is the most that still fit it (``slots // blocks``: a split there costs no wave, and shortens the
     longest block), taken when it fills the wave to ``min_wave_fill``; otherwise the smallest ``s``
-    whose waves are each at least ``min_wave_fill`` full (the last, partial wave idles the rest of the
-    GPU). Fitted on the H200 (graph times): 64 x 4096 hd128 (512 blocks, 264 slots) best at 1, 3 was 4 %
+    whose ``blocks * s`` blocks fill their waves to at least ``min_wave_fill`` of ``waves * slots``
+    (a partial last wave idles the rest of the GPU). Fitted on the H200 (graph times): 64 x 4096 hd128 (512 blocks, 264 slots) best at 1, 3 was 4 %
     slower; 1 x 32768 (8 blocks) best at 33 (0.0411 ms; 30: 0.0432, 24: 0.0438; 64 was 31 % slower);
     Gemma-2 64 x 8192 on the CUDA-core decode (512 blocks, 396 slots) best at 2-3; one wave 97 % full
     unsplit beats two waves at 2 splits: issue 18's mixed probe (32 x 512, 256 blocks, 264 slots) 20.4

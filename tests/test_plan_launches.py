@@ -435,3 +435,54 @@ def test_ragged_one_calls_on_the_same_metadata_plan_once(kernels, monkeypatch):
     _, module = kernels[case.spec.canonical_text]
     assert [x["fields"]["k"] for x in module.launches[:2]] == [t["k"].data_ptr(), module.launches[1]["fields"]["k"]]
     assert module.launches[0]["fields"]["k"] != module.launches[1]["fields"]["k"]
+
+
+def _kernel_tiles(qsl: list[int], total_q: int, group: int, block_m: int, skip: bool) -> int:
+    """templates/prefill.cuh's prefill_find_tile, counted: the m-tiles it numbers for these start locations."""
+    tiles = 0
+    for q0, q1 in zip(qsl, qsl[1:]):
+        if 0 <= q0 <= q1 <= total_q and not (skip and q1 - q0 == 1):
+            tiles += -(-(q1 - q0) * group // block_m)
+    return tiles
+
+
+def test_an_eager_prefill_grid_covers_every_tile_the_kernel_numbers(kernels):
+    """Over random start locations, invalid ones too (decreasing, past total_q, empty and one-query sequences),
+    the exact grid of an eager plan is never smaller than the tiles prefill_find_tile numbers: a block short
+    would leave a sequence's rows unwritten."""
+    spec = lc.cases()["split_kv_mixed"].spec
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        batch = int(torch.randint(1, 9, (1,), generator=g))
+        t = lc._paged(spec, [1] * batch, [600] * batch)
+        total_q = 300
+        t["q"] = torch.zeros(total_q, spec.num_qo_heads, spec.head_dim_qk, dtype=t["q"].dtype)
+        qsl = torch.randint(-5, total_q + 40, (batch + 1,), generator=g, dtype=torch.int32)
+        if trial % 2:  # half of them valid: sorted, from 0
+            qsl = qsl.clamp(0, total_q).sort().values
+            qsl[0] = 0
+        qsl[-1] = min(int(qsl[-1]), total_q)  # the plan refuses an end past q's rows
+        t["query_start_loc"] = qsl
+        plan = runtime.plan(spec, t["block_table"], t["seq_lens"], qsl, total_q=total_q, max_query_len=None)
+        part = plan.for_spec(None)
+        need = _kernel_tiles(qsl.tolist(), total_q, spec.group_size, lc.GEOMETRY["prefill_block_m"], skip=True)
+        if part.prefill is not None:
+            assert part.prefill[0][0] >= need, (qsl.tolist(), part.prefill[0], need)
+        else:
+            assert need == 0, qsl.tolist()
+
+
+def test_a_captured_run_of_an_eager_plan_takes_the_bound_grid(monkeypatch, kernels):
+    """A graph captured from a run may replay with other lengths of the same shapes: under capture the prefill
+    is launched on the bound any lengths fit, as a graph-mode plan's; eager, on the exact count."""
+    from jitattn import planning
+
+    case = lc.cases()["split_kv_mixed"]
+    t = case.tensors
+    plan = runtime.plan(case.spec, t["block_table"], t["seq_lens"], t["query_start_loc"])
+    kernel, module = kernels[case.spec.canonical_text]
+    runtime.run(t["q"], t["kv_cache"], plan)
+    monkeypatch.setattr(planning, "capturing", lambda: True)
+    runtime.run(t["q"], t["kv_cache"], plan)
+    grids = [x["grid"] for x in module.launches if x["kernel"] == "prefill"]
+    assert grids == [[1, 8, 1], [4, 8, 1]]

@@ -1,9 +1,12 @@
 """CPU tests of the runtime's host-side decisions (no GPU needed)."""
 
+import types
+
 import numpy as np
 import pytest
 import torch
 
+from jitattn.cuda_driver import CudaDriverError
 from jitattn.runtime import MAX_SPLITS, choose_num_splits
 
 
@@ -338,3 +341,75 @@ def test_load_kernel_finds_a_loaded_spec_object_by_identity_until_cleared(monkey
     assert len(loads) == 2
     runtime._KERNELS.clear()
     assert runtime.load_kernel(spec, dev) is not kernel and len(loads) == 3
+
+
+class _EventDriver:
+    """CudaDriver's event calls, recorded with the context current at each (``ctx``); ``status`` is what
+    record_and_wait returns for a stream listed in ``failing`` while ``ctx`` is not the kernel's."""
+
+    def __init__(self):
+        self.calls, self.ctx, self.made, self.failing = [], "caller's", 0, set()
+
+    def event_create(self):
+        self.made += 1
+        return 0xE0 + self.made
+
+    def event_destroy(self, event):
+        self.calls.append(("destroy", event))
+
+    def record_and_wait(self, event, stream, waiter):
+        self.calls.append((event, stream, waiter, self.ctx))
+        return 201 if stream in self.failing and self.ctx != "kernel's" else 0
+
+    def check(self, call, status):
+        if status:
+            raise CudaDriverError(call, status, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context")
+
+
+class _EventModule:
+    def __init__(self, driver, current):
+        self._driver, self.current = driver, current
+
+    def is_current(self):
+        return self.current
+
+    def _make_current(self):
+        prev, self._driver.ctx = self._driver.ctx, "kernel's"
+        return prev
+
+    def _restore(self, prev):
+        self._driver.ctx = prev
+
+
+@pytest.mark.parametrize("current", [True, False])
+def test_stream_fork_records_and_waits_with_the_kernels_context_current(monkeypatch, current):
+    """fork: the caller's stream recorded, the side stream waits; join: the other way round; each with the
+    kernel's context current (another device's current would make handle 0 name its stream, and a wait there
+    would order nothing here), then the caller's context back."""
+    from jitattn.runtime import StreamFork
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device, priority: types.SimpleNamespace(cuda_stream=0x5D))
+    drv = _EventDriver()
+    module = _EventModule(drv, current)
+    if current:
+        drv.ctx = "kernel's"
+    fork = StreamFork(module, torch.device("cuda", 1), 0)  # 0: the legacy default stream of the caller
+    assert fork.fork() == 0x5D
+    fork.join()
+    assert drv.calls == [(0xE1, 0, 0x5D, "kernel's"), (0xE2, 0x5D, 0, "kernel's")]
+    assert drv.ctx == ("kernel's" if current else "caller's")
+
+
+def test_stream_fork_retries_with_the_context_made_current_then_raises(monkeypatch):
+    from jitattn.runtime import StreamFork
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device, priority: types.SimpleNamespace(cuda_stream=0x5D))
+    drv = _EventDriver()
+    module = _EventModule(drv, True)  # says current, but the record fails: made current and tried again
+    fork = StreamFork(module, torch.device("cuda", 0), 7)
+    drv.failing = {7}
+    assert fork.fork() == 0x5D
+    assert drv.calls == [(0xE1, 7, 0x5D, "caller's"), (0xE1, 7, 0x5D, "kernel's")]
+    module._make_current = lambda: None  # the context cannot be made current: the retry fails too
+    with pytest.raises(CudaDriverError, match="cuEventRecord / cuStreamWaitEvent failed: CUDA_ERROR_INVALID_CONTEXT"):
+        fork.fork()
