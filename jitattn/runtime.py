@@ -188,8 +188,8 @@ class StreamFork:
     the caller's stream wait for what was queued on the side. One driver event each way, made once and
     recorded again at every call (a wait takes the event's latest record at the time it is queued, so a
     later record never changes an earlier wait); CUDA graph capture records the pair as a fork and a join,
-    as it does ``torch.cuda.Stream.wait_stream``, whose Event object per call cost the one-call path ~13 us
-    on the H200 (2026-12-04). Both calls run with the module's context current, as the launches do: a raw
+    as it does ``torch.cuda.Stream.wait_stream`` (which makes an Event object per call: BENCHMARKS.md,
+    History 2026-12-04). Both calls run with the module's context current, as the launches do: a raw
     handle of 0 (the legacy default stream) names the current context's stream, and a wait on another
     device's stream would succeed and order nothing here.
 
@@ -257,13 +257,11 @@ def choose_num_splits(blocks: int, slots: int, max_useful: int, *, min_wave_fill
     is the most that still fit it (``slots // blocks``: a split there costs no wave, and shortens the
     longest block), taken when it fills the wave to ``min_wave_fill``; otherwise the smallest ``s``
     whose ``blocks * s`` blocks fill their waves to at least ``min_wave_fill`` of ``waves * slots``
-    (a partial last wave idles the rest of the GPU). Fitted on the H200 (graph times): 64 x 4096 hd128 (512 blocks, 264 slots) best at 1, 3 was 4 %
-    slower; 1 x 32768 (8 blocks) best at 33 (0.0411 ms; 30: 0.0432, 24: 0.0438; 64 was 31 % slower);
-    Gemma-2 64 x 8192 on the CUDA-core decode (512 blocks, 396 slots) best at 2-3; one wave 97 % full
-    unsplit beats two waves at 2 splits: issue 18's mixed probe (32 x 512, 256 blocks, 264 slots) 20.4
-    against 27.4 us, MLA TP8 (128 blocks, 132 slots) 0.174 against 0.204 ms, MLA TP1 0.194 against 0.251,
-    MLA TP8 FP8 (128 blocks, 264 slots) 0.146 at 2 against 0.188 at 4 (tools/tune_decode_splits.py,
-    2026-11-29; the one-wave cases 2026-12-04).
+    (a partial last wave idles the rest of the GPU). Fitted on the H200 by graph times (BENCHMARKS.md,
+    "Split-KV sweep" and History 2026-12-04): 64 x 4096 hd128 (512 blocks, 264 slots) best unsplit;
+    1 x 32768 (8 blocks) best at 33, one exact wave; Gemma-2 64 x 8192 on the CUDA-core decode (512
+    blocks, 396 slots) best at 2-3; one wave 97 % full unsplit beats two waves at 2 splits (issue 18's
+    mixed probe, MLA decode at TP8 and TP1), and FP8 MLA at TP8 (128 blocks, 264 slots) is best at 2.
     """
     cap = max(1, min(max_useful, MAX_SPLITS))
     if blocks <= slots:

@@ -63,7 +63,9 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
   return gx == 0 ? 1 : 0;                                       /* CUDA_ERROR_INVALID_VALUE */
 }
 typedef void *CUevent;
-CUresult cuEventCreate(CUevent *e, unsigned flags) { rec[0] = flags; *e = (CUevent)(uintptr_t)0x5E0000000001ULL; return 0; }
+CUresult cuEventCreate(CUevent *e, unsigned flags) {
+  rec[0] = flags; *e = (CUevent)(uintptr_t)0x5E0000000001ULL; return 0;
+}
 CUresult cuEventDestroy_v2(CUevent e) { rec[0] = (long long)(uintptr_t)e; return 0; }
 /* rec[10..12]: the event and stream recorded, then rec[13..15]: the waiting stream, the event, the flags */
 CUresult cuEventRecord(CUevent e, CUstream s) {
