@@ -14,6 +14,7 @@ import json
 import math
 
 
+import jitattn
 from jitattn import reference
 from jitattn.bench.cases import all_cases
 from jitattn.bench.harness import time_graph_ms
@@ -22,7 +23,8 @@ from jitattn.testing import random_paged_batch, relative_error
 
 CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 33, 48, 64)
 DEFAULT_CASES = ("decode-hd128-b64x4096-page16", "decode-hd128-b1x32768", "decode-gemma2-9b-b64x8192",
-                 "decode-gpt-oss-sliding-b256x8192", "decode-hd128-b64x4096-page1")
+                 "decode-gpt-oss-sliding-b256x8192", "decode-hd128-b64x4096-page1",
+                 "decode-mla-tp8-h16-b128x4096", "decode-mla-tp1-h128-b64x4096")  # MLA TP8: bf16 and FP8
 
 
 def sweep(case) -> list[dict]:
@@ -37,7 +39,9 @@ def sweep(case) -> list[dict]:
             if s > MAX_SPLITS:
                 continue
             kernel.num_splits = lambda b, n, s=s: s  # instance attribute shadows the method
-            call = lambda: kernel.paged_attention(*batch.args(), **batch.kwargs(), max_query_len=1)  # noqa: E731
+            # a plan of its own per count: the one-call form would reuse the stream's last plan (same metadata)
+            plan = jitattn.plan(case.spec, batch.block_table, batch.seq_lens, batch.query_start_loc, max_query_len=1)
+            call = lambda plan=plan: jitattn.run(batch.q, batch.kv_cache, plan, **batch.kwargs())  # noqa: E731
             err = relative_error(call(), ref)
             ms = time_graph_ms(call)
             rows.append({"case": case.name, "splits": s, "rule": s == rule, "ms": ms,

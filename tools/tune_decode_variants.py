@@ -138,14 +138,17 @@ def time_all(root: Path, out: str | None, rounds: int) -> None:
             # the kernel merges at most runtime.MAX_SPLITS partial states (kMaxSplits): 66 forced past it
             # gave rel err 0.18 on 2026-11-29 (the rule never goes past it)
             for s in [None, *(x for x in splits.get(c, []) if x <= runtime.MAX_SPLITS)]:
-                def call(k=k, batch=batch, s=s):
+                # a plan of its own per split count (the one-call form would reuse the stream's last plan)
+                if s is not None:
+                    k.num_splits = lambda b, n, s=s: s
+                try:
+                    plan = k.plan(batch.block_table, batch.seq_lens, batch.query_start_loc, max_query_len=1)
+                finally:
                     if s is not None:
-                        k.num_splits = lambda b, n, s=s: s
-                    try:
-                        return k.paged_attention(*batch.args(), **batch.kwargs(), max_query_len=1)
-                    finally:
-                        if s is not None:
-                            del k.num_splits
+                        del k.num_splits
+
+                def call(plan=plan, batch=batch):
+                    return runtime.run(batch.q, batch.kv_cache, plan, **batch.kwargs())
                 err = relative_error(call(), refs[c])
                 runs.append({"variant": name, "case": c, "splits": s or rule, "rule": s is None, "err": err,
                              "blocks_per_sm": k._decode_blocks_per_sm, "call": call, "ms": []})
