@@ -157,20 +157,12 @@ class CudaDriver:
         """``cuEventDestroy_v2``."""
         self._check("cuEventDestroy", self._cuEventDestroy_v2(event))
 
-    def record_and_wait(self, event: int, stream: int, waiter: int) -> int:
+    def record_and_wait(self, event: int, stream: int, waiter: int) -> None:
         """``cuEventRecord(event, stream)``, then ``cuStreamWaitEvent(waiter, event, 0)``: ``waiter``'s later work
         waits for what ``stream`` has queued so far (under CUDA graph capture, a fork or a join of the capture).
-
-        Returns:
-            0, or the ``CUresult`` of the call that failed (:meth:`check` raises it), so that the caller may
-            make its context current and retry first.
-        """
-        status = self._cuEventRecord(event, stream)
-        return status or self._cuStreamWaitEvent(waiter, event, 0)
-
-    def check(self, call: str, status: int) -> None:
-        """Raise :class:`CudaDriverError` for a nonzero ``status`` returned by ``call``."""
-        self._check(call, status)
+        A raw handle of 0 names the current context's default stream."""
+        self._check("cuEventRecord", self._cuEventRecord(event, stream))
+        self._check("cuStreamWaitEvent", self._cuStreamWaitEvent(waiter, event, 0))
 
     def launch_kernel(self, function: int, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
                       stream: int, params: bytes) -> None:

@@ -181,6 +181,18 @@ class CubinModule:
         finally:
             self._restore(prev)
 
+    def record_and_wait(self, event: int, stream: int, waiter: int) -> None:
+        """``waiter`` waits for what ``stream`` has queued so far (``CudaDriver.record_and_wait``), in this device's
+        context, as :meth:`launch` runs: a raw handle of 0 names the current context's default stream."""
+        if self.is_current():
+            self._driver.record_and_wait(event, stream, waiter)
+            return
+        prev = self._make_current()
+        try:
+            self._driver.record_and_wait(event, stream, waiter)
+        finally:
+            self._restore(prev)
+
 
 class StreamFork:
     """A caller's stream and the side stream a mixed batch's decode kernel runs on beside it: :meth:`fork`
@@ -210,33 +222,21 @@ class StreamFork:
         events: list[int] = []
         prev = module._make_current()
         try:
-            events += [drv.event_create(), drv.event_create()]
+            for _ in range(2):
+                events.append(drv.event_create())
         finally:
             module._restore(prev)
             if len(events) < 2:  # the second create failed: the first is not left behind
                 _destroy_events(drv, tuple(events))
         self._forked, self._joined = events
-        self._record_and_wait = drv.record_and_wait
         weakref.finalize(self, _destroy_events, drv, (self._forked, self._joined))
 
     def fork(self) -> int:
-        if not self.module.is_current() or self._record_and_wait(self._forked, self.main, self.side):
-            self._with_context(self._forked, self.main, self.side)
+        self.module.record_and_wait(self._forked, self.main, self.side)
         return self.side
 
     def join(self) -> None:
-        if not self.module.is_current() or self._record_and_wait(self._joined, self.side, self.main):
-            self._with_context(self._joined, self.side, self.main)
-
-    def _with_context(self, event: int, stream: int, waiter: int) -> None:
-        """The record and the wait with the module's context made current (another device is current, or this
-        thread has not launched yet), then restored; a failure raises."""
-        prev = self.module._make_current()
-        try:
-            self.module._driver.check("cuEventRecord / cuStreamWaitEvent",
-                                      self._record_and_wait(event, stream, waiter))
-        finally:
-            self.module._restore(prev)
+        self.module.record_and_wait(self._joined, self.side, self.main)
 
 
 def _destroy_events(drv: cuda_driver.CudaDriver, events: tuple[int, ...]) -> None:

@@ -144,11 +144,11 @@ def test_plan_run_launches_equal_the_old_ones_that_do_work(name, kernels):
 
 
 def _exact_prefill_tiles(case) -> int:
-    """The m-tiles the prefill kernel's prefill_find_tile numbers for the case's lengths: ceil(queries x group
-    / block_m) per sequence it serves (one-query sequences go to the decode kernel, but for explicit positions)."""
-    lens = case.tensors["query_start_loc"].diff().tolist()
-    served = [n for n in lens if n > 0 and (n > 1 or case.spec.explicit_positions)]
-    return max(1, sum(-(-n * case.spec.group_size // lc.GEOMETRY["prefill_block_m"]) for n in served))
+    """The m-tiles prefill_find_tile numbers for the case's lengths (:func:`_kernel_tiles`; one-query
+    sequences go to the decode kernel, but for explicit positions), at least one."""
+    qsl = case.tensors["query_start_loc"].tolist()
+    return max(1, _kernel_tiles(qsl, qsl[-1], case.spec.group_size, lc.GEOMETRY["prefill_block_m"],
+                                skip=not case.spec.explicit_positions))
 
 
 def test_a_plan_serves_every_layer_with_its_own_pointers(kernels):

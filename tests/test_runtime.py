@@ -344,8 +344,8 @@ def test_load_kernel_finds_a_loaded_spec_object_by_identity_until_cleared(monkey
 
 
 class _EventDriver:
-    """CudaDriver's event calls, recorded with the context current at each (``ctx``); ``status`` is what
-    record_and_wait returns for a stream listed in ``failing`` while ``ctx`` is not the kernel's."""
+    """CudaDriver's event calls, recorded with the context current at each (``ctx``); a record on a stream in
+    ``failing`` raises, as the driver's binding does."""
 
     def __init__(self):
         self.calls, self.ctx, self.made, self.failing = [], "caller's", 0, set()
@@ -359,26 +359,28 @@ class _EventDriver:
 
     def record_and_wait(self, event, stream, waiter):
         self.calls.append((event, stream, waiter, self.ctx))
-        return 201 if stream in self.failing and self.ctx != "kernel's" else 0
-
-    def check(self, call, status):
-        if status:
-            raise CudaDriverError(call, status, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context")
+        if stream in self.failing:
+            raise CudaDriverError("cuEventRecord", 201, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context")
 
 
-class _EventModule:
-    def __init__(self, driver, current):
-        self._driver, self.current = driver, current
+def _event_module(monkeypatch, current):
+    """A CubinModule with no cubin: the fake driver, and a context that is current or made so."""
+    from jitattn.runtime import CubinModule
 
-    def is_current(self):
-        return self.current
+    module = object.__new__(CubinModule)
+    module._driver, module.device_index = _EventDriver(), 1
+    drv = module._driver
+    if current:
+        drv.ctx = "kernel's"
+    monkeypatch.setattr(module, "is_current", lambda: drv.ctx == "kernel's", raising=False)
 
-    def _make_current(self):
-        prev, self._driver.ctx = self._driver.ctx, "kernel's"
+    def make_current():
+        prev, drv.ctx = drv.ctx, "kernel's"
         return prev
 
-    def _restore(self, prev):
-        self._driver.ctx = prev
+    monkeypatch.setattr(module, "_make_current", make_current, raising=False)
+    monkeypatch.setattr(module, "_restore", lambda prev: setattr(drv, "ctx", prev), raising=False)
+    return module
 
 
 @pytest.mark.parametrize("current", [True, False])
@@ -389,10 +391,8 @@ def test_stream_fork_records_and_waits_with_the_kernels_context_current(monkeypa
     from jitattn.runtime import StreamFork
 
     monkeypatch.setattr(torch.cuda, "Stream", lambda device, priority: types.SimpleNamespace(cuda_stream=0x5D))
-    drv = _EventDriver()
-    module = _EventModule(drv, current)
-    if current:
-        drv.ctx = "kernel's"
+    module = _event_module(monkeypatch, current)
+    drv = module._driver
     fork = StreamFork(module, torch.device("cuda", 1), 0)  # 0: the legacy default stream of the caller
     assert fork.fork() == 0x5D
     fork.join()
@@ -400,16 +400,31 @@ def test_stream_fork_records_and_waits_with_the_kernels_context_current(monkeypa
     assert drv.ctx == ("kernel's" if current else "caller's")
 
 
-def test_stream_fork_retries_with_the_context_made_current_then_raises(monkeypatch):
+def test_stream_fork_raises_the_drivers_error_and_restores_the_context(monkeypatch):
     from jitattn.runtime import StreamFork
 
     monkeypatch.setattr(torch.cuda, "Stream", lambda device, priority: types.SimpleNamespace(cuda_stream=0x5D))
-    drv = _EventDriver()
-    module = _EventModule(drv, True)  # says current, but the record fails: made current and tried again
+    module = _event_module(monkeypatch, False)
     fork = StreamFork(module, torch.device("cuda", 0), 7)
-    drv.failing = {7}
-    assert fork.fork() == 0x5D
-    assert drv.calls == [(0xE1, 7, 0x5D, "caller's"), (0xE1, 7, 0x5D, "kernel's")]
-    module._make_current = lambda: None  # the context cannot be made current: the retry fails too
-    with pytest.raises(CudaDriverError, match="cuEventRecord / cuStreamWaitEvent failed: CUDA_ERROR_INVALID_CONTEXT"):
+    module._driver.failing = {7}
+    with pytest.raises(CudaDriverError, match="cuEventRecord failed: CUDA_ERROR_INVALID_CONTEXT"):
         fork.fork()
+    assert module._driver.ctx == "caller's"
+
+
+def test_stream_fork_destroys_its_first_event_when_the_second_cannot_be_made(monkeypatch):
+    from jitattn.runtime import StreamFork
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device, priority: types.SimpleNamespace(cuda_stream=0x5D))
+    module = _event_module(monkeypatch, True)
+    drv, create = module._driver, module._driver.event_create
+
+    def create_once():
+        if drv.made:
+            raise CudaDriverError("cuEventCreate", 2, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory")
+        return create()
+
+    drv.event_create = create_once
+    with pytest.raises(CudaDriverError, match="cuEventCreate failed"):
+        StreamFork(module, torch.device("cuda", 0), 7)
+    assert drv.calls == [("destroy", 0xE1)]
