@@ -95,11 +95,19 @@ def generate(model, ids, mask, new_tokens=NEW, **kw):
                               do_sample=False, output_scores=True, return_dict_in_generate=True, **kw)
 
 
-def compare(eager, jit, prompt: int, tie: float = 0.05, atol: float = 0.1) -> list[int | None]:
+def compare(eager, jit, prompt: int, atol: float = 0.1, tie: float | None = None) -> tuple[list[int | None], float]:
     """Per row, the first step where the tokens differ (None: never), checked to be a near-tie of
-    eager's with every earlier step's logits within ``atol``."""
+    eager's with every earlier step's logits within ``atol``; and the largest logit difference seen.
+
+    ``tie`` (default ``atol``): the most eager's top-2 margin may be where the tokens first differ. It is
+    the logit tolerance itself: jit's pick b over eager's a means ``margin <= |d_a| + |d_b|``, so a
+    tolerance of ``atol`` per logit admits flips up to ``2 * atol``; ``atol`` keeps them to half of that.
+    (The random-weight models tie often: gpt-oss's eager top-2 margin is under 0.07 on ~15% of its
+    steps, and a flip at 0.0625 with every logit within 0.1 is what the tolerance allows.)
+    """
+    tie = atol if tie is None else tie
     assert eager.sequences.shape == jit.sequences.shape
-    first = []
+    first, worst = [], 0.0
     for row in range(eager.sequences.shape[0]):
         steps = (eager.sequences[row, prompt:] != jit.sequences[row, prompt:]).nonzero()
         stop = int(steps[0]) if len(steps) else len(eager.scores)
@@ -107,12 +115,14 @@ def compare(eager, jit, prompt: int, tie: float = 0.05, atol: float = 0.1) -> li
             a, b = eager.scores[step][row].float(), jit.scores[step][row].float()
             err = torch.where(a == b, 0.0, a - b).abs().max().item()  # min_new_tokens puts -inf on eos
             assert err < atol, f"row {row} step {step}: logits differ by {err:.3f} (atol {atol})"
+            worst = max(worst, err)
         if stop < len(eager.scores):
             top2 = eager.scores[stop][row].float().topk(2).values
             margin = (top2[0] - top2[1]).item()
-            assert margin < tie, f"row {row} step {stop}: tokens differ where eager's margin is {margin:.3f}"
+            assert margin < tie, f"row {row} step {stop}: tokens differ where eager's margin is {margin:.3f} " \
+                                 f"(a near-tie is under {tie})"
         first.append(stop if stop < len(eager.scores) else None)
-    return first
+    return first, worst
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -122,8 +132,8 @@ def test_paged_generate_matches_eager(name):
     cache = jt.PagedCache(jit.config, max_batch_size=2, max_cache_len=PROMPT + NEW)
     ref = generate(eager, ids, mask)
     out = generate(jit, ids, mask, past_key_values=cache)
-    first = compare(ref, out, PROMPT)
-    print(f"{name}: first differing step per row {first} of {NEW}")
+    first, worst = compare(ref, out, PROMPT)
+    print(f"{name}: first differing step per row {first} of {NEW}, logits within {worst:.3f}")
     # padded tokens are not stored: row 1 holds PAD fewer; the last new token is never fed back
     assert cache.layers[0].seq_lens.tolist() == [PROMPT + NEW - 1, PROMPT + NEW - 1 - PAD]
     assert cache.get_seq_length() == PROMPT + NEW - 1
