@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from typing import Any
 
 __all__ = ["CudaDriver", "CudaDriverError", "driver", "LIBRARY"]
 
@@ -89,6 +90,12 @@ class CudaDriver:
                               f"jitattn (needs CUDA 12 or newer)") from exc
             fn.argtypes, fn.restype = argtypes, _c_int
             setattr(self, "_" + name, fn)
+        # The per-layer launch once more, without argtypes: it takes its arguments' ctypes objects made once
+        # per distinct (function, grid, block, smem, stream) (_LaunchArguments), where argtypes would convert
+        # all eleven on every call.
+        self._launch_raw = self._lib["cuLaunchKernel"]  # a function object of its own: no argtypes
+        self._launch_raw.restype = _c_int
+        self._launches = _LaunchArguments()
 
     def _check(self, call: str, status: int) -> None:
         if status == 0:
@@ -174,17 +181,71 @@ class CudaDriver:
             smem: dynamic shared memory in bytes.
             stream: the raw ``CUstream`` handle (``torch.cuda.current_stream().cuda_stream``; 0 = legacy default).
             params: the struct's bytes; the driver copies them before returning.
+
+        Raises:
+            CudaDriverError: the driver refused the launch.
+            TypeError, OverflowError: a dimension, size or handle that is not an int of its C type's range.
         """
+        fixed = self._launches.get((function, grid, block, smem, stream))
         n = len(params)
         args = getattr(_launch_args, "buffers", None)
         if args is None or len(args[0]) < n:
             args = _launch_args.buffers = _argument_buffers(n)
         buf, argv = args
         buf.raw = params  # into this thread's buffer (ctypes releases the GIL in the launch); no foreign call
-        status = self._cuLaunchKernel(function, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem,
-                                      stream, argv, None)
+        status = self._launch_raw(*fixed, argv, None)
         if status:
             self._check("cuLaunchKernel", status)
+
+
+class _LaunchArguments:
+    """The ctypes objects of a launch's arguments but the struct, made (and range-checked) once per distinct
+    ``(function, grid, block, smem, stream)``: a plan's launches repeat theirs every layer. At most
+    :data:`_MAX_LAUNCHES` tuples are kept (then all are dropped: a process that plans many batch shapes
+    remakes the few it uses)."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple, tuple] = {}
+
+    def get(self, key: tuple) -> tuple:
+        found = self._made.get(key)
+        if found is None:
+            found = _launch_arguments(key)
+            if len(self._made) >= _MAX_LAUNCHES:
+                self._made.clear()
+            self._made[key] = found
+        return found
+
+
+_MAX_LAUNCHES = 4096
+
+
+def _uint(name: str, value: Any) -> ctypes.c_uint:
+    """An ``unsigned int`` argument, refused outside its range (argtypes would wrap a negative one silently)."""
+    if not isinstance(value, int):
+        raise TypeError(f"cuLaunchKernel {name}: expected an int, got {type(value).__name__}")
+    if not 0 <= value < 1 << 32:
+        raise OverflowError(f"cuLaunchKernel {name}={value}: outside unsigned int's range")
+    return _c_uint(value)
+
+
+def _handle(name: str, value: Any) -> ctypes.c_void_p:
+    """A handle (pointer-sized) argument: a non-negative int below 2^64, 0 for NULL."""
+    if not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int handle, got {type(value).__name__}")
+    if not 0 <= value < 1 << 64:
+        raise OverflowError(f"{name}={value}: not a pointer-sized handle")
+    return _c_void_p(value)
+
+
+def _launch_arguments(key: tuple) -> tuple:
+    function, grid, block, smem, stream = key
+    if len(grid) != 3 or len(block) != 3:
+        raise TypeError(f"cuLaunchKernel grid={grid}, block={block}: expected three dimensions each")
+    return (_handle("cuLaunchKernel function", function),
+            *(_uint(f"grid[{i}]", d) for i, d in enumerate(grid)),
+            *(_uint(f"block[{i}]", d) for i, d in enumerate(block)),
+            _uint("sharedMemBytes", smem), _handle("cuLaunchKernel stream", stream))
 
 
 #: Per thread: a struct-argument buffer and the one-entry argument array pointing at it, made once (the

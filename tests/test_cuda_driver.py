@@ -1,7 +1,7 @@
 """The ctypes driver binding (jitattn.cuda_driver) against a fake driver library built here with the C compiler.
 
-The fake implements the eight entry points with the signatures of cuda.h and records what it was
-given, so these tests check on the CPU what the GPU tests cannot see directly: argument order and
+The fake (tests/fake_cuda_driver.py) implements the entry points with the signatures of cuda.h and
+records what it was given, so these tests check on the CPU what the GPU tests cannot see directly: argument order and
 widths (a 64-bit device pointer, size_t sizes, the launch's eleven arguments), that the struct bytes
 reach the driver, and that a failing CUresult becomes a CudaDriverError that names the call and the
 error. The real library is exercised by every GPU test (the runtime launches through this binding).
@@ -12,91 +12,22 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import re
-import shutil
 import struct
 import subprocess
 import sys
 
 import pytest
 
+from jitattn import cuda_driver
 from jitattn.cuda_driver import CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, CudaDriver, CudaDriverError
-
-_FAKE = r"""
-#include <stddef.h>
-#include <stdint.h>
-#include <string.h>
-typedef int CUresult;
-typedef void *CUmodule, *CUfunction, *CUstream;
-typedef unsigned long long CUdeviceptr;
-/* Recorded calls: rec[0..] = the integer arguments of the last call; params = the launch's struct bytes. */
-long long rec[16];
-unsigned char params[32];
-CUresult cuModuleLoadData(CUmodule *module, const void *image) {
-  if (memcmp(image, "BAD", 3) == 0) return 200;              /* CUDA_ERROR_INVALID_IMAGE */
-  *module = (CUmodule)(uintptr_t)(0x10000 + strlen((const char *)image));
-  return 0;
-}
-CUresult cuModuleUnload(CUmodule m) { rec[0] = (long long)(uintptr_t)m; return 0; }
-CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name) {
-  if (strcmp(name, "missing") == 0) return 500;                /* CUDA_ERROR_NOT_FOUND */
-  *f = (CUfunction)((uintptr_t)m + 0x100 + strlen(name));
-  return 0;
-}
-CUresult cuModuleGetGlobal_v2(CUdeviceptr *dptr, size_t *bytes, CUmodule m, const char *name) {
-  *dptr = 0x7f0000000000ULL + (uintptr_t)m;                   /* above 2^32: a truncated pointer shows */
-  *bytes = ((size_t)1 << 33) + strlen(name);                  /* above 2^32: a 32-bit size_t shows */
-  return 0;
-}
-CUresult cuFuncSetAttribute(CUfunction f, int attrib, int value) {
-  rec[0] = (long long)(uintptr_t)f; rec[1] = attrib; rec[2] = value; return 0;
-}
-CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int *n, CUfunction f, int block, size_t smem) {
-  rec[0] = (long long)(uintptr_t)f; rec[1] = block; rec[2] = (long long)smem;
-  *n = 2048 / block;
-  return 0;
-}
-CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
-                        unsigned bz, unsigned smem, CUstream s, void **kernel_params, void **extra) {
-  rec[0] = (long long)(uintptr_t)f; rec[1] = gx; rec[2] = gy; rec[3] = gz; rec[4] = bx; rec[5] = by;
-  rec[6] = bz; rec[7] = smem; rec[8] = (long long)(uintptr_t)s; rec[9] = extra == NULL;
-  memcpy(params, kernel_params[0], sizeof(params));
-  return gx == 0 ? 1 : 0;                                       /* CUDA_ERROR_INVALID_VALUE */
-}
-typedef void *CUevent;
-CUresult cuEventCreate(CUevent *e, unsigned flags) {
-  rec[0] = flags; *e = (CUevent)(uintptr_t)0x5E0000000001ULL; return 0;
-}
-CUresult cuEventDestroy_v2(CUevent e) { rec[0] = (long long)(uintptr_t)e; return 0; }
-/* rec[10..12]: the event and stream recorded, then rec[13..15]: the waiting stream, the event, the flags */
-CUresult cuEventRecord(CUevent e, CUstream s) {
-  rec[10] = (long long)(uintptr_t)e; rec[11] = (long long)(uintptr_t)s; rec[12] = 1;
-  return s == (CUstream)(uintptr_t)0xBAD ? 201 : 0;               /* CUDA_ERROR_INVALID_CONTEXT */
-}
-CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags) {
-  rec[13] = (long long)(uintptr_t)s; rec[14] = (long long)(uintptr_t)e; rec[15] = flags; return 0;
-}
-CUresult cuGetErrorName(CUresult e, const char **s) {
-  *s = e == 200 ? "CUDA_ERROR_INVALID_IMAGE" : e == 500 ? "CUDA_ERROR_NOT_FOUND"
-     : e == 1 ? "CUDA_ERROR_INVALID_VALUE" : e == 201 ? "CUDA_ERROR_INVALID_CONTEXT" : NULL;
-  return *s ? 0 : 1;
-}
-CUresult cuGetErrorString(CUresult e, const char **s) {
-  *s = e == 200 ? "device kernel image is invalid" : e == 500 ? "named symbol not found"
-     : e == 1 ? "invalid argument" : e == 201 ? "invalid device context" : NULL;
-  return *s ? 0 : 1;
-}
-"""
+from tests.fake_cuda_driver import build
 
 
 @pytest.fixture(scope="module")
 def fake(tmp_path_factory):
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None or not sys.platform.startswith("linux"):
+    lib = build(tmp_path_factory.mktemp("fake_driver"))
+    if lib is None:
         pytest.skip("needs a C compiler on Linux (nvcc needs one too)")
-    d = tmp_path_factory.mktemp("fake_driver")
-    (d / "fake_cuda.c").write_text(_FAKE)
-    lib = d / "libfakecuda.so"
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib), str(d / "fake_cuda.c")], check=True)
     drv = CudaDriver(str(lib))
     raw = ctypes.CDLL(str(lib))
     return drv, (ctypes.c_longlong * 16).in_dll(raw, "rec"), (ctypes.c_ubyte * 32).in_dll(raw, "params")
@@ -127,6 +58,39 @@ def test_attribute_occupancy_and_launch_arguments(fake):
     assert bytes(params[:len(payload)]) == payload
 
 
+
+def test_launch_arguments_made_once_per_tuple_are_each_launchs_own(fake, monkeypatch):
+    """The per-layer launch converts its arguments once per (function, grid, block, smem, stream): each
+    launch still reaches the driver with its own, also after the memo is full and dropped."""
+    drv, rec, params = fake
+    monkeypatch.setattr(cuda_driver, "_MAX_LAUNCHES", 2)
+    calls = [(0x123456789A, (132, 8, 3), (384, 1, 1), 230_000, 0x55AA0000F0),
+             (0x123456789A, (132, 8, 3), (384, 1, 1), 230_000, 0x66BB0000F0),  # another stream only
+             (0x1234567800, (1, 1, 1), (128, 1, 1), 0, 0),  # the memo is full here: dropped, then kept
+             (0x123456789A, (132, 8, 3), (384, 1, 1), 230_000, 0x55AA0000F0)]
+    for i, (fn, grid, block, smem, stream) in enumerate(calls * 2):
+        payload = struct.pack("<QQ", i, ~i & 0xFFFF)
+        drv.launch_kernel(fn, grid, block, smem, stream, payload)
+        assert list(rec[:10]) == [fn, *grid, *block, smem, stream, 1]
+        assert bytes(params[:16]) == payload
+        assert len(drv._launches._made) <= 2
+
+
+@pytest.mark.parametrize("grid, block, smem, error, match", [
+    ((-1, 1, 1), (128, 1, 1), 0, OverflowError, r"grid\[0\]=-1: outside unsigned int"),
+    ((1, 1, 1), (128, 1, 1), 1 << 32, OverflowError, r"sharedMemBytes=4294967296"),
+    ((1.0, 1, 1), (128, 1, 1), 0, TypeError, r"grid\[0\]: expected an int, got float"),
+    ((1, 1), (128, 1, 1), 0, TypeError, r"expected three dimensions"),
+])
+def test_launch_arguments_out_of_range_are_refused_not_wrapped(fake, grid, block, smem, error, match):
+    drv, rec, _ = fake
+    rec[1] = 77
+    with pytest.raises(error, match=match):
+        drv.launch_kernel(0x10, grid, block, smem, 0, b"\0" * 8)
+    assert rec[1] == 77  # nothing launched
+    with pytest.raises(OverflowError, match=r"cuLaunchKernel stream=-1: not a pointer-sized handle"):
+        drv.launch_kernel(0x10, (1, 1, 1), (32, 1, 1), 0, -1, b"\0" * 8)
+
 def test_events_record_then_wait(fake):
     """The fork / join of a mixed batch: the event recorded on one stream, then waited on by the other; a
     failed record raises naming the call, and nothing waits."""
@@ -135,6 +99,10 @@ def test_events_record_then_wait(fake):
     assert event == 0x5E0000000001 and rec[0] == 2  # CU_EVENT_DISABLE_TIMING
     main, side = 0x7F00000000A0, 0x7F00000000B0
     rec[10:16] = [0] * 6
+    drv.record_and_wait(event, main, side)
+    assert list(rec[10:16]) == [event, main, 1, side, event, 0]
+    drv.record_and_wait(event + 1, side, main)  # the join: another event, the streams the other way
+    assert list(rec[10:16]) == [event + 1, side, 1, main, event + 1, 0]
     drv.record_and_wait(event, main, side)
     assert list(rec[10:16]) == [event, main, 1, side, event, 0]
     rec[10:16] = [0] * 6

@@ -34,6 +34,8 @@ class Recorder:
     def launch(self, name, grid, block, smem, params, stream):
         layout = self.kernel.layout
         assert isinstance(params, bytes) and len(params) == layout.size
+        # what the driver binding takes (its argument memo is keyed on them): a tuple grid, exact ints
+        assert type(grid) is tuple and len(grid) == 3 and all(type(d) is int for d in (*grid, block, smem, stream))
         self.launches.append({"kernel": name, "grid": list(grid), "block": block, "smem": smem, "stream": stream,
                               "fields": dict(zip(layout.field_order, layout.packer.unpack(params)))})
 

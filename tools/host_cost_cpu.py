@@ -1,21 +1,24 @@
-"""Host cost of jitattn's per-layer call on a CPU box, with the launch itself replaced by a no-op.
+"""Host cost of jitattn's per-layer call on a CPU box, launching into a fake driver library.
 
 What it isolates: the Python work of ``jitattn.run`` (with a plan) and of the one-call
-``jitattn.paged_attention`` (checks, the plan reuse, packing ``Params``) on issue 18's decode probe and
-its mixed probe (2 prefill rows of 64 + 30 decode rows; on the CPU both kernels go to one stream: the
-side-stream fork and join only exist on a GPU), the one-call as the GPU bench calls it (no ``out``, no
+``jitattn.paged_attention`` (checks, the plan reuse, packing ``Params``, the ctypes launch) on issue
+18's decode probe and its mixed probe (2 prefill rows of 64 + 30 decode rows; on the CPU both kernels
+go to one stream: the side-stream fork and join only exist on a GPU, and their two driver calls are
+a row of their own), the one-call as the GPU bench calls it (no ``out``, no
 ``max_query_len``: both kernels), one layer of transformers' attention function on a ``PagedCache``
 decode step (``update`` + :func:`jitattn.integrations.transformers.attention_forward`, batch 8, the step's
 first layer planning it: µs per layer over a step of 4 layers, the bench's generate model), and of
 ``jitattn.append_kv`` on a decode step (64 tokens, 8 KV heads, hd128, bf16, NHD page 16: the memoised layout, and with the
 memo cleared before each call), next to ``torch.add`` of two small tensors and ``index_copy_`` of
 append_kv's bytes into a flat view of the cache, in one process. The kernels come from
-``JitKernel.from_module`` / ``AppendKvKernel.from_module`` over a module whose ``launch`` does
-nothing, with the fixed geometry of tests/launch_cases.py, so no GPU and no nvcc is needed; append_kv
-takes its CPU tensors as a CUDA call's (the kernel's CPU refusal and the CPU-only slot-value read
-dropped). The GPU figure (``jitattn bench --case host``) adds ``cuLaunchKernel`` and torch's stream
-lookup on top; this one tracks the Python side between GPU sessions. (On the CPU ``index_copy_``
-really moves its 262 KB; on a GPU it is one launch.)
+``JitKernel.from_module`` / ``AppendKvKernel.from_module`` with the fixed geometry of
+tests/launch_cases.py, over a module that launches through :class:`jitattn.cuda_driver.CudaDriver`
+bound on tests/fake_cuda_driver.py's library (built with the C compiler; its ``cuLaunchKernel``
+records and returns; without a compiler the launch is a no-op), so no GPU and no nvcc is needed;
+append_kv takes its CPU tensors as a CUDA call's (the kernel's CPU refusal and the CPU-only
+slot-value read dropped). The GPU figure (``jitattn bench --case host``) adds the driver's own launch
+work, the context check and torch's stream lookup on top; this one tracks the Python side between
+GPU sessions. (On the CPU ``index_copy_`` really moves its 262 KB; on a GPU it is one launch.)
 
 Usage (from a checkout)::
 
@@ -28,6 +31,7 @@ import argparse
 import cProfile
 import pstats
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,10 +42,10 @@ import torch  # noqa: E402
 torch.set_num_threads(1)  # the small CPU ops of one call: no thread pool to wake
 
 import jitattn  # noqa: E402
-from jitattn import append_kv_module, kv_write, runtime  # noqa: E402
+from jitattn import append_kv_module, cuda_driver, kv_write, runtime  # noqa: E402
 from jitattn.spec import AttentionSpec  # noqa: E402
 from jitattn.testing import random_paged_batch  # noqa: E402
-from tests import launch_cases as lc  # noqa: E402
+from tests import fake_cuda_driver, launch_cases as lc  # noqa: E402
 
 
 class _NoLaunch:
@@ -49,13 +53,31 @@ class _NoLaunch:
         pass
 
 
-def _install_fake_kernels() -> None:
+class _FakeDriverLaunch:
+    """CubinModule's launch on the ctypes binding of a fake driver library (tests/fake_cuda_driver.py: its
+    cuLaunchKernel records its arguments and returns), without the context check (no CUDA here)."""
+
+    def __init__(self, drv: cuda_driver.CudaDriver):
+        self._launch = drv.launch_kernel
+        self.functions = {"decode": 0x7F0000001000, "prefill": 0x7F0000002000, "append_kv": 0x7F0000003000}
+
+    def launch(self, kernel, grid, block, smem, params, stream):
+        self._launch(self.functions[kernel], grid, (block, 1, 1), smem, stream, params)
+
+
+def _fake_driver() -> cuda_driver.CudaDriver | None:
+    lib = fake_cuda_driver.build(Path(tempfile.mkdtemp(prefix="jitattn-fake-driver-")))
+    return None if lib is None else cuda_driver.CudaDriver(str(lib))
+
+
+def _install_fake_kernels(drv: cuda_driver.CudaDriver | None) -> None:
     made: dict[str, runtime.JitKernel] = {}
+    module = launcher = _NoLaunch() if drv is None else _FakeDriverLaunch(drv)
 
     def load(spec, device=None):
         if spec.canonical_text not in made:
             kernel = runtime.JitKernel.from_module(
-                spec, _NoLaunch(), lc.GEOMETRY, device=torch.device("cpu"), num_sms=lc.NUM_SMS,
+                spec, module, lc.GEOMETRY, device=torch.device("cpu"), num_sms=lc.NUM_SMS,
                 decode_blocks_per_sm=lc.DECODE_BLOCKS_PER_SM, stream_handle=lambda: lc.STREAM)
             kernel.mixed_on_two_streams = False  # the CPU has no streams to fork
             made[spec.canonical_text] = kernel
@@ -69,7 +91,7 @@ def _install_fake_kernels() -> None:
         module = append_kv_module.AppendKvModule(str(dtype), str(kv_dtype))
         key = (module.dtype, module.kv_dtype)
         if key not in appenders:
-            appenders[key] = kv_write.AppendKvKernel.from_module(module, _NoLaunch(), device=torch.device("cpu"),
+            appenders[key] = kv_write.AppendKvKernel.from_module(module, launcher, device=torch.device("cpu"),
                                                                  stream_handle=lambda: lc.STREAM)
         return appenders[key]
 
@@ -168,7 +190,8 @@ def main() -> None:
                         help="Python function calls per call of each row (cProfile's count: unlike the time, "
                              "the same on a busy machine), instead of the table")
     args = parser.parse_args()
-    _install_fake_kernels()
+    drv = _fake_driver()
+    _install_fake_kernels(drv)
     # The decode probe of issue 18: 32/8 heads, hd128, page 16, batch 1, 512 keys.
     spec = AttentionSpec(32, 8, 128, page_size=16)
     b = random_paged_batch(spec, [1], [512], device="cpu")
@@ -190,6 +213,12 @@ def main() -> None:
         **_append_calls(),
         "torch.add": lambda: torch.add(out, out),
     }
+    if drv is not None:  # the binding's per-layer calls alone, on the fake library
+        params = bytes(plan.for_spec(None).layout.size)  # the probe's Params
+        calls["driver: cuLaunchKernel"] = lambda: drv.launch_kernel(0x7F0000001000, (8, 2, 1), (128, 1, 1), 49152,
+                                                                    lc.STREAM, params)
+        calls["driver: cuEventRecord + cuStreamWaitEvent"] = lambda: drv.record_and_wait(0x5E0000000001, lc.STREAM,
+                                                                                         lc.STREAM + 16)
     per = {name: (fn if isinstance(fn, tuple) else (fn, 1)) for name, fn in calls.items()}
     if args.profile:
         if args.profile not in per:
@@ -212,7 +241,8 @@ def main() -> None:
             total = sum(v[1] for v in pstats.Stats(prof).stats.values())  # primitive + recursive calls
             print(f"| {name} | {total / (max(1, 200 // n) * n):.1f} |")
         return
-    print("| call | µs per call (CPU, launch a no-op) |\n|---|---|")
+    launch = "the fake driver's cuLaunchKernel" if drv is not None else "launch a no-op"
+    print(f"| call | µs per call (CPU, {launch}) |\n|---|---|")
     for name, (fn, n) in per.items():
         print(f"| {name} | {us_per_call(fn, max(1, args.calls // 5 // n)) / n:.1f} |")
 
