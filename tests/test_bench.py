@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -537,8 +538,8 @@ def test_host_case_on_gpu():
     """Both probes: every call form runs, is right, and reports us per call (torch.add the smallest)."""
     for case in [c for c in cases.host_cases() if c.phase != "append"]:
         rows = {r.impl: r for r in host.run_host_case(case)}
-        assert {"jitattn", "jitattn-kernel", "torch.add"} <= set(rows)
-        for impl in ("jitattn", "jitattn-kernel", "jitattn-plan"):
+        assert {"jitattn", "jitattn-one-stream", "jitattn-kernel", "torch.add"} <= set(rows)
+        for impl in ("jitattn", "jitattn-one-stream", "jitattn-kernel", "jitattn-plan"):
             if impl in rows:
                 r = rows[impl]
                 assert r.status == "ok" and r.unit == report.HOST_UNIT and r.rel_err < 1e-2, r
@@ -892,3 +893,20 @@ def test_model_cases_give_deepseek_its_mla_decode_case_and_refuse_a_config_with_
         cases.model_cases(config)
     with pytest.raises(cases.BenchUsageError, match="deepseek-v3.json: no bench case"):
         cases.select_cases(None, [str(config)])
+
+
+def test_one_stream_row_turns_the_fork_off_for_its_call_only():
+    """The host case's ``jitattn-one-stream`` row: its call runs with the kernel's mixed launches on one
+    stream, and the kernel's setting is back after it, also when the call raises."""
+    kernel = SimpleNamespace(mixed_on_two_streams=True)
+    seen = []
+    assert host._one_stream(kernel, lambda: seen.append(kernel.mixed_on_two_streams) or "out") == "out"
+    assert seen == [False] and kernel.mixed_on_two_streams is True
+
+    def fails():
+        seen.append(kernel.mixed_on_two_streams)
+        raise RuntimeError("launch failed")
+
+    with pytest.raises(RuntimeError, match="launch failed"):
+        host._one_stream(kernel, fails)
+    assert seen == [False, False] and kernel.mixed_on_two_streams is True

@@ -4,6 +4,9 @@ Issue #18's probe: :data:`~jitattn.bench.cases.HOST_CALLS` back-to-back eager ca
 only at the end (:func:`jitattn.bench.harness.host_us_per_call`), of
 
 - ``jitattn``: ``jitattn.paged_attention(spec, ...)``, the one-call convenience;
+- ``jitattn-one-stream``: the one-call with both kernels on the caller's stream, one after the other
+  (``JitKernel.mixed_on_two_streams`` off for the call): what the side-stream fork and join cost the
+  host against what their overlap gains on the GPU;
 - ``jitattn-kernel``: ``load_kernel(spec).paged_attention(..., out=..., max_query_len=...)``;
 - ``jitattn-plan``: ``jitattn.run`` with a plan made once (:func:`plan_run_call`), when this jitattn has
   ``jitattn.plan``;
@@ -61,7 +64,8 @@ def plan_run_call(spec: AttentionSpec, batch: PagedBatch, out: torch.Tensor, max
 
 
 def jitattn_host_runners(case: BenchCase, batch: PagedBatch) -> dict[str, Runner]:
-    """The one-call convenience, and the kernel's call with ``out`` and the ``max_query_len`` hint."""
+    """The one-call convenience (with the side-stream fork, and without it), and the kernel's call with
+    ``out`` and the ``max_query_len`` hint."""
     import jitattn
     from jitattn.runtime import load_kernel
 
@@ -73,10 +77,22 @@ def jitattn_host_runners(case: BenchCase, batch: PagedBatch) -> dict[str, Runner
     return {
         "jitattn": Runner(lambda: jitattn.paged_attention(spec, *batch.args(), **batch.kwargs()),
                           note="jitattn.paged_attention(spec, ...)"),
+        "jitattn-one-stream": Runner(lambda: _one_stream(kernel, lambda: jitattn.paged_attention(
+                                         spec, *batch.args(), **batch.kwargs())),
+                                     note="jitattn.paged_attention(spec, ...), both kernels on the caller's stream"),
         "jitattn-kernel": Runner(lambda: kernel.paged_attention(*batch.args(), **batch.kwargs(), out=out,
                                                                 max_query_len=max_q),
                                  note=f"load_kernel(spec).paged_attention(..., out=, max_query_len={max_q})"),
     }
+
+
+def _one_stream(kernel, call: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``call()`` with ``kernel``'s mixed launches on the caller's stream alone (restored after)."""
+    kept, kernel.mixed_on_two_streams = kernel.mixed_on_two_streams, False
+    try:
+        return call()
+    finally:
+        kernel.mixed_on_two_streams = kept
 
 
 def plan_runner(case: BenchCase, batch: PagedBatch) -> Runner:
