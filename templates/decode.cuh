@@ -24,19 +24,18 @@ struct DecodeTraits {
   static constexpr int kChunks = kHeadDim / kVec;     // 16-byte chunks per K/V row
   static constexpr int kBdx = next_pow2(kChunks);     // lanes along head_dim (idle lanes when not a power of two)
   // Each thread serves up to 4 query heads of the group, so each K/V element it loads is converted
-  // once and used for several heads (a thread per head converted each element group-size times and
-  // left decode issue-bound at ~2.6 TB/s on the H200). 8 heads spill at 3 blocks/SM.
+  // once and used for several heads (a thread per head converted each element group-size times: the
+  // decode was issue-bound). 8 heads spill at 3 blocks/SM.
   static constexpr int kMaxHeadsPerThread = cmax(1, 32 / kVec);  // q and o: <= 32 floats each per thread
   static constexpr int kHeadsPerThread = ceil_div(S::kGroupSize, ceil_div(S::kGroupSize, kMaxHeadsPerThread));
   static constexpr int kBdy = ceil_div(S::kGroupSize, kHeadsPerThread);
   // Enough key slots for ~128 threads, rounded so the block is whole warps.
   static constexpr int kBdz = round_up(ceil_div(128, kBdx * kBdy), 32 / gcd(kBdx * kBdy, 32));
   static constexpr int kThreads = kBdx * kBdy * kBdz;
-  // Register cap (memory-bound: occupancy first): 4 blocks per SM on a 16-bit cache (Gemma-2 hd256
-  // 4.31 TB/s against 4.06 at 3); an FP8 cache (2.12 TB/s at 4 against 2.16) and key transforms (rope
-  // spills 64-166 bytes at 4's 128 registers) keep 3.
+  // Register cap (memory-bound: occupancy first): 4 blocks per SM on a 16-bit cache; an FP8 cache (no
+  // faster at 4) and key transforms (rope spills 64-166 bytes at 4's 128 registers) keep 3.
   static constexpr int kMinBlocksPerSM = sizeof(DTypeKV) == 2 && !S::kHasKTransform ? 4 : 3;
-  // Keys per thread per tile: 4 (16-key tiles for Gemma-2 hd256: 4.31 TB/s; 8 keys: 4.06).
+  // Keys per thread per tile: 4 (8 ran slower on Gemma-2 hd256).
   static constexpr int kMaxKeysPerThread = 4;
   // Scores of kKeysPerThread keys x kHeadsPerThread heads stay in registers: at most 32 of them.
   static constexpr int kKeysPerThread =

@@ -1,8 +1,8 @@
 // jitattn: decode on tensor cores, for GQA groups of 4 to 16 query heads.
 //
 // The CUDA-core decode kernel spends per key and head a conversion, head_dim FMAs and a shuffle
-// reduction; with 4+ query heads per KV head that, not memory, bounds it (3.4 TB/s on the H200 for
-// group 4, hd128; ncu: SM 70% busy). Here the group's query heads are the rows of one m16 tile
+// reduction; with 4+ query heads per KV head that, not memory, bounds it (ncu at group 4, hd128: SM-bound).
+// Here the group's query heads are the rows of one m16 tile
 // (rows past the group are zero), so S = Q K^T and O += P V are a handful of mma.sync per 16 keys
 // and the kernel is left to stream K/V (FlashInfer decodes GQA the same way). Each of the 4 warps
 // takes 16 keys of every 64-key tile and keeps its own online-softmax state; the warps' states merge
@@ -12,8 +12,7 @@
 // instead of the keys (kSplitDims, decode_mma_split_dims) and no merge is needed.
 // An FP8 (e4m3) cache is read here too (DecodeMmaTraits::kFp8): raw rows are staged, and each lane
 // widens the bytes of its ldmatrix fragments to f16 in registers (decode_mma_qk_fp8 / _pv_fp8); at
-// hd <= 128 a warp takes 32 keys per tile (decode-hd128-b64x4096-fp8: 0.151 ms against 0.266 ms for
-// the bf16 cache; the CUDA-core FP8 decode: 0.247 ms).
+// hd <= 128 a warp takes 32 keys per tile (DecodeMmaTraits::kFp8Wide).
 #pragma once
 
 #include "common.cuh"
@@ -48,8 +47,7 @@ __host__ __device__ constexpr bool decode_mma_merge_fits() {
 
 // Whether the tensor-core decode serves this spec (attention.cu.j2, DecodeLaunch): GQA groups of 4 to
 // 16 over a cache it reads, no key transform, a merge scratch that fits. Smaller groups run the
-// CUDA-core decode (decode.cuh): Gemma-2-9B's group 2 (hd256) ran 3.38 TB/s on tensor cores against
-// 4.07 on CUDA cores.
+// CUDA-core decode (decode.cuh), faster for them (Gemma-2-9B's group 2, hd256).
 template <class S>
 __host__ __device__ constexpr bool decode_mma_serves() {
   constexpr int kMinGroup = 4;
@@ -95,10 +93,9 @@ struct DecodeMmaTraits {
   static constexpr bool kFp8Wide = kFp8 && !kWholeWindow && kHeadDim <= 128;
   static constexpr int kWarpKeys = kFp8Wide ? 32 : 16;
   static constexpr int kTileKeys = kWarps * kWarpKeys;  // keys per pipeline stage
-  // Tile pipeline stages: 3 for head dims <= 128 (hd128 64x4096: 4.39 TB/s; 4 stages at 1 block/SM
-  // 3.18, 2 stages at 3 blocks/SM 4.00), 2 above and for the FP8 32-key tiles. Padded rows up to hd72
-  // take 4: their blocks are short of bytes in flight, and 4 stages still leave 2 blocks per SM (hd72
-  // 64x4096: 0.194 -> 0.185 ms; hd88 even, hd104 falls to 1 block per SM and loses 10%).
+  // Tile pipeline stages: 3 for head dims <= 128 (stages against blocks per SM: 4 leave 1, 2 allow 3,
+  // both slower), 2 above and for the FP8 32-key tiles. Padded rows up to hd72 take 4: their blocks are
+  // short of bytes in flight, and 4 stages still leave them 2 blocks per SM (hd104's would fall to 1).
   static constexpr int kPipelineStages = kFp8Wide ? 2 : kPadded && kHeadDim <= 72 ? 4 : (kHeadDim <= 128 ? 3 : 2);
   // Tile pipeline: the copies are issued by decode_mma_load_tile where a thread's chunk of a row is the
   // same on every pass (the threads are whole rows' worth of chunks). A padded row's odd chunk count
@@ -113,8 +110,8 @@ struct DecodeMmaTraits {
   static constexpr bool kTileLoader = kPaddedTileLoader || (!kWholeWindow && kThreads % kKvChunks == 0 &&
                                      (kTileKeys * kKvChunks) % kThreads == 0 && (kThreads / kKvChunks) % 8 == 0);
   // Rows are unpadded and XOR-swizzled (load_kv_rows_paged) where a row is 8k chunks: whole-window and
-  // FP8 rows always, 16-bit pipeline rows at head dims <= 128 (hd128 64x4096: 4.39 TB/s against 4.07
-  // padded). 16-bit hd 256 keeps padded rows: swizzled, the gemma-3-1b decode (group 4) spilled 140
+  // FP8 rows always, 16-bit pipeline rows at head dims <= 128 (faster than padded rows there). 16-bit
+  // hd 256 keeps padded rows: swizzled, the gemma-3-1b decode (group 4) spilled 140
   // bytes at 255 registers against 48 padded (ptxas, sm_90a).
   static constexpr bool kSwizzle = (kWholeWindow || kFp8 || kHeadDim <= 128) && kKvChunks % 8 == 0;
   // K/V rows in KV elements; padded by 16 bytes (hd 80, 96, ...): conflict-free ldmatrix (8 rows hit 8
@@ -123,8 +120,7 @@ struct DecodeMmaTraits {
   static constexpr int kQRowStride = kHeadDimPad + 8;
   static constexpr int kStageBytes = 2 * kTileKeys * kRowStride * static_cast<int>(sizeof(KV));  // K and V of one tile
   static constexpr int kStages = kWholeWindow ? kWindowTiles : kPipelineStages;
-  // Whole window: its copies issued by decode_mma_load_tile too (gpt-oss hd64: 2280 -> 2016 SASS
-  // instructions, 0.0258 -> 0.0236 ms).
+  // Whole window: its copies issued by decode_mma_load_tile too (fewer instructions per copy).
   static constexpr bool kWindowLoader = kWholeWindow && kSwizzle &&
                                         kThreads % kKvChunks == 0 && (kStages * kTileKeys * kKvChunks) % kThreads == 0 &&
                                         (kThreads / kKvChunks) % 8 == 0;
@@ -147,9 +143,9 @@ struct DecodeMmaTraits {
   // so their softmax, rescaling and accumulators are skipped (fewer registers, fewer instructions).
   static constexpr int kRowHalves = S::kGroupSize <= 8 ? 1 : 2;
   // Whole-window blocks are short: ask the compiler for registers that let the shared memory's count
-  // of blocks be resident, at most 5 for the key-split kernel (gpt-oss sliding: 6 blocks at 80
-  // registers spilled, 2.07 TB/s; 5 at 96: 2.20) and 6 for the split-dims one (its o is a quarter as
-  // large: 80 registers without spills; 2.55 TB/s against 2.36 at 5). FP8 rows are half as large, so
+  // of blocks be resident, at most 5 for the key-split kernel (6 blocks' 80 registers spilled, and ran
+  // slower) and 6 for the split-dims one (its o is a quarter as large: 80 registers without spills,
+  // faster than 5). FP8 rows are half as large, so
   // the shared memory would allow 6 blocks even at hd 128, where the widening's registers do not fit
   // 80 (4 / 98 bytes spilled for groups 8 / 16): FP8 at hd >= 128 takes at most 5 (96 registers).
   static constexpr int kMaxWholeWindowBlocks = kSplitDims ? (kFp8 && kHeadDim >= 128 ? 5 : 6) : 5;
@@ -576,8 +572,8 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
   bool bad = visible_keys<S>(sequence_ok<S>(p, 1, kv_len), qo_idx, qo_idx, kv_len, kv_begin, kv_end);
   if constexpr (T::kWholeWindow) {
     // A window of a few tiles keeps chunks of ceil(keys / splits) rounded up to whole tiles, and its Q
-    // fragments below keep their rows 8..15 as loaded: with split_range and zeroed rows the gpt-oss
-    // sliding decode ran 2.43-2.46 TB/s against 2.49-2.55.
+    // fragments below keep their rows 8..15 as loaded (split_range and zeroed rows ran slower on the
+    // gpt-oss sliding decode).
     const int chunk_len = round_up(ceil_div(max(kv_end - kv_begin, 0), p.num_splits), T::kTileKeys);
     lo = kv_begin + split * chunk_len;
     hi = min(kv_end, lo + chunk_len);

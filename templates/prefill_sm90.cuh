@@ -85,8 +85,8 @@ struct PrefillSm90Traits {
   // Warp specialisation (FlashAttention-3's layout): warpgroups 0 .. kConsumerWGs - 1 compute, 64 rows
   // each; the last warpgroup only loads K/V (cp.async into the stages) and runs on few registers.
   // Three consumer warpgroups (192 rows, 96-key tiles, as FlashAttention-3 at head dim 96) for the
-  // paged specs of head dims up to 112 that are not multiples of 64, two otherwise (Phi-3 hd96 causal
-  // 4 x 8192: 349 TFLOP/s with two, 128 x 128 tiles; 387 with three). At three, 160
+  // paged specs of head dims up to 112 that are not multiples of 64 (faster than two with 128 x 128
+  // tiles on Phi-3 hd96), two otherwise. At three, 160
   // registers per consumer thread: hd96 spills 12-28 bytes (plain) to 108 (ALiBi + windows); ragged
   // specs keep two, where tests/test_ragged.py asks for no spills.
   // Explicit query positions keep two as well: at three, hd96 spilled 24 / 52 bytes against 16 / 32 with
@@ -132,10 +132,9 @@ struct PrefillSm90Traits {
   static constexpr int kDTilesOut = kHeadDimVO / 8;  // of them, the ones holding real output columns
   // Inside each consumer warpgroup, the S = Q K^T MMAs of tile j are issued before O += P V of tile
   // j - 1 and the softmax of tile j runs while those P V MMAs run (FlashAttention-3, Shah et al. 2024,
-  // sec. 3.2): hd128 causal 4x8192 348 -> 404 TFLOP/s. Specs with a key transform keep the loop
-  // without overlap (both warpgroups transform each tile in place between two barriers), and so do
-  // two-stage specs: a warpgroup in round j holds tiles j and j - 1, which leaves the producer
-  // nothing to prefetch into (Gemma-2 hd256: 307 TFLOP/s with overlap, 355 without).
+  // sec. 3.2). Specs with a key transform keep the loop without overlap (both warpgroups transform
+  // each tile in place between two barriers), and so do two-stage specs: a warpgroup in round j holds
+  // tiles j and j - 1, which leaves the producer nothing to prefetch into (slower with overlap).
   static constexpr bool kOverlap = !S::kHasKTransform && kStages >= 3;
   static_assert(!kSupported || (kTileQK % kSwizzle == 0 && kTileVO % kSwizzleVO == 0 && kBlockN % 32 == 0),
                 "tiles are whole swizzle columns");
@@ -283,8 +282,7 @@ struct Sm90KvLoader {
   // Specs with 128-byte swizzled K and V tiles of one width (head dims 64, 128, 192, 256; paged or
   // ragged): every copy of a pass is addressed from two registers plus immediates (load_128b). The
   // general path recomputes the swizzled offset and selects both pointers per 16-byte copy, about 20
-  // instructions per cp.async, and on hd128 the producer warpgroup then bounded the kernel (hd128
-  // causal 4 x 8192 paged 403.9 -> 496.8 TFLOP/s, ragged 397.2 -> 462.5, Gemma-2 353.5 -> 387.7).
+  // instructions per cp.async, and on hd128 the producer warpgroup then bounded the kernel.
   // Not for padded tiles: its copies run over whole 128-byte rows.
   static constexpr bool kFast128B = T::kSwizzle == 64 && T::kHeadDimQK == T::kHeadDimVO && !T::kPadded;
   static constexpr int kPasses = T::kBlockN / 32;
