@@ -76,6 +76,13 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("metric-ignores-ref-nan", "jitattn/testing.py",
              "if not (finite_o.all() and finite_r.all()):", "if not finite_o.all():",
              ("tests/test_reference.py", "-k", "relative_error")),
+    Mutation("launch-memo-without-stream", "jitattn/cuda_driver.py",
+             "fixed = self._launches.get((function, grid, block, smem, stream))",
+             "fixed = self._launches.get((function, grid, block, smem, 0))",
+             ("tests/test_cuda_driver.py", "-k", "made_once")),
+    Mutation("launch-grid-wraps", "jitattn/cuda_driver.py",
+             "    if not 0 <= value < 1 << 32:\n", "    if False:\n",
+             ("tests/test_cuda_driver.py", "-k", "out_of_range")),
 )
 
 
