@@ -542,7 +542,7 @@ def check_max_query_len(value: Any) -> int | None:
     # isinstance only (no hasattr): torch.compile traces this with a SymInt when the value varies
     if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt, numbers.Integral)) or value < 0:
         fail(f"max_query_len={value!r}: expected None or an int >= 0 (the longest query count of the batch)")
-    return value
+    return value if isinstance(value, (int, torch.SymInt)) else int(value)  # numpy's: a plain int for the grids
 
 
 def check_scale(name: str, value: Any) -> float:

@@ -20,6 +20,7 @@ calling thread: the runtime makes the device's primary context current through t
 from __future__ import annotations
 
 import ctypes
+import operator
 import threading
 from typing import Any
 
@@ -177,7 +178,7 @@ class CudaDriver:
 
         Args:
             function: the ``CUfunction``.
-            grid, block: dimensions (blocks, threads).
+            grid, block: dimensions (blocks, threads), tuples of three ints (the memo's key: hashable).
             smem: dynamic shared memory in bytes.
             stream: the raw ``CUstream`` handle (``torch.cuda.current_stream().cuda_stream``; 0 = legacy default).
             params: the struct's bytes; the driver copies them before returning.
@@ -220,19 +221,25 @@ class _LaunchArguments:
 _MAX_LAUNCHES = 4096
 
 
+def _integer(name: str, value: Any) -> int:
+    """``value`` as a Python int: an int or what stands for one (``__index__``: numpy's integers), as argtypes took."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
+
+
 def _uint(name: str, value: Any) -> ctypes.c_uint:
     """An ``unsigned int`` argument, refused outside its range (argtypes would wrap a negative one silently)."""
-    if not isinstance(value, int):
-        raise TypeError(f"cuLaunchKernel {name}: expected an int, got {type(value).__name__}")
+    value = _integer(f"cuLaunchKernel {name}", value)
     if not 0 <= value < 1 << 32:
         raise OverflowError(f"cuLaunchKernel {name}={value}: outside unsigned int's range")
     return _c_uint(value)
 
 
 def _handle(name: str, value: Any) -> ctypes.c_void_p:
-    """A handle (pointer-sized) argument: a non-negative int below 2^64, 0 for NULL."""
-    if not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int handle, got {type(value).__name__}")
+    """A handle (pointer-sized) argument: a non-negative int below 2^64; 0 or None for NULL."""
+    value = 0 if value is None else _integer(name, value)
     if not 0 <= value < 1 << 64:
         raise OverflowError(f"{name}={value}: not a pointer-sized handle")
     return _c_void_p(value)

@@ -47,7 +47,7 @@ __host__ __device__ constexpr bool decode_mma_merge_fits() {
 
 // Whether the tensor-core decode serves this spec (attention.cu.j2, DecodeLaunch): GQA groups of 4 to
 // 16 over a cache it reads, no key transform, a merge scratch that fits. Smaller groups run the
-// CUDA-core decode (decode.cuh), faster for them (Gemma-2-9B's group 2, hd256).
+// CUDA-core decode (decode.cuh), faster for Gemma-2-9B's group 2 at hd256 (the one measured).
 template <class S>
 __host__ __device__ constexpr bool decode_mma_serves() {
   constexpr int kMinGroup = 4;
@@ -110,7 +110,7 @@ struct DecodeMmaTraits {
   static constexpr bool kTileLoader = kPaddedTileLoader || (!kWholeWindow && kThreads % kKvChunks == 0 &&
                                      (kTileKeys * kKvChunks) % kThreads == 0 && (kThreads / kKvChunks) % 8 == 0);
   // Rows are unpadded and XOR-swizzled (load_kv_rows_paged) where a row is 8k chunks: whole-window and
-  // FP8 rows always, 16-bit pipeline rows at head dims <= 128 (faster than padded rows there). 16-bit
+  // FP8 rows always, 16-bit pipeline rows at head dims <= 128 (faster than padded rows at hd128). 16-bit
   // hd 256 keeps padded rows: swizzled, the gemma-3-1b decode (group 4) spilled 140
   // bytes at 255 registers against 48 padded (ptxas, sm_90a).
   static constexpr bool kSwizzle = (kWholeWindow || kFp8 || kHeadDim <= 128) && kKvChunks % 8 == 0;
@@ -120,7 +120,7 @@ struct DecodeMmaTraits {
   static constexpr int kQRowStride = kHeadDimPad + 8;
   static constexpr int kStageBytes = 2 * kTileKeys * kRowStride * static_cast<int>(sizeof(KV));  // K and V of one tile
   static constexpr int kStages = kWholeWindow ? kWindowTiles : kPipelineStages;
-  // Whole window: its copies issued by decode_mma_load_tile too (fewer instructions per copy).
+  // Whole window: its copies issued by decode_mma_load_tile too (fewer instructions in the kernel).
   static constexpr bool kWindowLoader = kWholeWindow && kSwizzle &&
                                         kThreads % kKvChunks == 0 && (kStages * kTileKeys * kKvChunks) % kThreads == 0 &&
                                         (kThreads / kKvChunks) % 8 == 0;

@@ -58,7 +58,6 @@ def test_attribute_occupancy_and_launch_arguments(fake):
     assert bytes(params[:len(payload)]) == payload
 
 
-
 def test_launch_arguments_made_once_per_tuple_are_each_launchs_own(fake, monkeypatch):
     """The per-layer launch converts its arguments once per (function, grid, block, smem, stream): each
     launch still reaches the driver with its own, also after the memo is full and dropped."""
@@ -81,6 +80,7 @@ def test_launch_arguments_made_once_per_tuple_are_each_launchs_own(fake, monkeyp
     ((1, 1, 1), (128, 1, 1), 1 << 32, OverflowError, r"sharedMemBytes=4294967296"),
     ((1.0, 1, 1), (128, 1, 1), 0, TypeError, r"grid\[0\]: expected an int, got float"),
     ((1, 1), (128, 1, 1), 0, TypeError, r"expected three dimensions"),
+    ((1 << 32, 1, 1), (128, 1, 1), 0, OverflowError, r"grid\[0\]=4294967296: outside unsigned int"),
 ])
 def test_launch_arguments_out_of_range_are_refused_not_wrapped(fake, grid, block, smem, error, match):
     drv, rec, _ = fake
@@ -90,6 +90,19 @@ def test_launch_arguments_out_of_range_are_refused_not_wrapped(fake, grid, block
     assert rec[1] == 77  # nothing launched
     with pytest.raises(OverflowError, match=r"cuLaunchKernel stream=-1: not a pointer-sized handle"):
         drv.launch_kernel(0x10, (1, 1, 1), (32, 1, 1), 0, -1, b"\0" * 8)
+    with pytest.raises(OverflowError, match=r"cuLaunchKernel function=18446744073709551616: not a pointer-sized"):
+        drv.launch_kernel(1 << 64, (1, 1, 1), (32, 1, 1), 0, 0, b"\0" * 8)
+
+
+def test_launch_arguments_take_what_argtypes_took(fake):
+    """Integers that stand for ints (numpy's, through ``__index__``) and None for a NULL stream, as the
+    argtypes call took them; they reach the driver as their values."""
+    np = pytest.importorskip("numpy")
+    drv, rec, _ = fake
+    drv.launch_kernel(np.uint64(0x123456789A), (np.int64(5), np.int32(2), 1), (np.int64(96), 1, 1), np.int64(1024),
+                      None, b"\0" * 8)
+    assert list(rec[:9]) == [0x123456789A, 5, 2, 1, 96, 1, 1, 1024, 0]
+
 
 def test_events_record_then_wait(fake):
     """The fork / join of a mixed batch: the event recorded on one stream, then waited on by the other; a

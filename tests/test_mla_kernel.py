@@ -204,6 +204,15 @@ def test_one_launch_of_the_mla_kernel_serves_every_row_of_a_mixed_batch():
     assert f["partial_lse"] - f["partial_o"] == 4 * splits * 5 * 128 * 512
 
 
+
+def test_a_numpy_max_query_len_launches_the_grid_an_int_gives():
+    """max_query_len sets the latent grid's query slots: numpy's integer is taken as its int (the driver
+    binding's launch memo is keyed on exact ints; the recorder asserts them)."""
+    np = pytest.importorskip("numpy")
+    _, _, _, launch = _launch(latent(128), [1, 4, 0], [300, 900, 0], max_query_len=np.int64(4))
+    _, _, _, plain = _launch(latent(128), [1, 4, 0], [300, 900, 0], max_query_len=4)
+    assert launch["grid"] == plain["grid"]
+
 def test_groups_that_are_not_whole_tiles_run_one_split_and_graph_mode_bounds_the_slots():
     kernel, batch, out, launch = _launch(latent(20), [1], [32768])  # no max_query_len: slots from total_q
     assert launch["grid"] == [1, 1 * 2, 1] and launch["fields"]["num_splits"] == 1

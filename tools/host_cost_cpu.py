@@ -3,8 +3,8 @@
 What it isolates: the Python work of ``jitattn.run`` (with a plan) and of the one-call
 ``jitattn.paged_attention`` (checks, the plan reuse, packing ``Params``, the ctypes launch) on issue
 18's decode probe and its mixed probe (2 prefill rows of 64 + 30 decode rows; on the CPU both kernels
-go to one stream: the side-stream fork and join only exist on a GPU, and their two driver calls are
-a row of their own), the one-call as the GPU bench calls it (no ``out``, no
+go to one stream: the side-stream fork and join only exist on a GPU; one record-and-wait, two driver
+calls, is a row of its own, and a fork plus its join make two), the one-call as the GPU bench calls it (no ``out``, no
 ``max_query_len``: both kernels), one layer of transformers' attention function on a ``PagedCache``
 decode step (``update`` + :func:`jitattn.integrations.transformers.attention_forward`, batch 8, the step's
 first layer planning it: µs per layer over a step of 4 layers, the bench's generate model), and of
@@ -65,9 +65,9 @@ class _FakeDriverLaunch:
         self._launch(self.functions[kernel], grid, (block, 1, 1), smem, stream, params)
 
 
-def _fake_driver() -> cuda_driver.CudaDriver | None:
-    lib = fake_cuda_driver.build(Path(tempfile.mkdtemp(prefix="jitattn-fake-driver-")))
-    return None if lib is None else cuda_driver.CudaDriver(str(lib))
+def _fake_driver(directory: Path) -> cuda_driver.CudaDriver | None:
+    lib = fake_cuda_driver.build(directory)
+    return None if lib is None else cuda_driver.CudaDriver(str(lib))  # loaded: the file may go after
 
 
 def _install_fake_kernels(drv: cuda_driver.CudaDriver | None) -> None:
@@ -190,7 +190,8 @@ def main() -> None:
                         help="Python function calls per call of each row (cProfile's count: unlike the time, "
                              "the same on a busy machine), instead of the table")
     args = parser.parse_args()
-    drv = _fake_driver()
+    with tempfile.TemporaryDirectory(prefix="jitattn-fake-driver-") as directory:
+        drv = _fake_driver(Path(directory))
     _install_fake_kernels(drv)
     # The decode probe of issue 18: 32/8 heads, hd128, page 16, batch 1, 512 keys.
     spec = AttentionSpec(32, 8, 128, page_size=16)

@@ -70,7 +70,7 @@ def jitattn_host_runners(case: BenchCase, batch: PagedBatch) -> dict[str, Runner
     from jitattn.runtime import load_kernel
 
     spec = case.spec
-    kernel = load_kernel(spec)
+    kernel = load_kernel(spec, batch.q.device)  # the one-call's own: it loads by q's device
     max_q = max(case.q_lens)
     out = torch.empty(batch.q.shape[0], spec.num_qo_heads, spec.head_dim_vo, dtype=torch_dtype(spec.o_dtype),
                       device=batch.q.device)
