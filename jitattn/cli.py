@@ -161,6 +161,7 @@ def main(version: Annotated[bool, typer.Option("--version", callback=_version_ca
                                                help="Print the version and exit.")] = False) -> None:
     """JIT kernel-specialisation compiler for attention."""
     with _usage_errors():
+        settings.check_environment()  # every JITATTN_* value, before any command reads one mid-way
         settings.configure_logging()  # JITATTN_VERBOSE=1: compile commands and cache decisions on stderr
 
 

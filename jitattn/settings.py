@@ -99,6 +99,17 @@ VARIABLES: dict[str, _Var] = {
 }
 
 
+
+def check_environment() -> None:
+    """Read every ``JITATTN_*`` variable once, so a bad value is refused before any work (the command line
+    calls it first: a value read only later, mid-build, would fail as a kernel's compile error).
+
+    Raises:
+        ValueError: the first variable whose value does not parse, naming it, the value and what is allowed.
+    """
+    for var in VARIABLES.values():
+        var.get()
+
 def cache_dir_is_set() -> bool:
     """Whether ``JITATTN_CACHE_DIR`` names the root (rather than the platformdirs default)."""
     return bool(VARIABLES["JITATTN_CACHE_DIR"].get())

@@ -187,6 +187,11 @@ BAD_ARGS = [
     (("--model", str(GEMMA)), {"JITATTN_NVCC": "/nonexistent/nvcc"},
      r"cannot run nvcc at '/nonexistent/nvcc' .*set JITATTN_NVCC / CUDA_HOME"),
     (("--model", str(GEMMA)), {"JITATTN_ARCHS": "sm_80,volta"}, r"JITATTN_ARCHS='volta': unknown target arch"),
+    # read before any work: DISABLE_JIT was read unguarded (a traceback), LOCK_TIMEOUT only at a build (a
+    # "failed" kernel, exit 1)
+    (("--model", str(GEMMA)), {"JITATTN_DISABLE_JIT": "maybe"},
+     r"JITATTN_DISABLE_JIT='maybe': expected one of 1/0, true/false"),
+    (("--model", str(GEMMA)), {"JITATTN_LOCK_TIMEOUT": "abc"}, r"JITATTN_LOCK_TIMEOUT='abc': expected a number"),
 ]
 
 
