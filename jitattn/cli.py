@@ -58,6 +58,7 @@ from jitattn.cache import MANIFEST, CacheWriteError, KernelCache, point_root_els
 from jitattn.commands import models_warmup_command
 from jitattn.merge_module import MergeModule
 from jitattn.modules import KernelModule
+from jitattn.spec import KV_DTYPES, KV_LAYOUTS, PAGE_SIZE_MAX, QO_DTYPES, canonical_dtype
 
 # torch prints this at import when its NumPy bridge cannot load (no NumPy, or one built for another
 # ABI); jitattn never hands torch a NumPy array, so it is noise on every command that loads torch.
@@ -173,13 +174,39 @@ SpecOpt = Annotated[Optional[list[str]], typer.Option(
                    "'{\"kind\":\"merge_state\",\"dtype\":\"bfloat16\"}' names a merge_state module.")]
 ArchOpt = Annotated[Optional[list[str]], typer.Option(
     "--arch", "-a", help="Target arch such as sm_80 or sm_90a; repeatable. Default: JITATTN_ARCHS (sm_80, sm_90a).")]
+def _dtype_option(allowed: tuple[str, ...]) -> Callable[[Optional[str]], Optional[str]]:
+    """A dtype option's check at parsing, naming the option (the spec's names and aliases, as AttentionSpec takes)."""
+    aliases = ", ".join(a for a in ("fp16", "bf16", "fp8") if canonical_dtype(a) in allowed)
+
+    def check(value: Optional[str]) -> Optional[str]:
+        if value is not None and canonical_dtype(value) not in allowed:
+            raise typer.BadParameter(f"{value!r}: expected one of {', '.join(allowed)} (or an alias: {aliases})")
+        return value
+    return check
+
+
+def _page_size_option(value: int) -> int:
+    if not 1 <= value <= PAGE_SIZE_MAX:
+        raise typer.BadParameter(f"{value}: expected tokens per page in [1, {PAGE_SIZE_MAX}]")
+    return value
+
+
+def _kv_layout_option(value: str) -> str:
+    if value not in KV_LAYOUTS:
+        raise typer.BadParameter(f"{value!r}: expected one of {', '.join(KV_LAYOUTS)} (upper case, as AttentionSpec's)")
+    return value
+
+
 DtypeOpt = Annotated[Optional[str], typer.Option(
-    "--dtype", help="float16 or bfloat16 for --model specs (default: the config's torch_dtype).")]
-PageSizeOpt = Annotated[int, typer.Option("--page-size", help="KV page size of --model specs.")]
-KvLayoutOpt = Annotated[str, typer.Option("--kv-layout", help="NHD or HND, for --model specs.")]
+    "--dtype", callback=_dtype_option(QO_DTYPES),
+    help="float16 or bfloat16 for --model specs (default: the config's torch_dtype).")]
+PageSizeOpt = Annotated[int, typer.Option("--page-size", callback=_page_size_option,
+                                          help="KV page size of --model specs.")]
+KvLayoutOpt = Annotated[str, typer.Option("--kv-layout", callback=_kv_layout_option,
+                                          help="NHD or HND, for --model specs.")]
 KvDtypeOpt = Annotated[Optional[str], typer.Option(
-    "--kv-dtype", help="KV-cache dtype of --model specs: float8_e4m3fn (fp8) for an FP8 cache "
-                       "(default: the q dtype).")]
+    "--kv-dtype", callback=_dtype_option(KV_DTYPES),
+    help="KV-cache dtype of --model specs: float8_e4m3fn (fp8) for an FP8 cache (default: the q dtype).")]
 CascadeOpt = Annotated[bool, typer.Option(
     "--cascade", help="Also each paged spec's explicit-position twin (the module cascade attention runs) and the "
                       "merge_state module it merges with.")]
