@@ -284,7 +284,9 @@ def _has(cfg: Mapping[str, Any], key: str) -> bool:
 
 
 def _model_type(cfg: Mapping[str, Any], source: str) -> str:
-    value = cfg.get("model_type")
+    if "model_type" not in cfg:
+        raise ValueError(f"{source}: missing field model_type (it decides implied features such as ALiBi and sinks)")
+    value = cfg["model_type"]
     if not isinstance(value, str) or not value:
         raise ValueError(f"{source}: model_type={value!r}: expected a non-empty string (it decides implied "
                          f"features such as ALiBi and sinks)")

@@ -297,7 +297,10 @@ def test_missing_hidden_size_and_head_dim(tmp_path):
 def test_missing_model_type():
     cfg = read("llama-3-8b")
     del cfg["model_type"]
-    with pytest.raises(ValueError, match=r"model_type=None"):
+    with pytest.raises(ValueError, match=r"missing field model_type \(it decides implied features"):
+        load_model_config(cfg)
+    cfg["model_type"] = ""
+    with pytest.raises(ValueError, match=r"model_type='': expected a non-empty string"):
         load_model_config(cfg)
 
 
