@@ -118,6 +118,7 @@ VARIANTS = {
     "stages3": (_stages(3), _PADDED, {}),
     "stages4": (_stages(4), _PADDED, {}),
     "tail": (_TAIL, _PADDED, {c: [1, 2] for c in _PADDED[:2]}),
+    "tail-stages3": ({**_TAIL, **_stages(3)}, _PADDED[:2], {}),  # fewer copies per tile: 3 blocks per SM?
 }
 DIAG = ("JITATTN_DIAG_",)
 
