@@ -174,6 +174,8 @@ SpecOpt = Annotated[Optional[list[str]], typer.Option(
                    "'{\"kind\":\"merge_state\",\"dtype\":\"bfloat16\"}' names a merge_state module.")]
 ArchOpt = Annotated[Optional[list[str]], typer.Option(
     "--arch", "-a", help="Target arch such as sm_80 or sm_90a; repeatable. Default: JITATTN_ARCHS (sm_80, sm_90a).")]
+
+
 def _dtype_option(allowed: tuple[str, ...]) -> Callable[[Optional[str]], Optional[str]]:
     """A dtype option's check at parsing, naming the option (the spec's names and aliases, as AttentionSpec takes)."""
     aliases = ", ".join(a for a in ("fp16", "bf16", "fp8") if canonical_dtype(a) in allowed)

@@ -99,7 +99,6 @@ VARIABLES: dict[str, _Var] = {
 }
 
 
-
 def check_environment() -> None:
     """Read every ``JITATTN_*`` variable once, so a bad value is refused before any work (the command line
     calls it first: a value read only later, mid-build, would fail as a kernel's compile error).
@@ -109,6 +108,7 @@ def check_environment() -> None:
     """
     for var in VARIABLES.values():
         var.get()
+
 
 def cache_dir_is_set() -> bool:
     """Whether ``JITATTN_CACHE_DIR`` names the root (rather than the platformdirs default)."""
