@@ -92,11 +92,11 @@ class CudaDriver:
             fn.argtypes, fn.restype = argtypes, _c_int
             setattr(self, "_" + name, fn)
         # The per-layer launch once more, without argtypes: it takes its arguments' ctypes objects made once
-        # per distinct (function, grid, block, smem, stream) (_LaunchArguments), where argtypes would convert
+        # per distinct (function, grid, block, smem, stream) (_remember_launch), where argtypes would convert
         # all eleven on every call.
         self._launch_raw = self._lib["cuLaunchKernel"]  # a function object of its own: no argtypes
         self._launch_raw.restype = _c_int
-        self._launches = _LaunchArguments()
+        self._launches: dict[tuple, tuple] = {}  # (function, grid, block, smem, stream) -> those ctypes objects
 
     def _check(self, call: str, status: int) -> None:
         if status == 0:
@@ -187,7 +187,10 @@ class CudaDriver:
             CudaDriverError: the driver refused the launch.
             TypeError, OverflowError: a dimension, size or handle that is not an int of its C type's range.
         """
-        fixed = self._launches.get((function, grid, block, smem, stream))
+        key = (function, grid, block, smem, stream)
+        fixed = self._launches.get(key)
+        if fixed is None:
+            fixed = _remember_launch(self._launches, key)
         n = len(params)
         args = getattr(_launch_args, "buffers", None)
         if args is None or len(args[0]) < n:
@@ -199,23 +202,16 @@ class CudaDriver:
             self._check("cuLaunchKernel", status)
 
 
-class _LaunchArguments:
+def _remember_launch(made: dict[tuple, tuple], key: tuple) -> tuple:
     """The ctypes objects of a launch's arguments but the struct, made (and range-checked) once per distinct
     ``(function, grid, block, smem, stream)``: a plan's launches repeat theirs every layer. At most
     :data:`_MAX_LAUNCHES` tuples are kept (then all are dropped: a process that plans many batch shapes
     remakes the few it uses)."""
-
-    def __init__(self) -> None:
-        self._made: dict[tuple, tuple] = {}
-
-    def get(self, key: tuple) -> tuple:
-        found = self._made.get(key)
-        if found is None:
-            found = _launch_arguments(key)
-            if len(self._made) >= _MAX_LAUNCHES:
-                self._made.clear()
-            self._made[key] = found
-        return found
+    found = _launch_arguments(key)
+    if len(made) >= _MAX_LAUNCHES:
+        made.clear()
+    made[key] = found
+    return found
 
 
 _MAX_LAUNCHES = 4096

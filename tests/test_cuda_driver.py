@@ -72,7 +72,7 @@ def test_launch_arguments_made_once_per_tuple_are_each_launchs_own(fake, monkeyp
         drv.launch_kernel(fn, grid, block, smem, stream, payload)
         assert list(rec[:10]) == [fn, *grid, *block, smem, stream, 1]
         assert bytes(params[:16]) == payload
-        assert len(drv._launches._made) <= 2
+        assert len(drv._launches) <= 2
 
 
 @pytest.mark.parametrize("grid, block, smem, error, match", [
