@@ -39,86 +39,10 @@ def _stages(n: int) -> dict:
             f"(kHeadDim <= 128 ? 3 : 2);": 1}
 
 
-# Issue 21's decode gap at hd72 / hd88, "tail": padded rows copied with every thread busy. The base loader
-# gives a row of 9 (hd72) or 11 (hd88) chunks 16 threads, 7 or 5 of them idle; here kBodyChunks threads (a
-# power of two, 8) copy a row's first chunks and a second pass copies the kTailChunks left over, thread t
-# taking chunk kBodyChunks + c % kTailChunks of row c / kTailChunks (c = t + j * kThreads): per thread and
-# tile 9 / 11 copies instead of 16, and 5 / 7 page ids instead of 8.
-_TAIL_LOADER = r"""
-// Padded rows, every thread busy: kBodyChunks threads a row copy its first chunks (as decode_mma_load_tile,
-// none idle), then the kTailChunks chunks left over, chunk kBodyChunks + c % kTailChunks of row
-// c / kTailChunks for c = threadIdx.x + j * kThreads. Page ids of both passes: DecodeMmaPaddedPages.
-template <class S>
-struct DecodeMmaPaddedPages {
-  using T = DecodeMmaTraits<S>;
-  KvPages<S, T::kTileKeys, T::kThreads, T::kBodyChunks> body;
-  KvPages<S, T::kTileKeys, T::kThreads, cmax(T::kTailChunks, 1)> tail;
-  __device__ __forceinline__ void fetch(const Params& p, int batch, int start, int end) {
-    body.fetch(p, batch, start, end);
-    if constexpr (T::kTailChunks > 0) tail.fetch(p, batch, start, end);
-  }
-};
-
-template <class S>
-__device__ __forceinline__ void decode_mma_load_padded_tile(const Params& p, typename S::DTypeKV* sk,
-                                                            typename S::DTypeKV* sv, int kv_head, int start, int end,
-                                                            const DecodeMmaPaddedPages<S>& pages, bool& bad) {
-  using T = DecodeMmaTraits<S>;
-  using KV = typename S::DTypeKV;
-  constexpr int kB = T::kBodyChunks, kStep = T::kThreads / kB, kIters = T::kTileKeys / kStep;
-  constexpr int kVec = 16 / static_cast<int>(sizeof(KV));
-  constexpr long long kSlotStride = S::kLayoutHND ? S::kHeadDimQK : static_cast<long long>(S::kNumKvHeads) * S::kHeadDimQK;
-  const KV* head = p.kv_cache + (S::kLayoutHND ? static_cast<long long>(kv_head) * S::kPageSize * S::kHeadDimQK
-                                               : static_cast<long long>(kv_head) * S::kHeadDimQK);
-  auto copy = [&](int row, int chunk, int page) {  // K and V chunk `chunk` of tile row `row`
-    const int kv_idx = start + row;
-    const bool in = kv_idx < end;
-    if (in && static_cast<unsigned>(page) >= static_cast<unsigned>(p.num_pages)) {
-      bad = true;
-      page = 0;
-    }
-    const int slot = static_cast<int>(static_cast<unsigned>(kv_idx) % static_cast<unsigned>(S::kPageSize));
-    const KV* k = head + static_cast<long long>(page) * p.kv_stride_page + slot * kSlotStride + chunk * kVec;
-    const int dst = row * T::kRowStride + chunk * kVec;
-    cp_async_16(sk + dst, in ? k : p.kv_cache, in);
-    cp_async_16(sv + dst, in ? k + p.kv_stride_kv : p.kv_cache, in);
-  };
-#pragma unroll
-  for (int i = 0; i < kIters; ++i) copy(threadIdx.x / kB + i * kStep, threadIdx.x % kB, pages.body.page[i]);
-  if constexpr (T::kTailChunks > 0) {
-    constexpr int kTail = T::kTailChunks;
-#pragma unroll
-    for (int j = 0; j < decltype(pages.tail)::kIters; ++j) {
-      const int c = threadIdx.x + j * T::kThreads;
-      if (c < T::kTileKeys * kTail) copy(c / kTail, kB + c % kTail, pages.tail.page[j]);
-    }
-  }
-}
-
-"""
-_TAIL = {
-    "  static constexpr int kLoadChunks = kPaddedTileLoader ? kPow2Chunks : kKvChunks;=>"
-    "  static constexpr int kBodyChunks = kKvChunks >= 16 ? 16 : kKvChunks >= 8 ? 8 : kKvChunks >= 4 ? 4 "
-    ": kKvChunks >= 2 ? 2 : 1;\n  static constexpr int kTailChunks = kKvChunks - kBodyChunks;\n"
-    "  static constexpr int kLoadChunks = kPaddedTileLoader ? kBodyChunks : kKvChunks;": 1,
-    "// FP8 cache: Q's A fragments (f16) and the per-row logit scale. The K fragments (decode_mma_qk_fp8)=>"
-    + _TAIL_LOADER.strip("\n") + "\n\n// FP8 cache: Q's A fragments (f16) and the per-row logit scale. The K fragments "
-    "(decode_mma_qk_fp8)": 1,
-    "  using Pages = KvPages<S, T::kTileKeys, T::kThreads, T::kLoadChunks>;=>"
-    "  using Pages = typename DecodeMmaSelect<T::kPaddedTileLoader, DecodeMmaPaddedPages<S>, "
-    "KvPages<S, T::kTileKeys, T::kThreads, T::kLoadChunks>>::type;": 1,
-    "    if constexpr (T::kTileLoader) {=>"
-    "    if constexpr (T::kPaddedTileLoader) {\n"
-    "      decode_mma_load_padded_tile<S>(p, stage_k(s), stage_v(s), kv_head, start, hi, pg, bad_ref);\n"
-    "    } else if constexpr (T::kTileLoader) {": 1,
-}
-
 VARIANTS = {
     "base": ({}, ["hd128-b64x4096", *_PADDED], {c: [1, 2] for c in _PADDED[:2]}),
     "stages3": (_stages(3), _PADDED, {}),
     "stages4": (_stages(4), _PADDED, {}),
-    "tail": (_TAIL, _PADDED, {c: [1, 2] for c in _PADDED[:2]}),
-    "tail-stages3": ({**_TAIL, **_stages(3)}, _PADDED[:2], {}),  # fewer copies per tile: 3 blocks per SM?
 }
 DIAG = ("JITATTN_DIAG_",)
 
