@@ -50,7 +50,7 @@ FIELDS: tuple[Field, ...] = (
     Field("num_slots", "i64", "long long", "num_pages * page_size: slots at or past it are skipped"),
     Field("num_tokens", "i32", "int"),
     Field("num_heads", "i32", "int"),
-    Field("head_dim", "i32", "int", "a multiple of vec_elems"),
+    Field("head_dim", "i32", "int", "a multiple of vec_elems (16-byte stores), or FP8's of 8 (8-byte stores)"),
     Field("page_size", "i32", "int"),
     Field("k_inv_scale", "f32", "float", "float32(1 / k_scale): an FP8 cache holds K * k_inv_scale, saturated"),
     Field("v_inv_scale", "f32", "float", "float32(1 / v_scale)"),
@@ -102,7 +102,8 @@ class AppendKvModule(UtilityModule):
 
     @property
     def vec_elems(self) -> int:
-        """Elements per thread step: one 16-byte store into the cache (16 FP8 or 8 16-bit values)."""
+        """Elements per thread step: one 16-byte store into the cache (16 FP8 or 8 16-bit values; an FP8 cache
+        whose head_dim is a multiple of 8 only takes 8-byte stores of 8)."""
         return 16 if self.fp8 else 8
 
     def render(self) -> RenderedSource:

@@ -18,7 +18,7 @@ from typing import Any, Mapping, NoReturn, Sequence
 import torch
 
 from jitattn.dtypes import TORCH_DTYPES as _TORCH_DTYPES
-from jitattn.spec import AttentionSpec
+from jitattn.spec import AttentionSpec, kv_copy_bytes
 from jitattn.variant import Param
 
 
@@ -409,7 +409,8 @@ def check_out_layout(out: torch.Tensor) -> None:
 
 
 def check_kv_cache_layout(spec: AttentionSpec, kv_cache: torch.Tensor) -> None:
-    """What the kernels need of the cache: contiguous pages (strided between pages), 16-byte aligned.
+    """What the kernels need of the cache: contiguous pages (strided between pages), aligned to the kernels'
+    copies of a row (16 bytes; 8 for an FP8 row of a head dim that is a multiple of 8 only: kv_copy_bytes).
 
     Raises:
         ValueError: naming the strides or the alignment.
@@ -418,29 +419,31 @@ def check_kv_cache_layout(spec: AttentionSpec, kv_cache: torch.Tensor) -> None:
         _check_kv_pair_layout(spec, kv_cache)
         return
     inner = kv_cache_shape(spec, 1)[1:]
-    _check_pages(kv_cache, inner, "kv_cache", f"dims 1-{len(inner)}")  # a latent cache has 3 dims, a paged one 5
+    _check_pages(kv_cache, inner, "kv_cache", f"dims 1-{len(inner)}",  # a latent cache has 3 dims, a paged one 5
+                 kv_copy_bytes(spec.head_dim_qk, spec.kv_dtype))
 
 
-def _check_pages(t: torch.Tensor, inner: tuple[int, ...], label: str, dims: str) -> None:
-    """Each page of ``t`` (inner dims ``inner``) contiguous, every page 16-byte aligned; pages may be strided."""
+def _check_pages(t: torch.Tensor, inner: tuple[int, ...], label: str, dims: str, align: int) -> None:
+    """Each page of ``t`` (inner dims ``inner``) contiguous, every page ``align``-byte aligned; pages may be
+    strided."""
     want = tuple(math.prod(inner[i + 1:]) for i in range(len(inner)))
     got = t.stride()[1:]
     # The stride of a size-1 dim never moves an address, so torch may report anything there.
     if any(g != w for g, w, n in zip(got, want, inner) if n > 1):
         fail(f"{label}: {dims} must be contiguous (strides {want}), got {got}; "
              f"pages may be strided, nothing inside a page may")
-    if t.stride(0) % (16 // t.element_size()) or t.data_ptr() % 16:
-        fail(f"{label}: pages must start 16-byte aligned (stride(0)={t.stride(0)} elements, "
-             f"data_ptr % 16 = {t.data_ptr() % 16})")
+    if t.stride(0) % (align // t.element_size()) or t.data_ptr() % align:
+        fail(f"{label}: pages must start {align}-byte aligned (stride(0)={t.stride(0)} elements, "
+             f"data_ptr % {align} = {t.data_ptr() % align})")
 
 
 def _check_kv_pair_layout(spec: AttentionSpec, kv_cache: Sequence[torch.Tensor]) -> None:
     """A pair runs on the single-tensor kernels (V at K's address + ``kv_stride_kv``), so both tensors
-    must share their strides: pages strided alike, each page contiguous, 16-byte aligned."""
+    must share their strides: pages strided alike, each page contiguous, aligned as check_kv_cache_layout says."""
     k, v = kv_cache
     inner = kv_pair_shape(spec, 1)[1:]
     for name, t in (("k_cache", k), ("v_cache", v)):
-        _check_pages(t, inner, f"kv_cache ({name})", "dims 1-3")
+        _check_pages(t, inner, f"kv_cache ({name})", "dims 1-3", kv_copy_bytes(spec.head_dim_qk, spec.kv_dtype))
     if k.shape[0] > 1 and k.stride(0) != v.stride(0):
         fail(f"kv_cache: k_cache's page stride is {k.stride(0)} elements and v_cache's {v.stride(0)}; the kernels "
              f"take a pair whose two tensors have the same strides (V read at K's address + a fixed offset): "

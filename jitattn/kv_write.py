@@ -10,7 +10,8 @@ Two implementations with the same result (bit for bit):
 - a torch path (advanced-index assignment on the cache's ``(page, offset)`` view) that runs on any
   device: the reference, and what CPU tensors use;
 - for CUDA tensors, a small kernel (``templates/append_kv.cu.j2``: one block per token, 16-byte
-  loads and stores, FP8 conversion in registers) that goes through jitattn's pipeline as the
+  loads and stores (8-byte stores into an FP8 cache whose head_dim is a multiple of 8 only), FP8
+  conversion in registers) that goes through jitattn's pipeline as the
   ``merge_state`` module does (:mod:`jitattn.append_kv_module`): cached by content, built by
   ``jitattn warmup --model``, shipped by ``jitattn cache export``.
 
@@ -181,21 +182,29 @@ def _append_torch(k, v, kc, vc, slot_mapping, k_scale, v_scale) -> None:
 
 
 # ---- the CUDA kernel -----------------------------------------------------------------------------
+def cache_store_bytes(kv_dtype: torch.dtype, head_dim: int) -> int:
+    """Bytes per store of the kernel into the cache: 16, or 8 for an FP8 cache whose head_dim is a multiple
+    of 8 only (its rows are whole 8-byte chunks, 8-byte aligned)."""
+    return 8 if kv_dtype == _FP8 and head_dim % 16 else 16
+
+
 def kernel_reasons(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> list[str]:
-    """Why the kernel cannot take these tensors (empty: it can): it moves whole 16-byte chunks."""
-    vec = 16 if kc.dtype == _FP8 else 8
+    """Why the kernel cannot take these tensors (empty: it can): it reads whole 16-byte chunks of k / v and
+    stores whole chunks of the cache (:func:`cache_store_bytes`)."""
+    store = cache_store_bytes(kc.dtype, k.shape[2])
+    vec = store // kc.element_size()
     out = []
     if k.device.type != "cuda":
         out.append(f"the tensors are on {k.device}; the kernel needs CUDA tensors")
     if k.shape[2] % vec:
-        out.append(f"head_dim={k.shape[2]} is not a multiple of {vec} (one 16-byte store of the cache)")
-    for name, t, step in (("k", k, 8), ("v", v, 8), ("k_cache", kc, 16 // kc.element_size()),
-                          ("v_cache", vc, 16 // kc.element_size())):
+        out.append(f"head_dim={k.shape[2]} is not a multiple of {vec} (one {store}-byte store of the cache)")
+    for name, t, align in (("k", k, 16), ("v", v, 16), ("k_cache", kc, store), ("v_cache", vc, store)):
+        step = align // t.element_size()
         if t.stride(-1) != 1 and t.shape[-1] > 1:
             out.append(f"{name}: head_dim is not contiguous (strides {t.stride()})")
-        if t.data_ptr() % 16 or any(s % step for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
-            out.append(f"{name}: rows are not 16-byte aligned (data_ptr % 16 = {t.data_ptr() % 16}, strides "
-                       f"{t.stride()})")
+        if t.data_ptr() % align or any(s % step for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
+            out.append(f"{name}: rows are not {align}-byte aligned (data_ptr % {align} = {t.data_ptr() % align}, "
+                       f"strides {t.stride()})")
     return out
 
 
@@ -294,7 +303,7 @@ class _LayoutLaunch:
     writers, and where K and V start in a one-tensor cache. Holds no tensor (nor a reference to one)."""
 
     __slots__ = ("kernel", "params", "writers", "pair", "k_offset", "v_offset", "slots_contiguous", "cpu_slots",
-                 "num_pages", "page_size")
+                 "num_pages", "page_size", "cache_misalign")
 
     def __init__(self, kernel: AppendKvKernel, params: bytes | bytearray, kv_cache: Any, kc: torch.Tensor,
                  vc: torch.Tensor, slot_mapping: torch.Tensor):
@@ -307,11 +316,12 @@ class _LayoutLaunch:
         self.slots_contiguous = slot_mapping.is_contiguous()  # the layout fixes it (its stride; 1 token or more)
         self.cpu_slots = slot_mapping.device.type == "cpu"  # values are checked there (the CPU tests' fake kernel)
         self.num_pages, self.page_size = kc.shape[0], kc.shape[1]
+        self.cache_misalign = cache_store_bytes(kc.dtype, kc.shape[-1]) - 1  # the cache's address bits that must be 0
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor, kv_cache: Any, slot_mapping: torch.Tensor) -> bool:
         """Launch on these tensors of the layout, after the checks that a call can fail while its layout
-        passes (token counts, 16-byte aligned data pointers). False, with nothing launched, when one
-        fails: the full checks then name it."""
+        passes (token counts, aligned data pointers: k / v 16-byte, the cache :func:`cache_store_bytes`).
+        False, with nothing launched, when one fails: the full checks then name it."""
         n = k.shape[0]
         if v.shape[0] != n or slot_mapping.shape[0] != n:
             return False
@@ -321,7 +331,7 @@ class _LayoutLaunch:
             base = kv_cache.data_ptr()
             kc, vc = base + self.k_offset, base + self.v_offset
         kp, vp = k.data_ptr(), v.data_ptr()
-        if (kp | vp | kc | vc) & 15:
+        if (kp | vp) & 15 or (kc | vc) & self.cache_misalign:
             return False
         if self.cpu_slots:
             _check_slot_values(slot_mapping, self.num_pages, self.page_size)
@@ -405,7 +415,7 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: Any, slot_mapping: tor
 
     The kernel path remembers each layout it launched (shapes, strides, dtypes, devices, the cache's
     form, scales; :data:`MEMO_SIZE` of them, no tensors): a later call of that layout checks only
-    what can differ (token counts, 16-byte aligned data pointers) and writes only the pointers and
+    what can differ (token counts, aligned data pointers) and writes only the pointers and
     the token count into the packed ``AppendKvParams``, as :meth:`jitattn.Plan.run` does per layer.
 
     Raises:

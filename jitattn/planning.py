@@ -40,7 +40,7 @@ from jitattn.checks import (check_flag, check_kv_cache, check_kv_cache_layout, c
                             kv_stride_kv)
 from jitattn.dtypes import TORCH_DTYPES
 from jitattn.render import params_fields, params_layout
-from jitattn.spec import AttentionSpec
+from jitattn.spec import AttentionSpec, kv_copy_bytes
 
 #: What a plan may assume: "eager" reads the metadata on the host once (exact kernels for this
 #: step's values; the plan holds for these values only); "graph" decides from shapes and arguments
@@ -196,7 +196,7 @@ class ParamsLayout(StructLayout):
                 plan_index=plan_index, assemble=assemble, kv_inner=inner or None,
                 kv_strides=tuple(math.prod(inner[i + 1:]) for i in range(len(inner))),  # a page is contiguous
                 kv_stride_kv=math.prod(inner[1:]) if inner else 0,
-                kv_align=16 // TORCH_DTYPES[spec.kv_dtype].itemsize,
+                kv_align=kv_copy_bytes(spec.head_dim_qk, spec.kv_dtype) // TORCH_DTYPES[spec.kv_dtype].itemsize,
                 dtypes=(TORCH_DTYPES[spec.q_dtype], TORCH_DTYPES[spec.kv_dtype], TORCH_DTYPES[spec.o_dtype]),
                 softmax=spec.variant is None or spec.variant.softmax)
         return found

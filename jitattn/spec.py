@@ -95,6 +95,13 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def kv_copy_bytes(head_dim: int, kv_dtype: str) -> int:
+    """Bytes per copy of a K/V row in the kernels (``kv_copy_bytes`` in templates/kv_load.cuh): 16, or 8 for an
+    FP8 row of a head dim that is a multiple of 8 only (72 bytes: whole 8-byte chunks). The cache's pages and
+    rows need that alignment."""
+    return 8 if kv_dtype == "float8_e4m3fn" and head_dim % 16 else 16
+
+
 def decode_block_problem(head_dim: int, kv_dtype: str, group_size: int) -> str | None:
     """Why the CUDA-core decode kernel of a paged spec cannot be built for this GQA group, or None.
 
@@ -104,7 +111,7 @@ def decode_block_problem(head_dim: int, kv_dtype: str, group_size: int) -> str |
     that such a spec is refused at construction instead of failing in nvcc (tests/test_spec.py compiles
     the largest accepted groups; each of these limits first bites at groups of 61 to 129 heads).
     """
-    vec = 16 // (1 if kv_dtype == "float8_e4m3fn" else 2)  # elements per 16-byte load
+    vec = kv_copy_bytes(head_dim, kv_dtype) // (1 if kv_dtype == "float8_e4m3fn" else 2)  # elements per load
     bdx = 1
     while bdx < head_dim // vec:  # next power of two of the chunks per row
         bdx *= 2
@@ -279,10 +286,6 @@ class AttentionSpec:
         _set("o_dtype", normalize_dtype(self.o_dtype or self.q_dtype, field="o_dtype", allowed=QO_DTYPES))
         if self.kv_dtype not in (self.q_dtype, "float8_e4m3fn"):
             raise ValueError(f"kv_dtype={self.kv_dtype!r}: must equal q_dtype={self.q_dtype!r} or be 'float8_e4m3fn'")
-        if self.kv_dtype == "float8_e4m3fn" and self.head_dim_qk % 16:
-            raise ValueError(f"kv_dtype='float8_e4m3fn' with head_dim_qk={self.head_dim_qk}: an FP8 row of "
-                             f"{self.head_dim_qk} bytes ends in half a 16-byte chunk, which the kernels do not load; "
-                             f"an FP8 cache takes head dims that are multiples of 16 (a 16-bit cache takes this one)")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout={self.kv_layout!r}: expected one of {KV_LAYOUTS}")
         if ragged:

@@ -34,6 +34,7 @@ __host__ __device__ constexpr int round_up(int a, int b) { return ceil_div(a, b)
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_fp8_e4m3 x) { return static_cast<float>(x); }
 
 // Parameter reads yield float for floating types and int for integer types (jitattn/trace.py's C types).
 __device__ __forceinline__ float to_param_value(float x) { return x; }
@@ -58,10 +59,10 @@ template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, f
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
-// 16 bytes of T unpacked to floats.
-template <class T, int N>
-__device__ __forceinline__ void unpack16(const uint4& raw, float (&out)[N]) {
-  static_assert(N * sizeof(T) == 16, "unpack16 reads exactly 16 bytes");
+// The bytes of `raw` (a uint4 or a uint2) as N values of T, unpacked to floats.
+template <class T, int N, class Raw>
+__device__ __forceinline__ void unpack_raw(const Raw& raw, float (&out)[N]) {
+  static_assert(N * sizeof(T) == sizeof(Raw), "unpack_raw reads exactly the bytes of raw");
   if constexpr (sizeof(T) == 1) {  // FP8 e4m3: two at a time through the half2 converter
     const __nv_fp8x2_storage_t* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&raw);
 #pragma unroll
@@ -75,6 +76,28 @@ __device__ __forceinline__ void unpack16(const uint4& raw, float (&out)[N]) {
     const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
     for (int i = 0; i < N; ++i) out[i] = to_float(e[i]);
+  }
+}
+
+// 16 bytes of T unpacked to floats.
+template <class T, int N>
+__device__ __forceinline__ void unpack16(const uint4& raw, float (&out)[N]) {
+  unpack_raw<T>(raw, out);
+}
+
+// 8 bytes of T unpacked to floats (a chunk of an FP8 row that ends in half a 16-byte chunk).
+template <class T, int N>
+__device__ __forceinline__ void unpack8(const uint2& raw, float (&out)[N]) {
+  unpack_raw<T>(raw, out);
+}
+
+// N values of T, 16 or 8 bytes, read from a 16- or 8-byte aligned address and unpacked to floats.
+template <class T, int N>
+__device__ __forceinline__ void unpack_at(const void* src, float (&out)[N]) {
+  if constexpr (N * sizeof(T) == 16) {
+    unpack16<T>(*reinterpret_cast<const uint4*>(src), out);
+  } else {
+    unpack8<T>(*reinterpret_cast<const uint2*>(src), out);
   }
 }
 
@@ -140,6 +163,23 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool p
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const int src_size = pred ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_size));
+}
+// The same for 8 bytes, through L1 (cp.async.cg takes 16 bytes only): FP8 rows that end in half a
+// 16-byte chunk are whole 8-byte chunks, 8-byte aligned in the cache.
+__device__ __forceinline__ void cp_async_8(void* smem, const void* gmem, bool pred) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const int src_size = pred ? 8 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_size));
+}
+// cp_async_16 or cp_async_8 by the copy's size.
+template <int kBytes>
+__device__ __forceinline__ void cp_async(void* smem, const void* gmem, bool pred) {
+  static_assert(kBytes == 16 || kBytes == 8, "cp_async copies 16 or 8 bytes");
+  if constexpr (kBytes == 16) {
+    cp_async_16(smem, gmem, pred);
+  } else {
+    cp_async_8(smem, gmem, pred);
+  }
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>

@@ -3,10 +3,11 @@
 // One thread block serves (sequence, kv_head, split): all query heads of the GQA group share one
 // read of each K/V row. K and V tiles stream into shared memory through cp.async, kStages deep,
 // 16 bytes per thread per load. Threads form a (kBdx, kBdy, kBdz) grid: kBdx lanes along the head
-// dim, kBdy query heads of the group, kBdz key slots. Each (ty, tz) keeps its own online-softmax
-// state; states merge across tz at the end, and across splits (split-KV, partial states combined by
-// log-sum-exp as in FlashDecoding, Dao et al. 2023) in the last split block of each (sequence, kv
-// head) to finish (merge_splits_last_block).
+// dim, kBdy query heads of the group, kBdz key slots. An FP8 row that ends in half a 16-byte chunk
+// (head dims 72, 88, ...) moves in 8-byte chunks instead, copies, lanes and loads alike, so no row is
+// padded. Each (ty, tz) keeps its own online-softmax state; states merge across tz at the end, and
+// across splits (split-KV, partial states combined by log-sum-exp as in FlashDecoding, Dao et al. 2023)
+// in the last split block of each (sequence, kv head) to finish (merge_splits_last_block).
 #pragma once
 
 #include "common.cuh"
@@ -20,8 +21,8 @@ template <class S>
 struct DecodeTraits {
   using DTypeKV = typename S::DTypeKV;
   static constexpr int kHeadDim = S::kHeadDimQK;
-  static constexpr int kVec = 16 / sizeof(DTypeKV);  // elements per 16-byte load
-  static constexpr int kChunks = kHeadDim / kVec;     // 16-byte chunks per K/V row
+  static constexpr int kVec = kv_copy_bytes<S>() / sizeof(DTypeKV);  // elements per load (16 bytes, or 8)
+  static constexpr int kChunks = kHeadDim / kVec;                      // chunks per K/V row
   static constexpr int kBdx = next_pow2(kChunks);     // lanes along head_dim (idle lanes when not a power of two)
   // Each thread serves up to 4 query heads of the group, so each K/V element it loads is converted
   // once and used for several heads (a thread per head converted each element group-size times: the
@@ -50,15 +51,27 @@ struct DecodeTraits {
   static constexpr int kMergeBytes = (kBdz * kSlots * (kHeadDim + 2) + kSlots) * 4;
   static constexpr int kSmemBytes = cmax(kStages * kStageBytes, kMergeBytes);
 
-  static_assert(kHeadDim % kVec == 0, "head_dim must be a whole number of 16-byte chunks");
+  static_assert(kHeadDim % kVec == 0, "head_dim must be a whole number of chunks");
   static_assert(kBdx <= 32, "one K/V row must fit in one warp's lanes (head_dim <= 256)");
   static_assert(kThreads % 32 == 0 && kThreads <= 1024, "decode block must be whole warps");
-  // Whether the rotate_half partner of a lane's chunk is one whole chunk D/2 away (a multiple of 16
-  // 16-bit elements); else (72, 88: D/2 ends mid-chunk) the transforms read the partners one by one.
+  // Whether the rotate_half partner of a lane's chunk is one whole chunk D/2 away; else (72, 88: D/2
+  // ends mid-chunk) the transforms read the partners one by one.
   static constexpr bool kPartnerChunks = (kHeadDim / 2) % kVec == 0;
-  static_assert(!S::kHasKTransform || kPartnerChunks || sizeof(DTypeKV) == 2,
-                "key transforms over an FP8 cache need head_dim / 2 to be whole 16-byte chunks");
 };
+
+// decode_kernel's read of a lane's chunk of a staged K/V row: V elements of DT at `addr` (16 bytes, or 8),
+// into floats `out`, zeros where !lane_has_dims. A macro: as a function, inlined, it changed nvcc's code
+// for 16-byte chunks.
+#define JITATTN_DECODE_READ_CHUNK(out, addr)                         \
+  if constexpr (V * sizeof(DT) == 16) {                              \
+    uint4 raw = make_uint4(0, 0, 0, 0);                              \
+    if (lane_has_dims) raw = *reinterpret_cast<const uint4*>(addr);  \
+    unpack16<DT>(raw, out);                                          \
+  } else {                                                           \
+    uint2 raw = make_uint2(0, 0);                                    \
+    if (lane_has_dims) raw = *reinterpret_cast<const uint2*>(addr);  \
+    unpack8<DT>(raw, out);                                           \
+  }
 
 // The rotate_half partners (element (dim + D/2) % D) of the kVec elements of chunk tx of a row, one by
 // one: for head dims whose D/2 is not whole 16-byte chunks (DecodeTraits::kPartnerChunks false).
@@ -414,16 +427,11 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
     for (int j = 0; j < KPT; ++j) {
       const int row = tz + j * T::kBdz;
       float kf[V];
-      uint4 raw = make_uint4(0, 0, 0, 0);
-      if (lane_has_dims) raw = *reinterpret_cast<const uint4*>(sk + row * T::kHeadDim + tx * V);
-      unpack16<DT>(raw, kf);
+      JITATTN_DECODE_READ_CHUNK(kf, sk + row * T::kHeadDim + tx * V);
       if constexpr (S::kHasKTransform) {  // keys are transformed as they are read: the cache holds them raw
         float partner[V];
         if constexpr (T::kPartnerChunks) {
-          uint4 praw = make_uint4(0, 0, 0, 0);
-          if (lane_has_dims)
-            praw = *reinterpret_cast<const uint4*>(sk + row * T::kHeadDim + ((tx + T::kChunks / 2) % T::kChunks) * V);
-          unpack16<DT>(praw, partner);
+          JITATTN_DECODE_READ_CHUNK(partner, sk + row * T::kHeadDim + ((tx + T::kChunks / 2) % T::kChunks) * V);
         } else {
           load_partners<S>(sk + row * T::kHeadDim, tx, lane_has_dims, partner);
         }
@@ -469,9 +477,7 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
     for (int j = 0; j < KPT; ++j) {
       const int row = tz + j * T::kBdz;
       float vf[V];
-      uint4 raw = make_uint4(0, 0, 0, 0);
-      if (lane_has_dims) raw = *reinterpret_cast<const uint4*>(sv + row * T::kHeadDim + tx * V);
-      unpack16<DT>(raw, vf);
+      JITATTN_DECODE_READ_CHUNK(vf, sv + row * T::kHeadDim + tx * V);
 #pragma unroll
       for (int h = 0; h < H; ++h)
 #pragma unroll
@@ -502,5 +508,6 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
   __syncthreads();
   decode_finish<S, T::kBdz, kSlots, T::kThreads>(p, sm_m, split, batch, kv_head, q_row, qo_idx, poison);
 }
+#undef JITATTN_DECODE_READ_CHUNK
 
 }  // namespace jitattn

@@ -12,7 +12,9 @@
 // instead of the keys (kSplitDims, decode_mma_split_dims) and no merge is needed.
 // An FP8 (e4m3) cache is read here too (DecodeMmaTraits::kFp8): raw rows are staged, and each lane
 // widens the bytes of its ldmatrix fragments to f16 in registers (decode_mma_qk_fp8 / _pv_fp8); at
-// hd <= 128 a warp takes 32 keys per tile (DecodeMmaTraits::kFp8Wide).
+// hd <= 128 a warp takes 32 keys per tile (DecodeMmaTraits::kFp8Wide). An FP8 row that ends in half a
+// 16-byte chunk (hd 72, 88, ...) is copied in 8-byte chunks into a row padded to 16 dims, as 16-bit
+// rows of those head dims are.
 #pragma once
 
 #include "common.cuh"
@@ -70,14 +72,16 @@ struct DecodeMmaTraits {
   using MT = typename DecodeMmaSelect<kFp8, __half, DT>::type;  // mma operand type
   static constexpr int kHeadDim = S::kHeadDimQK;  // a row in global memory and in the merge scratch
   // The k-steps of S = Q K^T and the n-tile pairs of O are 16 wide: a head dim that is a multiple of 8
-  // only (16-bit caches; jitattn/spec.py refuses FP8 there) pads its Q and K/V rows in shared memory
-  // with one zero chunk (decode_mma_zero_pads); every kPadded branch is `if constexpr`.
+  // only pads its Q and K/V rows in shared memory with zeros to 16 dims (decode_mma_zero_pads: 16 bytes
+  // of a 16-bit row, 8 of an FP8 one); every kPadded branch is `if constexpr`.
   static constexpr int kHeadDimPad = round_up(kHeadDim, 16);
   static constexpr bool kPadded = kHeadDimPad != kHeadDim;
+  static constexpr int kKSteps = kHeadDimPad / 16;  // k-steps of S = Q K^T; an FP8 row's 16-byte chunks
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks of a q row in global memory
-  static constexpr int kKvChunks = kHeadDim * static_cast<int>(sizeof(KV)) / 16;  // of a K/V row
+  // Copies of a K/V row: 16-byte chunks, or 8-byte ones for an FP8 row that ends in half a 16-byte chunk.
+  static constexpr int kKvChunks = kHeadDim * static_cast<int>(sizeof(KV)) / kv_copy_bytes<S>();
   static constexpr int kWholeWindowMaxTiles = kHeadDim <= 128 ? 3 : 2;
   // Whole-window mode: when the window bounds a decode row to at most kWholeWindowMaxTiles tiles of 64 keys
   // (window_left + 1 keys; gpt-oss sliding layers: 128), every K/V row of the window is issued at once
@@ -115,8 +119,10 @@ struct DecodeMmaTraits {
   // bytes at 255 registers against 48 padded (ptxas, sm_90a).
   static constexpr bool kSwizzle = (kWholeWindow || kFp8 || kHeadDim <= 128) && kKvChunks % 8 == 0;
   // K/V rows in KV elements; padded by 16 bytes (hd 80, 96, ...): conflict-free ldmatrix (8 rows hit 8
-  // distinct bank groups).
-  static constexpr int kRowStride = kSwizzle ? kHeadDim : kHeadDimPad + 16 / static_cast<int>(sizeof(KV));
+  // distinct bank groups). A padded row is an odd number of 16-byte chunks for the same reason.
+  static constexpr int kVec16 = 16 / static_cast<int>(sizeof(KV));  // KV elements per 16 bytes
+  static constexpr int kRowStride = kSwizzle ? kHeadDim : kPadded ? (kHeadDimPad / kVec16 | 1) * kVec16
+                                                                  : kHeadDimPad + kVec16;
   static constexpr int kQRowStride = kHeadDimPad + 8;
   static constexpr int kStageBytes = 2 * kTileKeys * kRowStride * static_cast<int>(sizeof(KV));  // K and V of one tile
   static constexpr int kStages = kWholeWindow ? kWindowTiles : kPipelineStages;
@@ -126,7 +132,10 @@ struct DecodeMmaTraits {
                                         (kThreads / kKvChunks) % 8 == 0;
   static constexpr int kQBytes = 16 * kQRowStride * 2;
   static constexpr int kDTiles = kHeadDimPad / 8;
-  static constexpr int kDTilesOut = kHeadDim / 8;  // of them, the ones holding real output dims
+  // Of them, the ones holding real output dims; all of them for a padded FP8 row, whose last chunk's
+  // pairs hold real and pad dims interleaved (decode_mma_out_pair): there each pair's dim is checked.
+  static constexpr bool kOutDimCheck = kFp8 && kPadded;
+  static constexpr int kDTilesOut = kOutDimCheck ? kDTiles : kHeadDim / 8;
   // Whole window, head dims split over the warps: each warp computes the scores of every key of the
   // window itself (the 4 warps repeat S = Q K^T) and P V for its kDTiles / 4 d-tiles only, so the
   // warps' softmax states are equal and need no merge: no merge scratch, no decode_finish, one
@@ -148,7 +157,9 @@ struct DecodeMmaTraits {
   // faster than 5). FP8 rows are half as large, so
   // the shared memory would allow 6 blocks even at hd 128, where the widening's registers do not fit
   // 80 (4 / 98 bytes spilled for groups 8 / 16): FP8 at hd >= 128 takes at most 5 (96 registers).
-  static constexpr int kMaxWholeWindowBlocks = kSplitDims ? (kFp8 && kHeadDim >= 128 ? 5 : 6) : 5;
+  // Padded FP8 rows in the key-split kernel take at most 4: at 5's 96 registers ptxas spilled them.
+  static constexpr int kMaxWholeWindowBlocks = kSplitDims ? (kFp8 && kHeadDim >= 128 ? 5 : 6)
+                                                          : (kFp8 && kPadded ? 4 : 5);
   // The FP8 tile pipeline for groups <= 8 and hd <= 128 fits 3 blocks' registers (the shared memory
   // allows 4 with swizzled rows at hd 128: 53.5 KB per block); every other tile pipeline asks for 1.
   static constexpr bool kFp8Capped = kFp8 && !kWholeWindow && kRowHalves == 1 && kHeadDim <= 128;
@@ -158,7 +169,7 @@ struct DecodeMmaTraits {
       cmax(1, cmin(kWholeWindow ? kMaxWholeWindowBlocks : kMaxPipelineBlocks, kSmemFitBlocks));
   static_assert(S::kGroupSize <= 16, "the group's query heads must fit one m16 tile");
   static_assert(decode_mma_reads_cache<S>(), "tensor-core decode: a 16-bit cache, or FP8 with f16-safe weights");
-  static_assert(!kPadded || (!kFp8 && !kSwizzle), "padded rows: a 16-bit cache, unswizzled (an odd chunk count)");
+  static_assert(!kPadded || !kSwizzle, "padded rows are unswizzled (an odd chunk count)");
 };
 
 // A padded head dim (DecodeMmaTraits::kPadded): zero the pad columns of the 16 Q rows and of every K and V
@@ -170,8 +181,13 @@ __device__ __forceinline__ void decode_mma_zero_pads(typename T::DT* sq, StageK 
   if (threadIdx.x < 16) *reinterpret_cast<uint4*>(sq + threadIdx.x * T::kQRowStride + T::kHeadDim) = zero;
   for (int r = threadIdx.x; r < T::kStages * T::kTileKeys; r += T::kThreads) {
     const int s = r / T::kTileKeys, row = r % T::kTileKeys;
-    *reinterpret_cast<uint4*>(stage_k(s) + row * T::kRowStride + T::kHeadDim) = zero;
-    *reinterpret_cast<uint4*>(stage_v(s) + row * T::kRowStride + T::kHeadDim) = zero;
+    if constexpr (T::kFp8) {  // 8 pad bytes, 8-byte aligned
+      *reinterpret_cast<uint2*>(stage_k(s) + row * T::kRowStride + T::kHeadDim) = make_uint2(0, 0);
+      *reinterpret_cast<uint2*>(stage_v(s) + row * T::kRowStride + T::kHeadDim) = make_uint2(0, 0);
+    } else {
+      *reinterpret_cast<uint4*>(stage_k(s) + row * T::kRowStride + T::kHeadDim) = zero;
+      *reinterpret_cast<uint4*>(stage_v(s) + row * T::kRowStride + T::kHeadDim) = zero;
+    }
   }
 }
 
@@ -189,7 +205,7 @@ __device__ __forceinline__ void decode_mma_load_tile(
   using T = DecodeMmaTraits<S>;
   using KV = typename S::DTypeKV;
   constexpr int kC = T::kLoadChunks, kStep = T::kThreads / kC, kIters = kRows / kStep;
-  constexpr int kVec = 16 / static_cast<int>(sizeof(KV));  // KV elements per 16-byte chunk
+  constexpr int kVec = kv_copy_bytes<S>() / static_cast<int>(sizeof(KV));  // KV elements per copy
   static_assert(kIters == KvPages<S, kRows, T::kThreads, kC>::kIters && kRows % kStep == 0,
                 "KvPages' rows are this loader's rows");
   // Threads past a padded row's chunks zero-fill its pad chunk (no read; a branch around their copies
@@ -212,8 +228,9 @@ __device__ __forceinline__ void decode_mma_load_tile(
     }
     const int slot = static_cast<int>(static_cast<unsigned>(kv_idx) % static_cast<unsigned>(S::kPageSize));
     const KV* k = base + static_cast<long long>(page) * p.kv_stride_page + slot * kSlotStride;
-    cp_async_16(sk + dst0 + i * kStep * T::kRowStride, in ? k : p.kv_cache, in);
-    cp_async_16(sv + dst0 + i * kStep * T::kRowStride, in ? k + p.kv_stride_kv : p.kv_cache, in);
+    cp_async<kv_copy_bytes<S>()>(sk + dst0 + i * kStep * T::kRowStride, in ? k : p.kv_cache, in);
+    cp_async<kv_copy_bytes<S>()>(sv + dst0 + i * kStep * T::kRowStride, in ? k + p.kv_stride_kv : p.kv_cache,
+                                 in);
   }
 }
 
@@ -224,7 +241,7 @@ __device__ __forceinline__ void decode_mma_load_tile(
 // converts exactly (elements below f16's normal range, 2^-29 of the row's max and smaller, round
 // at 2^-24 absolute). qk_scale[r] = q_prescale * k_scale * 2^8 * 2^-e for row half r.
 template <class S>
-__device__ __forceinline__ void decode_mma_q_fp8(const Params& p, uint32_t (&qf)[S::kHeadDimQK / 16][4],
+__device__ __forceinline__ void decode_mma_q_fp8(const Params& p, uint32_t (&qf)[DecodeMmaTraits<S>::kKSteps][4],
                                                  float (&qk_scale)[2], const typename S::DTypeQ* sq) {
   using T = DecodeMmaTraits<S>;
   using DT = typename S::DTypeQ;
@@ -242,7 +259,7 @@ __device__ __forceinline__ void decode_mma_q_fp8(const Params& p, uint32_t (&qf)
   for (int r = 0; r < T::kRowHalves; ++r) {
     float amax = 0.f;
 #pragma unroll
-    for (int kk = 0; kk < T::kHeadDim / 16; ++kk) {
+    for (int kk = 0; kk < T::kKSteps; ++kk) {
       float x[4];
       load4(r, kk, x);
 #pragma unroll
@@ -258,7 +275,7 @@ __device__ __forceinline__ void decode_mma_q_fp8(const Params& p, uint32_t (&qf)
     qk_scale[r] = q_prescale<S>() * p.k_scale * kE4m3Unscale * pow2(-e);
   }
 #pragma unroll
-  for (int kk = 0; kk < T::kHeadDim / 16; ++kk)
+  for (int kk = 0; kk < T::kKSteps; ++kk)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       if (r >= T::kRowHalves) {  // rows 8..15 are past a group of <= 8: zero (a constant, no registers)
@@ -279,7 +296,7 @@ __device__ __forceinline__ void decode_mma_q_fp8(const Params& p, uint32_t (&qf)
 // chunks x 16 keys, 4 mma.
 template <class T, class ChunkAt>
 __device__ __forceinline__ void decode_mma_qk_fp8(float (&s0)[4], float (&s1)[4],
-                                                  const uint32_t (&qf)[T::kHeadDim / 16][4], const uint8_t* sk,
+                                                  const uint32_t (&qf)[T::kKSteps][4], const uint8_t* sk,
                                                   ChunkAt chunk_at) {
   const int lane = threadIdx.x % 32;
   const int row = lane % 8 + ((lane / 8) % 2) * 8;  // x4: lanes 0-7 keys 0-7, 8-15 keys 8-15, then again
@@ -291,16 +308,16 @@ __device__ __forceinline__ void decode_mma_qk_fp8(float (&s0)[4], float (&s1)[4]
     mma_16816<__half>(s1, qf[kk], b[1][0], b[1][1]);
   };
 #pragma unroll
-  for (int kk = 0; kk + 1 < T::kKvChunks; kk += 2) {
+  for (int kk = 0; kk + 1 < T::kKSteps; kk += 2) {
     uint32_t b[4];
     ldmatrix_x4(b, sk + row * T::kRowStride + chunk_at(kk + lane / 16) * 16);
     mma2(kk, b[0], b[1]);
     mma2(kk + 1, b[2], b[3]);
   }
-  if constexpr (T::kKvChunks % 2 == 1) {
+  if constexpr (T::kKSteps % 2 == 1) {
     uint32_t b[2];
-    ldmatrix_x2(b, sk + row * T::kRowStride + chunk_at(T::kKvChunks - 1) * 16);
-    mma2(T::kKvChunks - 1, b[0], b[1]);
+    ldmatrix_x2(b, sk + row * T::kRowStride + chunk_at(T::kKSteps - 1) * 16);
+    mma2(T::kKSteps - 1, b[0], b[1]);
   }
 }
 
@@ -436,7 +453,8 @@ __device__ __forceinline__ void decode_mma_softmax_step(const Params& p, float (
 }
 
 template <class S>
-__device__ __forceinline__ void decode_mma_split_dims(const Params& p, const uint32_t (&qf)[S::kHeadDimQK / 16][4],
+__device__ __forceinline__ void decode_mma_split_dims(const Params& p,
+                                                      const uint32_t (&qf)[DecodeMmaTraits<S>::kKSteps][4],
                                                       const float (&qk_scale)[2], const typename S::DTypeKV* sk,
                                                       const typename S::DTypeKV* sv, int batch, int kv_head, int split,
                                                       int q_row, int qo_idx, int kv_len, int lo, int hi, bool bad) {
@@ -646,13 +664,13 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tig = lane % 4;
-  uint32_t qf[T::kHeadDimPad / 16][4];  // A fragments of Q, loaded once
+  uint32_t qf[T::kKSteps][4];  // A fragments of Q, loaded once
   float qk_scale[2];                 // factor from S's accumulators to q_prescale * q.k (per row half)
   if constexpr (T::kFp8) {
     decode_mma_q_fp8<S>(p, qf, qk_scale, sq);
   } else {
 #pragma unroll
-    for (int kk = 0; kk < T::kHeadDimPad / 16; ++kk) {
+    for (int kk = 0; kk < T::kKSteps; ++kk) {
       ldmatrix_x4(qf[kk], sq + (lane % 16) * T::kQRowStride + kk * 16 + (lane / 16) * 8);
       // Rows g + 8 are padding for groups <= 8: zero, one register for all (tile pipeline only, above).
       if constexpr (T::kRowHalves == 1 && !T::kWholeWindow) qf[kk][1] = qf[kk][3] = 0u;
@@ -697,7 +715,7 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
                              chunk_at);
     } else {
 #pragma unroll
-      for (int kk = 0; kk < T::kHeadDimPad / 16; ++kk) {
+      for (int kk = 0; kk < T::kKSteps; ++kk) {
         uint32_t b[4];
         ldmatrix_x4(b, sk + (lane % 8 + (lane / 16) * 8) * T::kRowStride + chunk_at(kk * 2 + (lane / 8) % 2) * 8);
         mma_16816<MT>(s[0], qf[kk], b[0], b[1]);
@@ -710,8 +728,8 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
       uint32_t a[4];  // P as the A operand: two n-tiles' accumulators (16 keys) form one k-step
       decode_mma_p_operand<T, MT>(a, s, j);
       if constexpr (T::kFp8) {
-        decode_mma_pv_fp8<T, T::kKvChunks>(o, a, reinterpret_cast<const uint8_t*>(sv) + 16 * j * T::kRowStride, 0,
-                                           chunk_at);
+        decode_mma_pv_fp8<T, T::kKSteps>(o, a, reinterpret_cast<const uint8_t*>(sv) + 16 * j * T::kRowStride, 0,
+                                          chunk_at);
       } else {  // kWarpKeys == 16: j == 0. Inline, not decode_mma_pv_16bit: at hd256 that moved registers (SASS)
 #pragma unroll
         for (int d2 = 0; d2 < T::kDTiles / 2; ++d2) {
@@ -746,6 +764,7 @@ __device__ __forceinline__ void decode_mma_kernel(const Params& p) {
       int dim;
       float value[2];
       decode_mma_out_pair<T>(o, 0, dt, r, tig, dim, value);
+      if (T::kOutDimCheck && dim >= T::kHeadDim) continue;
       sm_o[slot * T::kHeadDim + dim] = value[0];
       sm_o[slot * T::kHeadDim + dim + 1] = value[1];
     }

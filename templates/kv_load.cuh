@@ -7,6 +7,13 @@
 
 namespace jitattn {
 
+// Bytes per copy of a K/V row: 16, or 8 for an FP8 row of a head dim that is a multiple of 8 only (72
+// bytes: whole 8-byte chunks, 8-byte aligned in the cache). jitattn/spec.py's kv_copy_bytes mirrors it.
+template <class S>
+__host__ __device__ constexpr int kv_copy_bytes() {
+  return S::kHeadDimQK * static_cast<int>(sizeof(typename S::DTypeKV)) % 16 == 0 ? 16 : 8;
+}
+
 // Address of row `kv_idx` (K if which == 0, V if 1) of sequence `batch`, head `kv_head`, chunk 0.
 // A page id outside [0, num_pages) sets `bad` and reads page 0 instead: invalid metadata turns the
 // sequence's output into NaN (loud) rather than an out-of-bounds read (a crash).
@@ -38,7 +45,7 @@ __device__ __forceinline__ int page_of(const Params& p, int batch, int kv_idx) {
 // from a barrier to the next cp.async (with page_size 1 it is one read per row). kRowThreads: threads
 // per row, the row's chunk count unless a loader rounds it up (decode_mma_load_tile at padded dims).
 template <class S, int kRows, int kThreads,
-          int kRowThreads = S::kHeadDimQK * static_cast<int>(sizeof(typename S::DTypeKV)) / 16>
+          int kRowThreads = S::kHeadDimQK * static_cast<int>(sizeof(typename S::DTypeKV)) / kv_copy_bytes<S>()>
 struct KvPages {
   static constexpr int kChunks = kRowThreads;
   static constexpr int kIters = ceil_div(kRows * kChunks, kThreads);
@@ -83,15 +90,15 @@ __device__ __forceinline__ int kv_length(const Params& p, int batch) {
   }
 }
 
-// load_kv_rows' paged path with the page ids already fetched (KvPages over the same rows).
-// kSwizzle: 16-byte chunk c of row r lands at chunk c ^ (r % 8) of the row (rows of a multiple of
-// 8 chunks, unpadded): ldmatrix of 8 rows at one logical chunk then hits 8 distinct bank groups,
-// as the padded rows (kRowStride = head_dim + 8) do, without the padding's shared memory.
+// load_kv_rows' paged path with the page ids already fetched (KvPages over the same rows), a copy of
+// kv_copy_bytes each. kSwizzle: 16-byte chunk c of row r lands at chunk c ^ (r % 8) of the row (rows of
+// a multiple of 8 chunks, unpadded): ldmatrix of 8 rows at one logical chunk then hits 8 distinct bank
+// groups, as the padded rows (kRowStride = head_dim + 8) do, without the padding's shared memory.
 template <class S, int kRows, int kRowStride, int kThreads, bool kSwizzle = false>
 __device__ __forceinline__ void load_kv_rows_paged(const Params& p, typename S::DTypeKV* sk, typename S::DTypeKV* sv,
                                                    int kv_head, int start, int end,
                                                    const KvPages<S, kRows, kThreads>& pages, bool& bad) {
-  constexpr int kVec = 16 / static_cast<int>(sizeof(typename S::DTypeKV));
+  constexpr int kVec = kv_copy_bytes<S>() / static_cast<int>(sizeof(typename S::DTypeKV));
   constexpr int kChunks = S::kHeadDimQK / kVec;
   static_assert(!kSwizzle || (kChunks % 8 == 0 && kRowStride == S::kHeadDimQK), "swizzled rows: 8k chunks, unpadded");
 #pragma unroll
@@ -103,8 +110,8 @@ __device__ __forceinline__ void load_kv_rows_paged(const Params& p, typename S::
       const bool in = kv_idx < end;
       const auto* k = in ? kv_row_in_page<S>(p, pages.page[j], kv_head, kv_idx, 0, bad) + chunk * kVec : p.kv_cache;
       const int dst = row * kRowStride + (kSwizzle ? (chunk ^ (row % 8)) : chunk) * kVec;
-      cp_async_16(sk + dst, k, in);
-      cp_async_16(sv + dst, k + p.kv_stride_kv, in);
+      cp_async<kv_copy_bytes<S>()>(sk + dst, k, in);
+      cp_async<kv_copy_bytes<S>()>(sv + dst, k + p.kv_stride_kv, in);
     }
   }
 }
@@ -131,9 +138,9 @@ __device__ __forceinline__ void copy_ragged_rows(const Params& p, typename S::DT
 }
 
 // cp.async of the K and V rows of keys [start, start + kRows) into two shared-memory tiles whose rows
-// are kRowStride (K) and kRowStrideV (V) elements apart, 16 bytes per copy; rows at or past `end` are
-// zero-filled (never read): the CUDA-core decode and prefill_kernel load through this (the tensor-core
-// decode and prefill_sm90 have their own loaders over kv_row_in_page). Row addressing:
+// are kRowStride (K) and kRowStrideV (V) elements apart, kv_copy_bytes per copy; rows at or past `end`
+// are zero-filled (never read): the CUDA-core decode and prefill_kernel load through this (the
+// tensor-core decode and prefill_sm90 have their own loaders over kv_row_in_page). Row addressing:
 // - paged: one page lookup per row; V sits kv_stride_kv elements after K in the same page;
 // - ragged (S::kRagged): row kv_start_loc[batch] + kv_idx of k / v, token and head strides from Params
 //   (the sequence's bounds were checked by sequence_ok); K rows are head_dim_qk wide, V rows head_dim_vo.
@@ -141,7 +148,7 @@ template <class S, int kRows, int kRowStride, int kThreads, int kRowStrideV = kR
 __device__ __forceinline__ void load_kv_rows(const Params& p, typename S::DTypeKV* sk, typename S::DTypeKV* sv,
                                              int batch, int kv_head, int start, int end, bool& bad) {
   using KV = typename S::DTypeKV;
-  constexpr int kVec = 16 / sizeof(KV);
+  constexpr int kVec = kv_copy_bytes<S>() / sizeof(KV);
   constexpr int kChunks = S::kHeadDimQK / kVec;
   if constexpr (S::kRagged) {
     constexpr int kChunksV = S::kHeadDimVO / kVec;

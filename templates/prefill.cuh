@@ -55,8 +55,11 @@ struct PrefillTraits {
   static constexpr int kTileBytes = kBlockN * kRowStride * 2;    // one K tile
   static constexpr int kTileBytesV = kBlockN * kRowStrideV * 2;  // one V tile
   // An FP8 cache lands raw in a staging area (cp.async cannot convert) and is widened to DT per tile.
+  // Raw rows are head_dim bytes apart: 16-byte chunks, or 8-byte ones where a row ends in half a 16-byte
+  // chunk (the widened tiles' pad columns are zeroed by prefill_zero_pads, as for 16-bit rows).
   static constexpr bool kKvFp8 = sizeof(typename S::DTypeKV) == 1;
-  static constexpr int kRawChunks = kHeadDim / 16;  // 16-byte chunks of an FP8 row
+  static constexpr int kRawChunkBytes = kv_copy_bytes<S>();
+  static constexpr int kRawChunks = kHeadDim / kRawChunkBytes;  // chunks of an FP8 row
   static constexpr int kRawTileBytes = kKvFp8 ? 2 * kBlockN * kHeadDim : 0;  // K and V of one stage
   static constexpr int kSmemBytes = kQBytes + kStages * (kTileBytes + kTileBytesV + kRawTileBytes);
   static constexpr int kNTiles = kBlockN / 8;     // n-tiles of S per m-tile
@@ -65,7 +68,6 @@ struct PrefillTraits {
   static_assert(kHeadDim % 8 == 0 && kHeadDimVO % 8 == 0, "head dims must be whole 16-byte chunks");
   static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16 (P is the A operand of P V)");
   static_assert(!kKvFp8 || kHeadDim == kHeadDimVO, "FP8 staging is for the paged cache (one K/V row width)");
-  static_assert(!kKvFp8 || kHeadDim % 16 == 0, "an FP8 row must be whole 16-byte chunks (jitattn/spec.py refuses)");
 };
 
 // Finds the (sequence, m-tile) this block serves. Sequences with one query are skipped when the
@@ -159,25 +161,26 @@ __device__ __forceinline__ void prefill_load_kv(const Params& p, typename S::DTy
   }
 }
 
-// FP8 cache: widen one stage's raw K and V to DT (applying k_scale / v_scale) in the padded tiles.
+// FP8 cache: widen one stage's raw K and V to DT (applying k_scale / v_scale) in the padded tiles, a raw
+// chunk (kB = 16 or 8 values) at a time into kB / 8 16-byte chunks of DT.
 template <class S>
 __device__ __forceinline__ void prefill_widen_kv(const Params& p, const uint8_t* raw, typename S::DTypeQ* sk,
                                                  typename S::DTypeQ* sv) {
   using T = PrefillTraits<S>;
   using DT = typename T::DT;
+  constexpr int kB = T::kRawChunkBytes;
   for (int c = threadIdx.x; c < 2 * T::kBlockN * T::kRawChunks; c += T::kThreads) {
     const int which = c / (T::kBlockN * T::kRawChunks), rc = c % (T::kBlockN * T::kRawChunks);
     const int row = rc / T::kRawChunks, chunk = rc % T::kRawChunks;
-    float f[16];
-    unpack16<typename S::DTypeKV>(*reinterpret_cast<const uint4*>(raw + (which * T::kBlockN + row) * T::kHeadDim +
-                                                                  chunk * 16), f);
+    float f[kB];
+    unpack_at<typename S::DTypeKV>(raw + (which * T::kBlockN + row) * T::kHeadDim + chunk * kB, f);
     const float scale = which == 0 ? p.k_scale : p.v_scale;
-    uint32_t w[8];
+    uint32_t w[kB / 2];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) w[i] = pack2<DT>(f[2 * i] * scale, f[2 * i + 1] * scale);
-    uint4* dst = reinterpret_cast<uint4*>((which == 0 ? sk : sv) + row * T::kRowStride + chunk * 16);
+    for (int i = 0; i < kB / 2; ++i) w[i] = pack2<DT>(f[2 * i] * scale, f[2 * i + 1] * scale);
+    uint4* dst = reinterpret_cast<uint4*>((which == 0 ? sk : sv) + row * T::kRowStride + chunk * kB);
     dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
-    dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+    if constexpr (kB == 16) dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
   }
 }
 

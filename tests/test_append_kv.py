@@ -143,8 +143,12 @@ def test_the_kernel_takes_aligned_rows_only_and_packs_the_strides():
     cache = _cache("HND", FP8, "single")
     kc, vc = cache[:, 0].transpose(1, 2), cache[:, 1].transpose(1, 2)
     assert kernel_reasons(k, k, kc, vc) == ["the tensors are on cpu; the kernel needs CUDA tensors"]
-    odd = torch.zeros(3, H, 24, dtype=torch.bfloat16)
-    assert any("head_dim=24 is not a multiple of 16" in r for r in kernel_reasons(odd, odd, kc[..., :24], vc[..., :24]))
+    odd = torch.zeros(3, H, 20, dtype=torch.bfloat16)
+    assert any("head_dim=20 is not a multiple of 8 (one 8-byte store of the cache)" in r
+               for r in kernel_reasons(odd, odd, kc[..., :20], vc[..., :20]))
+    eights = torch.zeros(3, H, 24, dtype=torch.bfloat16)  # FP8 rows of 24 bytes: 8-byte stores
+    assert kernel_reasons(eights, eights, kc[..., :24], vc[..., :24]) == [
+        "the tensors are on cpu; the kernel needs CUDA tensors"]
     f = launch_fields(k, k, kc, vc, torch.zeros(3, dtype=torch.int64), 0.5, 1.0)
     assert (f["k_cache_stride_page"], f["k_cache_stride_slot"], f["k_cache_stride_head"]) == (2 * H * PAGE * D, D,
                                                                                               PAGE * D)
@@ -422,3 +426,21 @@ def test_the_memo_holds_no_tensor_and_is_bounded(fake_cuda):
     assert len(kv_write._LAUNCHES) == kv_write.MEMO_SIZE and first not in kv_write._LAUNCHES
     kv_write.clear_launch_memo()
     assert not kv_write._LAUNCHES
+
+
+def test_fp8_rows_of_8_byte_chunks_take_the_kernel_on_8_byte_aligned_caches(fake_cuda):
+    """An FP8 cache of head_dim 72 (rows of 72 bytes, whole 8-byte chunks) takes the kernel's 8-byte stores: a
+    cache of one KV head and pages of one slot, whose V starts 72 bytes after K (8 bytes off a 16-byte
+    boundary), launches and is memoised; a cache 4 bytes off is refused by name."""
+    cache = torch.zeros(5, 2, 1, 1, 72, dtype=FP8)
+    k, v = (torch.randn(3, 1, 72).to(torch.bfloat16) for _ in range(2))
+    assert cache[:, 1].data_ptr() % 16 == 8
+    slots, again = torch.tensor([0, 3, 4]), torch.tensor([4, 1, 2])
+    kv_write.append_kv(k, v, cache, slots, k_scale=0.5)
+    kv_write.append_kv(k, v, cache, again, k_scale=0.5)
+    assert len(fake_cuda.launches) == 2 and len(kv_write._LAUNCHES) == 1
+    assert fake_cuda.launches[1][1] == _slow_bytes(k, v, cache, again, "NHD", k_scale=0.5)
+    shifted = torch.zeros(cache.numel() + 4, dtype=torch.uint8)[4:].view(FP8).view(cache.shape)
+    with pytest.raises(ValueError, match="k_cache: rows are not 8-byte aligned"):
+        kv_write.append_kv(k, v, shifted, slots, k_scale=0.5, impl="cuda")
+    assert len(fake_cuda.launches) == 2

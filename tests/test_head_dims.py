@@ -1,5 +1,7 @@
 """Head dims that are multiples of 8 (8 .. 256): the spec's rule, the jit backend serving them, the torch
-backends serving them too, and nvcc compiling their padded-tile kernels for sm_80 and sm_90a (slow).
+backends serving them too, and nvcc compiling their padded-tile kernels for sm_80 and sm_90a (slow), over
+16-bit caches and FP8 ones (an FP8 row of 72 bytes is whole 8-byte chunks: the kernels copy it 8 bytes at a
+time, kv_copy_bytes, and the page checks want that alignment).
 
 The kernels' numbers at these dims: tests/test_gpu_head_dims.py (GPU).
 """
@@ -15,9 +17,11 @@ import jitattn
 from jitattn import AttentionSpec, reference, runtime
 from jitattn.backends import DeviceInfo, get_backend
 from jitattn.cache import verify_entry
+from jitattn.checks import check_kv_cache_layout
 from jitattn.doctor import no_kernel_note
 from jitattn.render import KERNEL_NAMES, render
 from jitattn.selector import select
+from jitattn.spec import kv_copy_bytes
 from jitattn.testing import random_paged_batch, relative_error
 from jitattn.variant import rotary_embedding
 from tests.conftest import build_in_parallel, built
@@ -44,12 +48,38 @@ def test_every_multiple_of_8_is_a_spec_and_others_name_the_rule():
         AttentionSpec(16, 1, 584, 512, kv_storage="latent", sm_scale=0.1)  # latent keeps its rule
 
 
-def test_fp8_cache_takes_whole_16_byte_rows_only():
-    assert AttentionSpec(8, 2, 16, kv_dtype="fp8").head_dim_qk == 16
-    for d in (8, 24, 72, 88):
-        with pytest.raises(ValueError, match=rf"kv_dtype='float8_e4m3fn' with head_dim_qk={d}: an FP8 row of {d} "
-                                             r"bytes ends in half a 16-byte chunk"):
-            AttentionSpec(8, 2, d, kv_dtype="fp8")
+def test_fp8_cache_takes_every_multiple_of_8():
+    for d in range(8, 257, 8):
+        spec = AttentionSpec(8, 2, d, kv_dtype="fp8")
+        assert spec.head_dim_qk == d and get_backend("jit").spec_reasons(spec, H100, "mixed") == [], d
+        assert kv_copy_bytes(d, "float8_e4m3fn") == (16 if d % 16 == 0 else 8)
+        assert kv_copy_bytes(d, "bfloat16") == 16
+    with pytest.raises(ValueError, match=r"kv_dtype='float8_e4m3fn' with kv_storage='ragged': FP8 K/V are supported "
+                                         r"for the paged cache only"):
+        AttentionSpec(8, 2, 72, kv_dtype="fp8", kv_storage="ragged")
+
+
+def _pool_pair(head_dim: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 token pool of one KV head as a (k_cache, v_cache) pair (page_size 1: pages of head_dim bytes),
+    starting ``offset`` bytes into its buffer."""
+    buf = torch.zeros(offset + 2 * 5 * head_dim, dtype=torch.uint8)
+    both = buf[offset:].view(torch.float8_e4m3fn).view(2, 5, 1, 1, head_dim)
+    return both[0], both[1]
+
+
+def test_fp8_rows_of_8_byte_chunks_take_8_byte_aligned_pages():
+    """Pages of 72 bytes (V of such a pool 8 bytes off a 16-byte boundary) pass the cache checks at 72; a
+    16-byte row keeps the 16-byte rule, and 4 bytes off is refused at 72, each naming the alignment."""
+    hd72, hd80 = (AttentionSpec(4, 1, d, kv_dtype="fp8", page_size=1) for d in (72, 80))
+    k, v = _pool_pair(72, 0)
+    assert k.stride(0) == 72 and v.data_ptr() % 16 == 8
+    check_kv_cache_layout(hd72, (k, v))
+    check_kv_cache_layout(hd72, torch.zeros(3, 2, 1, 1, 72, dtype=torch.float8_e4m3fn))  # V 72 bytes after K
+    with pytest.raises(ValueError, match=r"kv_cache \(k_cache\): pages must start 8-byte aligned \(stride\(0\)=72 "
+                                         r"elements, data_ptr % 8 = 4\)"):
+        check_kv_cache_layout(hd72, _pool_pair(72, 4))
+    with pytest.raises(ValueError, match=r"kv_cache \(k_cache\): pages must start 16-byte aligned .* data_ptr % 16 = 8"):
+        check_kv_cache_layout(hd80, _pool_pair(80, 8))
 
 
 # ---- serving ------------------------------------------------------------------------------------------
@@ -110,6 +140,12 @@ ARCHS = ("sm_80", "sm_90a")
 COMPILED = {
     **{f"paged-hd{d}": AttentionSpec(32, 8, d) for d in (8, 24, 40, 72, 88, 136, 248)},
     "paged-hd16-fp8": AttentionSpec(32, 8, 16, kv_dtype="fp8"),
+    # FP8 rows of 8-byte chunks: the tensor-core decode (group 4, the FP8 32-key tiles), the CUDA-core decode
+    # (group 2, HND, page 1), its whole-window mode, and hd 8
+    "paged-hd72-fp8": AttentionSpec(32, 8, 72, kv_dtype="fp8"),
+    "paged-hd88-fp8-group2-hnd-page1": AttentionSpec(8, 4, 88, kv_dtype="fp8", kv_layout="HND", page_size=1),
+    "paged-hd40-fp8-group8-window127-sinks": AttentionSpec(64, 8, 40, kv_dtype="fp8", window_left=127, sinks=True),
+    "paged-hd8-fp8-noncausal": AttentionSpec(4, 4, 8, kv_dtype="fp8", causal=False),
     "paged-hd72-group1-fp16-softcap-sinks-hnd": AttentionSpec(8, 8, 72, q_dtype="float16", logits_soft_cap=30.0,
                                                               sinks=True, kv_layout="HND", page_size=7),
     "paged-hd88-rotary-window": AttentionSpec(16, 2, 88, variant=rotary_embedding(88), window_left=63),
@@ -150,6 +186,9 @@ def test_padded_head_dim_compiles(compiled, name, arch):
         assert spill == 0 if spec.ragged else spill <= 32, log
     else:
         assert "spill stores" in prefill and not re.search(r"[1-9]\d* bytes spill stores", prefill), log
+    if spec.kv_dtype == "float8_e4m3fn":  # the FP8 decodes spill nothing either
+        decode = log[log.index(f"'{KERNEL_NAMES['decode']}'"):].split("Compiling entry function")[0]
+        assert not re.search(r"[1-9]\d* bytes spill stores", decode), log
 
 
 def test_padded_and_multiple_of_16_specs_render_no_switch():

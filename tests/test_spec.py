@@ -32,9 +32,6 @@ BAD = [
     (dict(head_dim_qk=0), r"head_dim_qk=0: expected an int in \[8, 256\], a multiple of 8"),
     (dict(head_dim_qk=264), r"head_dim_qk=264: expected an int in \[8, 256\], a multiple of 8"),
     (dict(head_dim_qk=272), r"head_dim_qk=272: expected an int in \[8, 256\]"),
-    (dict(head_dim_qk=72, kv_dtype="fp8"),
-     r"kv_dtype='float8_e4m3fn' with head_dim_qk=72: an FP8 row of 72 bytes ends in half a 16-byte chunk.*"
-     r"multiples of 16"),
     (dict(head_dim_qk="128"), r"head_dim_qk='128': expected an int"),
     (dict(head_dim_vo=64), r"head_dim_vo=64, head_dim_qk=128: .*must be equal"),
     (dict(head_dim_vo=100), r"head_dim_vo=100: expected a multiple of 8"),
@@ -386,6 +383,9 @@ LARGEST_GROUPS = {
     "bf16-g60-hd24": dict(num_qo_heads=60, num_kv_heads=1, head_dim_qk=24),
     "bf16-g124-hd8": dict(num_qo_heads=124, num_kv_heads=1, head_dim_qk=8),
     "bf16-g128-hd72": dict(num_qo_heads=128, num_kv_heads=1, head_dim_qk=72),
+    # FP8 rows that end in half a 16-byte chunk: 8-byte chunks, so the 16-bit blocks of the same head dim
+    "fp8-g60-hd24": dict(num_qo_heads=60, num_kv_heads=1, head_dim_qk=24, kv_dtype="fp8"),
+    "fp8-g128-hd72": dict(num_qo_heads=128, num_kv_heads=1, head_dim_qk=72, kv_dtype="fp8"),
 }
 
 

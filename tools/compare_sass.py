@@ -66,6 +66,13 @@ EXTRA_SPECS: dict[str, str] = {
     "fp8-group16-page1-softcap-window": "AttentionSpec(32, 2, 256, kv_dtype='float8_e4m3fn', page_size=1, "
                                         "logits_soft_cap=30.0, window_left=1000)",
     "group1-hd80": "AttentionSpec(8, 8, 80)",
+    "fp8-hd80-group4-unswizzled": "AttentionSpec(16, 4, 80, kv_dtype='float8_e4m3fn', kv_layout='HND')",
+    "fp8-hd96-group8-window127-keysplit": "AttentionSpec(64, 8, 96, kv_dtype='float8_e4m3fn', window_left=127)",
+    "fp8-hd16-group2-page1": "AttentionSpec(4, 2, 16, kv_dtype='float8_e4m3fn', page_size=1)",
+    "fp8-hd64-explicit-positions": "AttentionSpec(8, 2, 64, kv_dtype='float8_e4m3fn', query_positions='explicit')",
+    # FP8 rows that end in half a 16-byte chunk (8-byte copies): in the new tree only, before issue 21
+    "fp8-hd72-group4-page1": "AttentionSpec(32, 8, 72, kv_dtype='float8_e4m3fn', page_size=1)",
+    "fp8-hd88-group2-hnd": "AttentionSpec(8, 4, 88, kv_dtype='float8_e4m3fn', kv_layout='HND')",
 }
 
 
