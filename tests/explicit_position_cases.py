@@ -155,4 +155,9 @@ def explicit_cases() -> list[ExplicitCase]:
                                                               **E), Q, KV),
         ExplicitCase("fp8-group6-softcap-window", AttentionSpec(24, 4, 128, kv_dtype=fp8, logits_soft_cap=30.0,
                                                                 window_left=200, **E), Q, KV, past_window(200)),
+        # FP8 rows of 8-byte chunks (hd 72 / 88): staged by 8-byte copies, widened into padded tiles
+        ExplicitCase("fp8-hd72-hnd-page1", AttentionSpec(12, 3, 72, kv_dtype=fp8, kv_layout="HND", page_size=1, **E),
+                     Q, KV, negative=True),
+        ExplicitCase("fp8-hd88-cascade-prefix", AttentionSpec(32, 8, 88, kv_dtype=fp8, **E), [64, 9], [8192, 300],
+                     after_keys),
     ]

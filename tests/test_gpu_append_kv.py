@@ -1,6 +1,7 @@
 """append_kv's CUDA kernel against its torch path on the GPU (issue 19, items 2 and 4; ``pytest -m gpu``):
 NHD, HND and pairs, bf16 / fp16 and FP8 caches (saturation included), -1 slots, strided K/V from a fused
-projection, a decode step's batch (64 tokens, 8 KV heads, hd128). The two must agree bit for bit, and
+projection, a decode step's batch (64 tokens, 8 KV heads, hd128), FP8 rows of 72 / 88 bytes (8-byte stores;
+one KV head and pages of one slot: V 8 bytes off a 16-byte boundary). The two must agree bit for bit, and
 the slots nobody writes must keep their sentinel."""
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def _bits(cache):
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("src,cache_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
                                              (torch.bfloat16, FP8), (torch.float16, FP8)])
-@pytest.mark.parametrize("tokens,heads,dim,page", [(64, 8, 128, 16), (37, 2, 64, 1), (300, 4, 256, 32)])
+@pytest.mark.parametrize("tokens,heads,dim,page", [(64, 8, 128, 16), (37, 2, 64, 1), (300, 4, 256, 32), (37, 1, 72, 1),
+                                                    (64, 3, 88, 16)])
 def test_kernel_equals_the_torch_path(form, layout, src, cache_dtype, tokens, heads, dim, page, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     pages = -(-tokens // page) * 2 + 1
@@ -70,15 +72,15 @@ def test_all_padding_writes_nothing(seed):
 
 @pytest.mark.parametrize("form", ["single", "vllm_flash_attn", "separate"])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
-def test_memoised_layout_launches_equal_the_torch_path(monkeypatch, form, layout, cache_dtype, seed):
+@pytest.mark.parametrize("cache_dtype,dim", [(torch.bfloat16, 128), (FP8, 128), (FP8, 72)])
+def test_memoised_layout_launches_equal_the_torch_path(monkeypatch, form, layout, cache_dtype, dim, seed):
     """A layout's later calls take the memo (no full checks): new K/V, another cache of the layout, another
     token count; each still equals the torch path bit for bit."""
     from jitattn import kv_write
 
     monkeypatch.setattr(kv_write, "_LAUNCHES", {})
     g = torch.Generator(device="cuda").manual_seed(seed)
-    heads, dim, page, pages = 8, 128, 16, 9
+    heads, page, pages = 8, 16, 9
     scales = {"k_scale": 0.125, "v_scale": 0.3} if cache_dtype == FP8 else {}
     full_checks = []
     for step, tokens in enumerate((64, 64, 37)):

@@ -33,6 +33,11 @@ CASES = {  # name: (spec, prefix_lens, group_sizes, suffix_lens, q_lens)
     "prefix-lm-params-by-request": (AttentionSpec(16, 4, 128, causal=False, variant=PREFIX_LM), [257], [3],
                                     [10, 3, 0], [2, 1, 1]),
     "fp8-hd128": (AttentionSpec(32, 8, 128, kv_dtype="float8_e4m3fn"), [1000], [4], [64, 0, 5, 300], [1] * 4),
+    # FP8 rows of 8-byte chunks: the tensor-core decode at page 1 (pages of 216 bytes), prefill rows at 88 over HND
+    "fp8-hd72-page1": (AttentionSpec(12, 3, 72, kv_dtype="float8_e4m3fn", page_size=1), [1000], [4], [64, 0, 5, 300],
+                       [1] * 4),
+    "fp8-hd88-group2-hnd-append": (AttentionSpec(8, 4, 88, kv_dtype="float8_e4m3fn", kv_layout="HND"), [999], [3],
+                                   [20, 0, 3], [17, 5, 9]),
     "batch-129-decode": (AttentionSpec(32, 8, 128), [2048], [129], [(7 * i) % 300 for i in range(129)], [1] * 129),
 }
 

@@ -3,7 +3,8 @@
 decode_mma.cuh widens e4m3 bytes to f16 in registers (common.cuh, e4m3x4_to_f16x4: bit moves, or
 the converter under JITATTN_FP8_CVT) and reorders Q's dims to match the K fragments; these tests put every
 e4m3 code (the NaN codes 0x7f / 0xff left out) into K and V rows and check that the decode reads each
-one exactly. Each sequence has one key, so p = 1 and the output is V's row times v_scale (exact in
+one exactly, at hd 128 and at 72 / 88 (rows of 8-byte chunks: padded to 16 dims on the tensor-core decode,
+8-byte lanes on the CUDA-core one). Each sequence has one key, so p = 1 and the output is V's row times v_scale (exact in
 bf16 and f16: e4m3 values fit both), and the lse is the logit q.k * k_scale (q one-hot, times 3.0,
 sm_scale 1), exact up to the few fp32 roundings of the log2 <-> ln conversion.
 """
@@ -21,46 +22,55 @@ from tests.conftest import NOT_WRITTEN
 pytestmark = pytest.mark.gpu
 
 D = 128
+FP8 = "float8_e4m3fn"
 # Group 16 (one m16 tile, rows 8..15 used), the tile pipeline and the whole-window split-dims kernel
 # (window 127: 2 tiles, swizzled rows).
-SPECS = [AttentionSpec(16, 1, D, q_dtype=qd, kv_dtype="float8_e4m3fn", sm_scale=1.0, window_left=w)
+SPECS = [AttentionSpec(16, 1, D, q_dtype=qd, kv_dtype=FP8, sm_scale=1.0, window_left=w)
          for qd in ("bfloat16", "float16") for w in (-1, 127)]
+# Rows of 8-byte chunks: group 16 on the tensor-core decode's tile pipeline and whole-window (key-split)
+# kernel, group 2 on the CUDA-core decode.
+PADDED_SPECS = [AttentionSpec(16, 1, d, kv_dtype=FP8, sm_scale=1.0, window_left=w) for d in (72, 88)
+                for w in (-1, 127)] + [AttentionSpec(2, 1, d, q_dtype="float16", kv_dtype=FP8, sm_scale=1.0)
+                                       for d in (72, 88)]
 
 
-def _codes() -> torch.Tensor:
-    """The 256 e4m3 codes as 2 rows of 128, the NaN codes replaced by 0."""
-    c = torch.arange(256, dtype=torch.int32)
-    c[(c == 0x7F) | (c == 0xFF)] = 0
-    return c.to(torch.uint8).view(torch.float8_e4m3fn).reshape(2, D)
+def _codes(d: int = D) -> torch.Tensor:
+    """The 256 e4m3 codes (the NaN codes replaced by 0) as rows of d, the last one filled up with 0."""
+    c = torch.arange(-(-256 // d) * d, dtype=torch.int32)
+    c[(c == 0x7F) | (c == 0xFF) | (c > 0xFF)] = 0
+    return c.to(torch.uint8).view(torch.float8_e4m3fn).reshape(-1, d)
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", SPECS + PADDED_SPECS, ids=lambda s: s.name)
 @pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.5, 0.25)])
 def test_every_e4m3_code_is_read_exactly(spec, k_scale, v_scale, session_cache):
     dev = "cuda"
-    rows = _codes()  # K and V rows
-    batch = 16       # sequence b: K = V = rows[b // 8]; head h queries dim (b % 8) * 16 + h
-    kv = rows[torch.arange(batch) // 8].reshape(batch, 1, D).to(dev)
+    d, heads = spec.head_dim_qk, spec.num_qo_heads
+    rows = _codes(d)  # K and V rows
+    per_row = -(-d // heads)  # sequence b: K = V = rows[b // per_row]; head h queries dim (b % per_row) * heads + h
+    batch = rows.shape[0] * per_row
+    kv = rows[torch.arange(batch) // per_row].reshape(batch, 1, d).to(dev)
     kv_cache, block_table = make_paged_kv(kv, kv, [1] * batch, spec)
     dt = torch.bfloat16 if spec.q_dtype == "bfloat16" else torch.float16
-    q = torch.zeros(batch, 16, D, dtype=dt, device=dev)
-    for b in range(batch):
-        for h in range(16):
-            q[b, h, (b % 8) * 16 + h] = 3.0
+    dims = (torch.arange(batch)[:, None] % per_row) * heads + torch.arange(heads)[None, :]
+    has = dims < d  # a head whose dim is past the row queries nothing: logit 0
+    q = torch.zeros(batch, heads, d, dtype=dt)
+    b_idx, h_idx = has.nonzero(as_tuple=True)
+    q[b_idx, h_idx, dims[has]] = 3.0
+    q = q.to(dev)
     seq_lens = torch.ones(batch, dtype=torch.int32, device=dev)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=dev)
     kernel = load_kernel(spec)
-    # The tensor-core decode: 64-key tiles (whole window) or 128 (FP8 tile pipeline, 32 keys per warp);
-    # the CUDA-core decode takes 32 here.
-    assert kernel.geometry["decode_tile_keys"] in (64, 128)
+    # The tensor-core decode (groups 4..16): 64-key tiles (whole window) or 128 (FP8 tile pipeline, 32 keys
+    # per warp); the CUDA-core decode takes 32 here.
+    assert (kernel.geometry["decode_tile_keys"] in (64, 128)) == (spec.group_size >= 4)
     out, lse = kernel.paged_attention(q, kv_cache, block_table, seq_lens, qsl, k_scale=k_scale, v_scale=v_scale,
                                       return_lse=True)
     torch.cuda.synchronize()
-    exact = kv.float().reshape(batch, D)
-    want_out = (exact * v_scale)[:, None, :].expand(batch, 16, D)
+    exact = kv.float().reshape(batch, d)
+    want_out = (exact * v_scale)[:, None, :].expand(batch, heads, d)
     assert torch.equal(out.float(), want_out), (out.float() - want_out).abs().max()
-    dims = (torch.arange(batch)[:, None] % 8) * 16 + torch.arange(16)[None, :]
-    want_lse = 3.0 * k_scale * exact.cpu().gather(1, dims)
+    want_lse = torch.where(has, 3.0 * k_scale * exact.cpu().gather(1, dims.clamp(max=d - 1)), 0.0)
     torch.testing.assert_close(lse.float().cpu(), want_lse, rtol=2e-6, atol=1e-7)
 
 
@@ -94,10 +104,12 @@ def test_nan_codes_read_as_nan(spec, code, session_cache, seed):
         assert not (out == NOT_WRITTEN).any(), where
 
 
-def test_out_of_range_page_id_gives_a_nan_row(session_cache, seed):
-    """The FP8 tile pipeline issues its copies itself (decode_mma_load_tile): a page id outside the
-    cache in a decode row's table turns that row into NaN (no out-of-bounds read); the others are right."""
-    spec = AttentionSpec(64, 8, 128, kv_dtype="float8_e4m3fn", kv_layout="HND", page_size=64)
+@pytest.mark.parametrize("head_dim", [128, 72])
+def test_out_of_range_page_id_gives_a_nan_row(head_dim, session_cache, seed):
+    """The FP8 tile pipeline issues its copies itself (decode_mma_load_tile; at hd 72 8-byte copies into
+    padded rows): a page id outside the cache in a decode row's table turns that row into NaN (no
+    out-of-bounds read); the others are right."""
+    spec = AttentionSpec(64, 8, head_dim, kv_dtype=FP8, kv_layout="HND", page_size=64)
     batch = random_paged_batch(spec, [1, 1, 1], [300, 2000, 77], device="cuda", seed=seed)
     table = batch.block_table.clone()
     table[1, 3] = batch.kv_cache.shape[0] + 5

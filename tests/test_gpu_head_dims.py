@@ -11,6 +11,13 @@ q, K and V row of the ragged tests (strided views of NaN buffers). The output is
 longer buffer whose tail holds a sentinel the kernels must not overwrite. At 72 and 88: the odd-length
 and empty-row cases of the suite, rotary (rotate_half pairs across a half chunk), the tensor-core decode's
 whole-window mode, ragged K/V; at 8, the groups on either side of the tensor-core decode's merge limit.
+
+FP8 caches at the dims that are multiples of 8 only (8, 24, ..., 248: rows of whole 8-byte chunks, copied 8
+bytes at a time): every such dim with group 2 (the CUDA-core decode, lanes of 8-byte chunks) and group 4
+(the tensor-core decode, rows padded to 16 dims) on the mixed batch, the prefill widening them too; at 72
+and 88 also NHD and HND, page 1 with pages of 216 bytes (8 bytes off a 16-byte boundary) and page 16, group
+16, the whole-window mode, rotary keys read one partner at a time, odd lengths and empty rows, a long
+split-KV decode.
 """
 
 from __future__ import annotations
@@ -43,13 +50,33 @@ SPECIAL = [c for d in (72, 88) for c in (
                                                         kv_layout="HND", page_size=7), MIXED_Q, MIXED_KV),
     Case(f"hd{d}-group8-whole-window-sinks", AttentionSpec(64, 8, d, window_left=127, sinks=True), MIXED_Q, MIXED_KV),
 )] + [Case(f"hd8-group{g}-mixed", AttentionSpec(g, 1, 8), MIXED_Q, MIXED_KV) for g in (9, 10, 16)]
+FP8 = "float8_e4m3fn"
+FP8_MIXED = [Case(f"fp8-hd{d}-group{g}-mixed", AttentionSpec(4 * g, 4, d, kv_dtype=FP8), MIXED_Q, MIXED_KV)
+             for d in range(8, 257, 16) for g in (2, 4)]
+FP8_SPECIAL = [c for d in (72, 88) for c in (
+    Case(f"fp8-hd{d}-group4-hnd-page1", AttentionSpec(12, 3, d, kv_dtype=FP8, kv_layout="HND", page_size=1),
+         MIXED_Q, MIXED_KV),
+    Case(f"fp8-hd{d}-group2-fp16-page1", AttentionSpec(6, 3, d, q_dtype="float16", kv_dtype=FP8, page_size=1),
+         MIXED_Q, MIXED_KV),
+    Case(f"fp8-hd{d}-group16-hnd", AttentionSpec(32, 2, d, kv_dtype=FP8, kv_layout="HND"), MIXED_Q, MIXED_KV),
+    Case(f"fp8-hd{d}-group8-whole-window-sinks", AttentionSpec(64, 8, d, kv_dtype=FP8, window_left=127, sinks=True),
+         MIXED_Q, MIXED_KV),
+    Case(f"fp8-hd{d}-group12-whole-window-softcap-page7",
+         AttentionSpec(24, 2, d, kv_dtype=FP8, window_left=100, logits_soft_cap=30.0, page_size=7), MIXED_Q, MIXED_KV),
+    Case(f"fp8-hd{d}-rotary-gqa1-softcap", AttentionSpec(4, 4, d, kv_dtype=FP8, variant=rotary_embedding(d),
+                                                         logits_soft_cap=30.0), MIXED_Q, MIXED_KV),
+    Case(f"fp8-hd{d}-odd-lengths", AttentionSpec(8, 2, d, kv_dtype=FP8), ODD_Q, ODD_KV),
+    Case(f"fp8-hd{d}-empty-rows-hidden-head-sinks", AttentionSpec(8, 2, d, kv_dtype=FP8, variant=HIDE_HEAD, sinks=True),
+         ODD_Q, ODD_KV, lambda device: {"hidden": 5}),
+    Case(f"fp8-hd{d}-decode-b1-32768", AttentionSpec(32, 8, d, kv_dtype=FP8), [1], [32768]),
+)]
 RAGGED = [Case(f"ragged-{qk}x{vo}", AttentionSpec(8, 2, qk, vo, kv_storage="ragged"), [1, 40, 17, 1, 127, 5],
                [1, 1000, 17, 8191, 300, 5]) for qk, vo in ((72, 72), (88, 88), (72, 88), (128, 40), (8, 248))]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def compiled(session_cache_dir):
-    precompile([c.spec for c in MIXED + SPECIAL + RAGGED], session_cache_dir)
+    precompile([c.spec for c in MIXED + SPECIAL + FP8_MIXED + FP8_SPECIAL + RAGGED], session_cache_dir)
 
 
 def _nan_past_q(q: torch.Tensor) -> torch.Tensor:
@@ -62,8 +89,13 @@ def _nan_past_q(q: torch.Tensor) -> torch.Tensor:
 
 
 def _nan_in_unused_slots(batch) -> None:
-    """NaN in every page the batch's sequences do not use and in each last page's slots past the sequence."""
+    """NaN in every page the batch's sequences do not use and in each last page's slots past the sequence
+    (an FP8 cache: e4m3's NaN code 0x7f, written through a byte view)."""
     cache, table, page = batch.kv_cache, batch.block_table, batch.spec.page_size
+    if cache.dtype == torch.float8_e4m3fn:
+        cache, nan = cache.view(torch.uint8), 0x7F
+    else:
+        nan = float("nan")
     used = torch.zeros(cache.shape[0], dtype=torch.bool, device=cache.device)
     for b, kv_len in enumerate(batch.kv_lens):
         pages = -(-kv_len // page)
@@ -71,10 +103,10 @@ def _nan_in_unused_slots(batch) -> None:
         if kv_len % page:
             last = table[b, pages - 1]
             if batch.spec.kv_layout == "NHD":  # (pages, 2, page_size, H, D)
-                cache[last, :, kv_len % page:] = float("nan")
+                cache[last, :, kv_len % page:] = nan
             else:  # (pages, 2, H, page_size, D)
-                cache[last, :, :, kv_len % page:] = float("nan")
-    cache[~used] = float("nan")
+                cache[last, :, :, kv_len % page:] = nan
+    cache[~used] = nan
 
 
 def _out_with_sentinel_tail(total_q: int, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,11 +121,11 @@ def _out_with_sentinel_tail(total_q: int, spec: AttentionSpec) -> tuple[torch.Te
 def _check_prefill_kernel(kernel, spec: AttentionSpec, record) -> None:
     """Which prefill kernel the cubin runs, as the templates choose (PrefillLaunch): the wgmma prefill
     (more than the mma.sync prefill's 128 threads) on sm_90a for 16-bit head dims from 32, the padded ones
-    (multiples of 8, not 16) included, so their cases cover that path."""
+    (multiples of 8, not 16) included, so their cases cover that path; an FP8 cache runs the mma.sync one."""
     dims = (spec.head_dim_qk, spec.head_dim_vo)
-    wgmma = kernel.entry.arch == "sm_90a" and all(d >= 32 for d in dims)
+    wgmma = kernel.entry.arch == "sm_90a" and spec.kv_dtype == spec.q_dtype and all(d >= 32 for d in dims)
     threads = kernel.geometry["prefill_threads"]
-    record(prefill_threads=threads)
+    record(prefill_threads=threads, decode_tile_keys=kernel.geometry["decode_tile_keys"])
     assert (threads > 128) == wgmma, f"{spec.name} on {kernel.entry.arch}: prefill of {threads} threads"
 
 
@@ -102,7 +134,7 @@ def _check(case: Case, out, lse, ref_out, ref_lse, tail, record) -> None:
     assert torch.all(tail == NOT_WRITTEN), f"{case.name}: written past the output"
 
 
-@pytest.mark.parametrize("case", MIXED + SPECIAL, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", MIXED + SPECIAL + FP8_MIXED + FP8_SPECIAL, ids=lambda c: c.id)
 def test_head_dim_matches_reference(case, session_cache, record, seed):
     batch = random_paged_batch(case.spec, case.q_lens, case.kv_lens, device="cuda", seed=seed,
                                params=case.params("cuda"))

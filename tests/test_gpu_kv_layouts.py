@@ -1,6 +1,7 @@
 """The engines' KV caches on the GPU kernels (issue 19, items 1 and 4): every layout of tests/kv_layouts.py,
 bf16 and FP8, NHD and HND, a mixed prefill + decode batch (split-KV decode included), through the
-one-call path and plan/run, against the fp32 reference of the single tensor (``pytest -m gpu``).
+one-call path and plan/run, against the fp32 reference of the single tensor (``pytest -m gpu``). FP8 at
+hd 72 too, one KV head: pages of 72 bytes at page 1 (8-byte aligned only: rows of 8-byte chunks).
 
 Outputs start NaN, so a row the kernel does not write fails; tolerances as tests/test_gpu_kernels.py.
 """
@@ -23,19 +24,23 @@ pytestmark = pytest.mark.gpu
 Q_LENS, KV_LENS = [1, 1, 7, 1, 33, 2], [3000, 5, 129, 64, 33, 17]
 
 
-def _spec(kv_layout: str, kv_dtype: str, page_size: int) -> AttentionSpec:
-    return AttentionSpec(32, 8, 128, q_dtype="bfloat16", kv_dtype=kv_dtype, kv_layout=kv_layout,
+def _spec(kv_layout: str, kv_dtype: str, page_size: int, head_dim: int = 128) -> AttentionSpec:
+    heads = (32, 8) if head_dim == 128 else (4, 1)  # hd72: one KV head (group 4, the tensor-core decode)
+    return AttentionSpec(*heads, head_dim, q_dtype="bfloat16", kv_dtype=kv_dtype, kv_layout=kv_layout,
                          page_size=page_size, causal=True)
+
+
+DTYPE_DIMS = [("bfloat16", 128), ("float8_e4m3fn", 128), ("float8_e4m3fn", 72)]
 
 
 def _cases():
     for kv_layout in ("NHD", "HND"):
-        for kv_dtype in ("bfloat16", "float8_e4m3fn"):
+        for kv_dtype, hd in DTYPE_DIMS:
             for layout in ALL_LAYOUTS:
-                yield pytest.param(kv_layout, kv_dtype, layout, id=f"{kv_layout}-{kv_dtype}-{layout}")
+                yield pytest.param(kv_layout, kv_dtype, layout, hd, id=f"{kv_layout}-{kv_dtype}-hd{hd}-{layout}")
 
 
-SPECS = [_spec(lo, dt, ps) for lo in ("NHD", "HND") for dt in ("bfloat16", "float8_e4m3fn") for ps in (1, 16)]
+SPECS = [_spec(lo, dt, ps, hd) for lo in ("NHD", "HND") for dt, hd in DTYPE_DIMS for ps in (1, 16)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -49,9 +54,9 @@ def _nan_out(batch):
                       device=batch.q.device)
 
 
-@pytest.mark.parametrize("kv_layout,kv_dtype,layout", list(_cases()))
-def test_every_engine_layout_matches_the_reference(kv_layout, kv_dtype, layout, session_cache, record, seed):
-    spec = _spec(kv_layout, kv_dtype, 1 if layout == "sglang_token_pool" else 16)
+@pytest.mark.parametrize("kv_layout,kv_dtype,layout,head_dim", list(_cases()))
+def test_every_engine_layout_matches_the_reference(kv_layout, kv_dtype, layout, head_dim, session_cache, record, seed):
+    spec = _spec(kv_layout, kv_dtype, 1 if layout == "sglang_token_pool" else 16, head_dim)
     batch = random_paged_batch(spec, Q_LENS, KV_LENS, device="cuda", seed=seed)
     want, want_lse = reference.paged_attention(spec, *batch.args(), **batch.kwargs(), return_lse=True)
     kv = engine_kv(spec, batch.kv_cache, layout)
