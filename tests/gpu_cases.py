@@ -191,7 +191,8 @@ def fp8_cases() -> list[Case]:
     """FP8 (e4m3) KV cache with per-tensor scales: prefill widens tiles in shared memory, the
     tensor-core decode (groups 4..16) widens ldmatrix fragments in registers (the tile pipeline, the
     whole-window split-dims kernel with swizzled or padded rows, odd chunk counts: hd 80, 192 / 4
-    warps), the CUDA-core decode (groups < 4, key transforms) dequantises in registers."""
+    warps), the CUDA-core decode (groups < 4, key transforms) dequantises in registers; rows of 8-byte
+    chunks at hd 72 / 88 (tests/test_gpu_head_dims.py has the rest of those dims)."""
     q, kv = [1, 50, 1, 20, 3, 1], [100, 50, 2049, 300, 3, 9000]
     return [
         Case("fp8-kv-hd128", AttentionSpec(32, 8, 128, kv_dtype="float8_e4m3fn"), q, kv),
@@ -211,6 +212,9 @@ def fp8_cases() -> list[Case]:
              AttentionSpec(24, 2, 192, kv_dtype="float8_e4m3fn", window_left=100, logits_soft_cap=30.0), q, kv),
         Case("fp8-kv-hnd-page64-group8-fp16", AttentionSpec(64, 8, 128, q_dtype="float16", kv_dtype="float8_e4m3fn",
                                                             kv_layout="HND", page_size=64), q, kv),
+        Case("fp8-kv-hd72-group4-hnd-page1", AttentionSpec(12, 3, 72, kv_dtype="float8_e4m3fn", kv_layout="HND",
+                                                           page_size=1), q, kv),
+        Case("fp8-kv-hd88-group2-softcap", AttentionSpec(8, 4, 88, kv_dtype="float8_e4m3fn", logits_soft_cap=30.0), q, kv),
     ]
 
 
