@@ -1,7 +1,7 @@
 """The FP8 (e4m3) cache on the tensor-core decode, exactly, on the GPU (``pytest -m gpu``).
 
 decode_mma.cuh widens e4m3 bytes to f16 in registers (common.cuh, e4m3x4_to_f16x4: bit moves, or
-the converter under JITATTN_FP8_CVT) and reorders Q's dims to match the K fragments; these tests put every
+the converter on sm_89 and later, JITATTN_E4M3_BY_CVT) and reorders Q's dims to match the K fragments; these tests put every
 e4m3 code (the NaN codes 0x7f / 0xff left out) into K and V rows and check that the decode reads each
 one exactly, at hd 128 and at 72 / 88 (rows of 8-byte chunks: padded to 16 dims on the tensor-core decode,
 8-byte lanes on the CUDA-core one). Each sequence has one key, so p = 1 and the output is V's row times v_scale (exact in
@@ -74,19 +74,11 @@ def test_every_e4m3_code_is_read_exactly(spec, k_scale, v_scale, session_cache):
     torch.testing.assert_close(lse.float().cpu(), want_lse, rtol=2e-6, atol=1e-7)
 
 
-def _fp8_cvt_on() -> bool:
-    from jitattn.render import template_dir
-
-    return "#define JITATTN_FP8_CVT 1\n" in (template_dir() / "common.cuh").read_text()
-
-
 @pytest.mark.parametrize("spec", SPECS[:2], ids=lambda s: s.name)
 @pytest.mark.parametrize("code", [0x7F, 0xFF])
 def test_nan_codes_read_as_nan(spec, code, session_cache, seed):
     """An e4m3 NaN code in a visible K or V element makes its rows NaN, as in the reference (only with
     the converter, sm_89 and later: the bit moves read it as +-480, as README says)."""
-    if not _fp8_cvt_on():
-        pytest.skip("JITATTN_FP8_CVT is 0: the tensor-core decode reads the NaN codes as +-480 (README)")
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("sm_80: no e4m3 converter; the tensor-core decode reads the NaN codes as +-480 (README)")
     batch = random_paged_batch(spec, [1, 1, 1], [40, 300, 7], device="cuda", seed=seed)
