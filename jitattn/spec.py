@@ -164,10 +164,10 @@ class AttentionSpec:
         num_qo_heads: query/output heads (``H_qo``).
         num_kv_heads: key/value heads (``H_kv``); must divide ``num_qo_heads`` (GQA group size
             ``H_qo / H_kv``); 1 for a latent spec. A paged spec's group must fit the decode kernel's block
-            (:func:`decode_block_problem`): every group up to 60 heads (16-bit KV) / 62 (FP8) at every
-            head dim, up to 128 / 64 at head dims from 64 up; ragged specs take any group.
+            (:func:`decode_block_problem`): every group up to 60 heads at every head dim (16-bit KV and FP8),
+            up to 128 / 64 at head dims from 64 up; ragged specs take any group.
         head_dim_qk: query/key head dim, a multiple of 8 in [8, 256] (a multiple of 16 in [32, 1024] for a
-            latent spec; with an FP8 cache a multiple of 16).
+            latent spec; an FP8 cache takes every multiple of 8 too).
         head_dim_vo: value/output head dim, a multiple of 8 in [8, 256] (a multiple of 16 in [32, 1024],
             below ``head_dim_qk``, for a latent spec); defaults to ``head_dim_qk``.
             The paged cache stores K and V in one tensor, so a paged spec needs it equal to
