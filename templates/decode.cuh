@@ -57,6 +57,9 @@ struct DecodeTraits {
   // Whether the rotate_half partner of a lane's chunk is one whole chunk D/2 away; else (72, 88: D/2
   // ends mid-chunk) the transforms read the partners one by one.
   static constexpr bool kPartnerChunks = (kHeadDim / 2) % kVec == 0;
+  // A key transform sees the dequantised key (as the reference and prefill do), so an FP8 cache's
+  // k_scale multiplies the key before it, not q: a transform need not be linear (x + c is not).
+  static constexpr bool kScaleKeys = S::kHasKTransform && sizeof(DTypeKV) == 1;
 };
 
 // decode_kernel's read of a lane's chunk of a staged K/V row: V elements of DT at `addr` (16 bytes, or 8),
@@ -394,7 +397,7 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
     }
 #pragma unroll
     for (int i = 0; i < V; ++i) {
-      q[h][i] *= q_prescale<S>() * p.k_scale;  // an FP8 cache's K scale folds into q
+      q[h][i] *= q_prescale<S>() * (T::kScaleKeys ? 1.f : p.k_scale);  // an FP8 cache's K scale folds into q
       o[h][i] = 0.f;
     }
     st[h] = softmax_initial<S>();
@@ -438,6 +441,10 @@ __device__ __forceinline__ void decode_kernel(const Params& p) {
 #pragma unroll
         for (int i = 0; i < V; ++i) {
           const int dim = tx * V + i;
+          if constexpr (T::kScaleKeys) {
+            kf[i] *= p.k_scale;
+            partner[i] *= p.k_scale;
+          }
           kf[i] = S::key_transform(p, kf[i], rotate_half_value(dim, T::kHeadDim, partner[i]), batch, kv_head,
                                    start + row, dim, bad);
         }

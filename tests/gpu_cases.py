@@ -187,6 +187,15 @@ OUTPUT_GATE = Variant("output_gate", output_transform=_output_gate,
                       params=(Param("gate", "float32", ("num_qo_heads",)),))
 
 
+def _shift_key(x, x_rot, batch, kv_head, kv_idx, dim, params):
+    return x + 0.5
+
+
+# A key transform that is not linear in the key: over an FP8 cache it must see the dequantised key
+# (k_scale applied first), as the reference does; folding k_scale into q instead would be wrong here.
+SHIFT_KEY = Variant("shift_key", key_transform=_shift_key)
+
+
 def fp8_cases() -> list[Case]:
     """FP8 (e4m3) KV cache with per-tensor scales: prefill widens tiles in shared memory, the
     tensor-core decode (groups 4..16) widens ldmatrix fragments in registers (the tile pipeline, the
@@ -214,6 +223,7 @@ def fp8_cases() -> list[Case]:
                                                             kv_layout="HND", page_size=64), q, kv),
         Case("fp8-kv-hd72-group4-hnd-page1", AttentionSpec(12, 3, 72, kv_dtype="float8_e4m3fn", kv_layout="HND",
                                                            page_size=1), q, kv),
+        Case("fp8-kv-group2-shift-key", AttentionSpec(8, 4, 64, kv_dtype="float8_e4m3fn", variant=SHIFT_KEY), q, kv),
         Case("fp8-kv-hd88-group2-softcap", AttentionSpec(8, 4, 88, kv_dtype="float8_e4m3fn", logits_soft_cap=30.0), q, kv),
     ]
 
