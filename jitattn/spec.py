@@ -27,6 +27,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from jitattn import settings
 from jitattn.constants import template_constant
 from jitattn.variant import Variant
 
@@ -167,7 +168,8 @@ class AttentionSpec:
             (:func:`decode_block_problem`): every group up to 60 heads at every head dim (16-bit KV and FP8),
             up to 128 / 64 at head dims from 64 up; ragged specs take any group.
         head_dim_qk: query/key head dim, a multiple of 8 in [8, 256] (a multiple of 16 in [32, 1024] for a
-            latent spec; an FP8 cache takes every multiple of 8 too).
+            latent spec). An FP8 cache takes multiples of 16, and the other multiples of 8 with
+            ``JITATTN_UNVERIFIED_FP8_PADDED=1`` (their kernels await the GPU suite).
         head_dim_vo: value/output head dim, a multiple of 8 in [8, 256] (a multiple of 16 in [32, 1024],
             below ``head_dim_qk``, for a latent spec); defaults to ``head_dim_qk``.
             The paged cache stores K and V in one tensor, so a paged spec needs it equal to
@@ -286,6 +288,11 @@ class AttentionSpec:
         _set("o_dtype", normalize_dtype(self.o_dtype or self.q_dtype, field="o_dtype", allowed=QO_DTYPES))
         if self.kv_dtype not in (self.q_dtype, "float8_e4m3fn"):
             raise ValueError(f"kv_dtype={self.kv_dtype!r}: must equal q_dtype={self.q_dtype!r} or be 'float8_e4m3fn'")
+        if self.kv_dtype == "float8_e4m3fn" and self.head_dim_qk % 16 and not settings.unverified_fp8_padded():
+            raise ValueError(f"kv_dtype='float8_e4m3fn' with head_dim_qk={self.head_dim_qk}: an FP8 cache takes head "
+                             f"dims that are multiples of 16; the kernels for rows of 8-byte chunks (multiples of 8 "
+                             f"only) compile but have not yet passed the GPU suite: JITATTN_UNVERIFIED_FP8_PADDED=1 "
+                             f"enables them (a 16-bit cache takes this head dim)")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout={self.kv_layout!r}: expected one of {KV_LAYOUTS}")
         if ragged:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import jitattn
-from jitattn import AttentionSpec, reference, runtime
+from jitattn import AttentionSpec, reference, runtime, settings
 from jitattn.backends import DeviceInfo, get_backend
 from jitattn.cache import verify_entry
 from jitattn.checks import check_kv_cache_layout
@@ -57,6 +57,20 @@ def test_fp8_cache_takes_every_multiple_of_8():
     with pytest.raises(ValueError, match=r"kv_dtype='float8_e4m3fn' with kv_storage='ragged': FP8 K/V are supported "
                                          r"for the paged cache only"):
         AttentionSpec(8, 2, 72, kv_dtype="fp8", kv_storage="ragged")
+
+
+def test_fp8_cache_at_multiples_of_8_only_waits_behind_its_gate():
+    """Until their GPU tests pass, FP8 rows of 8-byte chunks need JITATTN_UNVERIFIED_FP8_PADDED=1 (conftest sets it
+    for the suite); without it the spec is refused, naming the variable. Multiples of 16 and 16-bit caches never ask."""
+    with settings.scope(JITATTN_UNVERIFIED_FP8_PADDED="0"):
+        for d in (8, 72, 88, 248):
+            with pytest.raises(ValueError, match=rf"kv_dtype='float8_e4m3fn' with head_dim_qk={d}: an FP8 cache takes "
+                                                 r"head dims that are multiples of 16.*JITATTN_UNVERIFIED_FP8_PADDED=1"):
+                AttentionSpec(8, 2, d, kv_dtype="fp8")
+        assert AttentionSpec(8, 2, 80, kv_dtype="fp8").head_dim_qk == 80
+        assert AttentionSpec(8, 2, 72).head_dim_qk == 72
+    with settings.scope(JITATTN_UNVERIFIED_FP8_PADDED="1"):
+        assert AttentionSpec(8, 2, 72, kv_dtype="fp8").head_dim_qk == 72
 
 
 def _pool_pair(head_dim: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
