@@ -13,7 +13,7 @@ Nothing else in the package calls ``os.environ``: modules ask this one. Tests ch
 | ``JITATTN_LOCK_TIMEOUT`` | seconds to wait for another process's build of the same kernel | ``600`` |
 | ``JITATTN_BACKEND`` | force one attention backend by name (see :mod:`jitattn.selector`) | automatic |
 | ``JITATTN_VERBOSE`` | ``1``: log each compile command and cache decision to stderr | ``0`` |
-| ``JITATTN_UNVERIFIED_FP8_PADDED`` | ``1``: an FP8 cache takes head dims that are multiples of 8 but not 16 (rows of 8-byte chunks), whose kernels compile but have not yet passed the GPU suite; the switch goes once they pass | ``0`` |
+| ``JITATTN_UNVERIFIED_FP8_PADDED`` | ``1``: an FP8 cache takes head dims that are multiples of 8 but not 16 (rows of 8-byte chunks) and key transforms at head dims that are not multiples of 32, whose kernels compile but have not yet passed the GPU suite; the switch goes once they pass | ``0`` |
 
 Logging: every module logs on a child of the ``jitattn`` logger (``jitattn.cache``,
 ``jitattn.build``, ``jitattn.selector``). :func:`configure_logging` gives that logger a stderr

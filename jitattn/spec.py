@@ -334,6 +334,13 @@ class AttentionSpec:
                              f"[{SM_SCALE_RANGE[0]:g}, {SM_SCALE_RANGE[1]:g}]")
         if self.variant is not None and not isinstance(self.variant, Variant):
             raise ValueError(f"variant={self.variant!r}: expected a jitattn.Variant or None")
+        if (self.kv_dtype == "float8_e4m3fn" and self.variant is not None and self.variant.key_transform is not None
+                and self.head_dim_qk % 32 and not settings.unverified_fp8_padded()):
+            raise ValueError(f"variant {self.variant.name!r} (a key transform) with kv_dtype='float8_e4m3fn' and "
+                             f"head_dim_qk={self.head_dim_qk}: the decode reads each key's rotate-half partners one by "
+                             f"one here (half a row is not whole 16-byte chunks), a path that compiles but has not yet "
+                             f"passed the GPU suite: JITATTN_UNVERIFIED_FP8_PADDED=1 enables it (a head dim that is a "
+                             f"multiple of 32, or a 16-bit cache, takes this variant)")
         if self.variant is not None and not self.variant.softmax and self.sinks:
             raise ValueError(f"sinks=True with variant {self.variant.name!r} (softmax=False): sinks join a softmax "
                              f"denominator; a variant without softmax has none")

@@ -223,6 +223,8 @@ def fp8_cases() -> list[Case]:
                                                             kv_layout="HND", page_size=64), q, kv),
         Case("fp8-kv-hd72-group4-hnd-page1", AttentionSpec(12, 3, 72, kv_dtype="float8_e4m3fn", kv_layout="HND",
                                                            page_size=1), q, kv),
+        Case("fp8-kv-hd80-group2-rotary", AttentionSpec(8, 4, 80, kv_dtype="float8_e4m3fn", variant=rotary_embedding(80)),
+             q, kv),
         Case("fp8-kv-group2-shift-key", AttentionSpec(8, 4, 64, kv_dtype="float8_e4m3fn", variant=SHIFT_KEY), q, kv),
         Case("fp8-kv-hd88-group2-softcap", AttentionSpec(8, 4, 88, kv_dtype="float8_e4m3fn", logits_soft_cap=30.0), q, kv),
     ]

@@ -68,6 +68,11 @@ def test_fp8_cache_at_multiples_of_8_only_waits_behind_its_gate():
                                                  r"head dims that are multiples of 16.*JITATTN_UNVERIFIED_FP8_PADDED=1"):
                 AttentionSpec(8, 2, d, kv_dtype="fp8")
         assert AttentionSpec(8, 2, 80, kv_dtype="fp8").head_dim_qk == 80
+        # a key transform over FP8 reads its partners one by one where half a row is not whole 16-byte chunks
+        with pytest.raises(ValueError, match=r"variant 'rope_80_10000' \(a key transform\) with kv_dtype='float8_e4m3fn' "
+                                             r"and head_dim_qk=80: .*JITATTN_UNVERIFIED_FP8_PADDED=1"):
+            AttentionSpec(8, 2, 80, kv_dtype="fp8", variant=rotary_embedding(80))
+        assert AttentionSpec(8, 2, 64, kv_dtype="fp8", variant=rotary_embedding(64)).head_dim_qk == 64
         assert AttentionSpec(8, 2, 72).head_dim_qk == 72
     with settings.scope(JITATTN_UNVERIFIED_FP8_PADDED="1"):
         assert AttentionSpec(8, 2, 72, kv_dtype="fp8").head_dim_qk == 72
