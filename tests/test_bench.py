@@ -90,7 +90,7 @@ def test_all_cases_are_unique_and_cover_the_examples():
              "generate-llama-3-8b-b8x4096",
              "generate-gemma-2-9b-b8x4096", "decode-mla-tp8-h16-b128x4096", "decode-mla-tp1-h128-b64x4096",
              "decode-mla-tp8-h16-b128x4096-fp8", "prefill-hd72-causal-b4x8192", "decode-hd72-b64x4096",
-             "prefill-hd88-causal-b4x8192", "decode-hd88-b64x4096"]
+             "decode-hd72-b64x4096-hnd", "prefill-hd88-causal-b4x8192", "decode-hd88-b64x4096", "decode-hd88-b64x4096-hnd"]
     assert len(names) == len(V0_CASES) + len(extra) + sum(len(cases.model_cases(m)) for m in MODELS)
     assert set(extra) <= set(names)
 

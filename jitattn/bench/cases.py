@@ -154,12 +154,16 @@ def ragged_cases() -> list[BenchCase]:
 
 
 def head_dim_cases() -> list[BenchCase]:
-    """Head dims that are multiples of 8 only (72: SigLIP; 88), on the padded tiles: the hd128 design shapes."""
+    """Head dims that are multiples of 8 only (72: SigLIP; 88), on the padded tiles: the hd128 design shapes, and
+    the decode from an HND cache too (a KV head's rows contiguous; NHD interleaves 144- / 176-byte pieces of the
+    heads, which share DRAM sectors: BENCHMARKS.md)."""
     out = []
     for d in (72, 88):
         spec = AttentionSpec(32, 8, d)
         out.append(BenchCase(f"prefill-hd{d}-causal-b4x8192", spec, [8192] * 4, [8192] * 4, "prefill"))
         out.append(BenchCase(f"decode-hd{d}-b64x4096", spec, [1] * 64, [4096] * 64, "decode"))
+        out.append(BenchCase(f"decode-hd{d}-b64x4096-hnd", spec.replace(kv_layout="HND"), [1] * 64, [4096] * 64,
+                             "decode"))
     return out
 
 
