@@ -463,6 +463,9 @@ class SpecPlan:
         self.partial: torch.Tensor | None = None  # split-KV partial states (float32), None without splits
         self.counters: torch.Tensor | None = None
         self._unzeroed = False  # counters made under graph capture: zero them at the next run
+        # Both kernels on two streams (with JitKernel.mixed_on_two_streams); the one-call turns it off where its
+        # prefill can hold few rows (JitKernel._one_call_plan)
+        self.two_streams = True
         c = self.layout.constants(plan.kind)
         self._kv_inner, self._kv_strides, self._kv_align, self._dtypes, self._softmax = (
             c.kv_inner, c.kv_strides, c.kv_align, c.dtypes, c.softmax)
@@ -816,7 +819,7 @@ class SpecPlan:
         decode, prefill = self.decode, self.prefill
         if prefill is not None and self._prefill_bound is not None and capturing():  # exact: for the values read
             prefill = self._prefill_bound
-        if decode is not None and prefill is not None and self.kernel.mixed_on_two_streams:
+        if decode is not None and prefill is not None and self.two_streams and self.kernel.mixed_on_two_streams:
             self._launch_two_streams(args, prefill)
             return
         stream = self._stream()

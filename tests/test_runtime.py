@@ -208,6 +208,27 @@ def test_mixed_call_forks_the_decode_onto_a_side_stream(monkeypatch):
     assert side.waited_for == [] and main.waited_for == []
 
 
+@pytest.mark.parametrize("q_lens", [[1, 1, 1], [2, 0, 1]])
+def test_a_one_call_with_no_more_queries_than_sequences_keeps_one_stream(monkeypatch, q_lens):
+    """The one-call, lengths unread, launches both kernels; with total_q <= batch its prefill can hold only a few
+    rows (none in a pure decode batch), so both go to the caller's stream, decode first, and nothing forks or
+    waits. A plan the engine makes itself keeps the fork (test_plan_launches.py)."""
+    from jitattn import AttentionSpec
+    from jitattn.testing import random_paged_batch
+
+    spec = AttentionSpec(8, 2, 64)
+    kernel, launches = _dry_kernel(spec, monkeypatch)
+    main, side = _STREAMS[-1], _FakeStream(8)
+    main.waited_for.clear()
+    kernel.mixed_on_two_streams, kernel.stream_fork = True, lambda handle: _FakeFork(main, side, handle)
+    b = random_paged_batch(spec, q_lens, [30, 400, 17])
+    for _ in range(2):  # the plan made, then the stream's last plan reused
+        launches.clear(), kernel.launch_streams.clear()
+        kernel.paged_attention(*b.args())
+        assert [name for name, *_ in launches] == ["decode", "prefill"] and kernel.launch_streams == [7, 7]
+        assert side.waited_for == [] and main.waited_for == []
+
+
 @pytest.mark.parametrize("fails", ["decode", "prefill"])
 def test_mixed_call_joins_the_side_stream_when_a_launch_raises(monkeypatch, fails):
     """A launch that raises between the fork and the join still joins the side stream back into the

@@ -6,7 +6,8 @@ only at the end (:func:`jitattn.bench.harness.host_us_per_call`), of
 - ``jitattn``: ``jitattn.paged_attention(spec, ...)``, the one-call convenience;
 - ``jitattn-one-stream``: the one-call with both kernels on the caller's stream, one after the other
   (``JitKernel.mixed_on_two_streams`` off for the call): what the side-stream fork and join cost the
-  host against what their overlap gains on the GPU;
+  host against what their overlap gains on the GPU (on the decode probe the one-call keeps one stream
+  itself, as any with no more query rows than sequences, so the two rows should agree there);
 - ``jitattn-kernel``: ``load_kernel(spec).paged_attention(..., out=..., max_query_len=...)``;
 - ``jitattn-plan``: ``jitattn.run`` with a plan made once (:func:`plan_run_call`), when this jitattn has
   ``jitattn.plan``;
