@@ -32,7 +32,7 @@ from jitattn import append_kv_module as _am
 from jitattn.checks import check_scale, fail
 from jitattn.planning import StructLayout
 from jitattn.runtime import LoadedOnce, cuda_device, stream_handle
-from jitattn.spec import AttentionSpec
+from jitattn.spec import AttentionSpec, kv_copy_bytes
 
 __all__ = ["append_kv", "append_latent_kv"]
 
@@ -183,9 +183,9 @@ def _append_torch(k, v, kc, vc, slot_mapping, k_scale, v_scale) -> None:
 
 # ---- the CUDA kernel -----------------------------------------------------------------------------
 def cache_store_bytes(kv_dtype: torch.dtype, head_dim: int) -> int:
-    """Bytes per store of the kernel into the cache: 16, or 8 for an FP8 cache whose head_dim is a multiple
-    of 8 only (its rows are whole 8-byte chunks, 8-byte aligned)."""
-    return 8 if kv_dtype == _FP8 and head_dim % 16 else 16
+    """Bytes per store of the kernel into the cache: the attention kernels' copy of a row
+    (:func:`jitattn.spec.kv_copy_bytes`: 16, or 8 for an FP8 cache whose head_dim is a multiple of 8 only)."""
+    return kv_copy_bytes(head_dim, str(kv_dtype).removeprefix("torch."))
 
 
 def kernel_reasons(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> list[str]:

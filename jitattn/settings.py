@@ -97,7 +97,7 @@ VARIABLES: dict[str, _Var] = {
         _Var("JITATTN_BACKEND", "", _parse_str, "force one backend by name"),
         _Var("JITATTN_VERBOSE", "0", _parse_bool, "log compiles and cache decisions"),
         _Var("JITATTN_UNVERIFIED_FP8_PADDED", "0", _parse_bool, "FP8 caches at head dims that are multiples of 8 "
-             "only, not yet through the GPU suite"),
+             "only, and FP8 key transforms at head dims not multiples of 32: not yet through the GPU suite"),
     ]
 }
 
@@ -195,7 +195,8 @@ def forced_backend() -> str | None:
 
 def unverified_fp8_padded() -> bool:
     """True when ``JITATTN_UNVERIFIED_FP8_PADDED`` lets an FP8 cache take a head dim that is a multiple of 8 but
-    not 16: the gate of kernel paths (8-byte copies into padded rows) awaiting their GPU tests."""
+    not 16, and a key transform at a head dim that is not a multiple of 32: the gate of kernel paths (8-byte
+    copies into padded rows; rotate-half partners read one by one) awaiting their GPU tests."""
     return bool(VARIABLES["JITATTN_UNVERIFIED_FP8_PADDED"].get())
 
 

@@ -85,19 +85,13 @@ __device__ __forceinline__ void unpack16(const uint4& raw, float (&out)[N]) {
   unpack_raw<T>(raw, out);
 }
 
-// 8 bytes of T unpacked to floats (a chunk of an FP8 row that ends in half a 16-byte chunk).
-template <class T, int N>
-__device__ __forceinline__ void unpack8(const uint2& raw, float (&out)[N]) {
-  unpack_raw<T>(raw, out);
-}
-
 // N values of T, 16 or 8 bytes, read from a 16- or 8-byte aligned address and unpacked to floats.
 template <class T, int N>
 __device__ __forceinline__ void unpack_at(const void* src, float (&out)[N]) {
   if constexpr (N * sizeof(T) == 16) {
     unpack16<T>(*reinterpret_cast<const uint4*>(src), out);
   } else {
-    unpack8<T>(*reinterpret_cast<const uint2*>(src), out);
+    unpack_raw<T>(*reinterpret_cast<const uint2*>(src), out);
   }
 }
 

@@ -73,7 +73,7 @@ struct DecodeTraits {
   } else {                                                           \
     uint2 raw = make_uint2(0, 0);                                    \
     if (lane_has_dims) raw = *reinterpret_cast<const uint2*>(addr);  \
-    unpack8<DT>(raw, out);                                           \
+    unpack_raw<DT>(raw, out);                                        \
   }
 
 // The rotate_half partners (element (dim + D/2) % D) of the kVec elements of chunk tx of a row, one by
