@@ -24,25 +24,27 @@ from jitattn.spec import AttentionSpec
 
 # case name -> (spec, batch, kv_len)
 CASES = {f"hd{d}-b64x4096": (AttentionSpec(32, 8, d), 64, 4096) for d in (128, 72, 88, 40, 104)}
+CASES.update({f"hd{d}-b64x4096-hnd": (AttentionSpec(32, 8, d, kv_layout="HND"), 64, 4096) for d in (72, 88)})
 # variant -> (switches, cases, split overrides {case: [splits]}); "base" is --base-templates as they are.
-# A switch whose name holds "=>" replaces text in decode_mma.cuh instead: "old=>new" (value unused).
-# Issue 21's open question: the tile pipeline's stages for a padded head dim (72, 88, ...); "stages3" is the
-# rule before padded rows up to hd72 took 4. Earlier variants (packed rows, stages, swizzle, merge batching,
-# Gemma-2 tiles, FP8) are in BENCHMARKS.md's history.
-_STAGES = ("  static constexpr int kPipelineStages = kFp8Wide ? 2 : kPadded && kHeadDim <= 72 ? 4 : "
-           "(kHeadDim <= 128 ? 3 : 2);")
-_PADDED = ["hd72-b64x4096", "hd88-b64x4096", "hd40-b64x4096", "hd104-b64x4096"]
+# A switch whose name holds "=>" replaces text in the first of common.cuh / decode.cuh / decode_mma.cuh that
+# holds it instead: "old=>new" (value unused).
+# Issue 21's open question: an NHD cache at a padded head dim (72, 88) reads each KV head's 144- / 176-byte
+# piece of a token row, pieces that share DRAM sectors with the next head's; HND at the same dims matches
+# cuDNN. "l2-128" / "l2-256" ask L2 to fetch 128 / 256 aligned bytes around each 16-byte copy (cp.async's
+# prefetch-size hint), so a shared sector comes once per burst. Earlier variants (packed rows, stages,
+# swizzle, merge batching, Gemma-2 tiles, FP8, tail) are in BENCHMARKS.md's history.
+_CP16 = 'asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n"'
+_CASES = ["hd128-b64x4096", "hd72-b64x4096", "hd88-b64x4096", "hd72-b64x4096-hnd", "hd88-b64x4096-hnd"]
 
 
-def _stages(n: int) -> dict:
-    return {f"{_STAGES}=>  static constexpr int kPipelineStages = kFp8Wide ? 2 : kPadded ? {n} : "
-            f"(kHeadDim <= 128 ? 3 : 2);": 1}
+def _l2_prefetch(size: int) -> dict:
+    return {f"{_CP16}=>{_CP16.replace('.global [', f'.global.L2::{size}B [')}": 1}
 
 
 VARIANTS = {
-    "base": ({}, ["hd128-b64x4096", *_PADDED], {c: [1, 2] for c in _PADDED[:2]}),
-    "stages3": (_stages(3), _PADDED, {}),
-    "stages4": (_stages(4), _PADDED, {}),
+    "base": ({}, _CASES, {}),
+    "l2-128": (_l2_prefetch(128), _CASES, {}),
+    "l2-256": (_l2_prefetch(256), _CASES, {}),
 }
 DIAG = ("JITATTN_DIAG_",)
 
@@ -63,9 +65,8 @@ def apply(dst: Path, switches: dict) -> None:
     for macro, value in switches.items():
         if "=>" in macro:
             a, b = macro.split("=>")
-            path = dst / "decode_mma.cuh"
-            assert a + "\n" in path.read_text(), (dst, a)
-            path.write_text(path.read_text().replace(a + "\n", b + ("\n" if b else ""), 1))
+            path = next(f for f in (dst / "common.cuh", dst / "decode.cuh", dst / "decode_mma.cuh") if a in f.read_text())
+            path.write_text(path.read_text().replace(a, b, 1))
             continue
         hits = 0
         for path in (dst / "common.cuh", dst / "decode.cuh", dst / "decode_mma.cuh"):
