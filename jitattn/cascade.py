@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import math
 import operator
 import re
@@ -34,7 +35,7 @@ import torch
 
 from jitattn.checks import (check_flag, check_kv_cache, check_out, check_params, check_scales, check_spec,
                             check_tensor, check_vector, fail, kv_num_pages)
-from jitattn.planning import choose_mode
+from jitattn.planning import capturing, choose_mode
 from jitattn.spec import AttentionSpec
 
 #: Keys per chunk of a shared level at least (shorter chunks cost more in merging than they gain).
@@ -70,7 +71,10 @@ def two_level(prefix_block_table: torch.Tensor, prefix_lens: torch.Tensor, prefi
     Args:
         prefix_block_table, prefix_lens: int32 ``(num_prefixes, pages)``, ``(num_prefixes,)``.
         prefix_start_loc: int32 ``(num_prefixes + 1,)``: the query tokens sharing each prefix (the
-            requests sharing a prefix are consecutive in the batch).
+            requests sharing a prefix are consecutive in the batch): 0 first, non-decreasing, ending
+            where ``query_start_loc`` ends (``total_q``), every entry also an entry of
+            ``query_start_loc`` (each prefix's queries are whole requests). Checked when read on the
+            host: :func:`check_level_starts`.
         suffix_block_table, suffix_lens: int32 ``(batch, pages)``, ``(batch,)``; a suffix may be empty.
         query_start_loc: int32 ``(batch + 1,)``: each request's query tokens.
     """
@@ -130,10 +134,11 @@ def _check_levels(levels: Sequence[CascadeLevel], dev: torch.device | None) -> N
     if dev is None and isinstance(levels[0].query_start_loc, torch.Tensor):
         dev = levels[0].query_start_loc.device
     for i, lv in enumerate(levels):
-        check_tensor(f"levels[{i}].query_start_loc", lv.query_start_loc, dtype=torch.int32, ndim=1, device=dev)
+        starts = _starts_name(i, len(levels))
+        check_tensor(starts, lv.query_start_loc, dtype=torch.int32, ndim=1, device=dev)
         n = lv.query_start_loc.shape[0] - 1
         if n < 1:
-            fail(f"levels[{i}].query_start_loc: expected shape (num_segments + 1,) with num_segments >= 1, "
+            fail(f"{starts}: expected shape (num_segments + 1,) with num_segments >= 1, "
                  f"got {tuple(lv.query_start_loc.shape)}")
         check_tensor(f"levels[{i}].kv_lens", lv.kv_lens, dtype=torch.int32, ndim=1, device=dev)
         if lv.kv_lens.shape[0] != n:
@@ -144,27 +149,110 @@ def _check_levels(levels: Sequence[CascadeLevel], dev: torch.device | None) -> N
             fail(f"levels[{i}].block_table: expected shape ({n}, max_pages >= 1), got {tuple(lv.block_table.shape)}")
 
 
+def _check_validate(validate: Any) -> bool:
+    """``validate`` checked (a bool), and refused under CUDA graph capture, as :func:`jitattn.plan` does.
+
+    Raises:
+        ValueError: not a bool; True while the current stream captures a graph.
+    """
+    if check_flag("validate", validate) and capturing():
+        fail("validate=True: the cascade's checks read the levels on the host (a device sync), which CUDA graph "
+             "capture does not allow; check the batch outside the capture and pass validate=False inside it")
+    return bool(validate)
+
+
+def _starts_name(i: int, num_levels: int) -> str:
+    """How messages name level ``i``'s start locations; of two levels, as :func:`two_level`'s arguments too."""
+    alias = ("prefix_start_loc", "query_start_loc")[i] if num_levels == 2 else None
+    return f"levels[{i}].query_start_loc" + (f" (two_level's {alias})" if alias else "")
+
+
+def _show(values: list[int], limit: int = 16) -> str:
+    """A list for a message, its middle left out past ``limit`` entries."""
+    if len(values) <= limit:
+        return str(values)
+    return f"[{', '.join(map(str, values[:limit - 1]))}, ..., {values[-1]}] ({len(values)} entries)"
+
+
+def _host_lists(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """1-D int32 tensors as host lists, in one transfer (a device sync for CUDA tensors)."""
+    flat = torch.cat(list(tensors)).tolist()
+    bounds = list(itertools.accumulate((t.shape[0] for t in tensors), initial=0))
+    return [flat[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def _on_host(levels: Sequence[CascadeLevel]) -> bool:
+    """Whether the levels are CPU tensors, whose values a check reads without a device sync (the
+    reference path); checked levels share one device."""
+    return levels[-1].query_start_loc.device.type == "cpu"
+
+
+def _allowed_starts(i: int, num_levels: int, total_q: int, end: int, exact: bool) -> str:
+    """What level ``i``'s start locations may be, for a message."""
+    what = ("num_requests" if i == num_levels - 1 else "num_prefixes" if num_levels == 2 else "num_segments")
+    text = f"expected int32 ({what} + 1,): 0 first, non-decreasing, "
+    if i == num_levels - 1:
+        return text + f"ending at total_q={total_q}" + ("" if exact else " (or before it: rows of q past it are "
+                                                          "padding)")
+    nxt = "query_start_loc" if num_levels == 2 else f"levels[{i + 1}].query_start_loc"
+    why = "each prefix's queries are whole requests" if num_levels == 2 else "segments nest"
+    ends = f"total_q={total_q}" if end == total_q else str(end)
+    return text + f"ending at {ends} as {nxt} does, every entry also an entry of {nxt} ({why})"
+
+
+def _starts_problem(starts: list[list[int]], i: int, total_q: int, exact: bool) -> str | None:
+    """What is wrong with level ``i``'s start locations (the later levels' already checked), or None."""
+    s, end = starts[i], starts[-1][-1]
+    if s[0] != 0:
+        return f"starts at {s[0]}"
+    down = next((j for j in range(1, len(s)) if s[j] < s[j - 1]), None)
+    if down is not None:
+        return f"decreases at entry {down} ({s[down - 1]} -> {s[down]})"
+    if i == len(starts) - 1:
+        return None if s[-1] == total_q or (not exact and s[-1] < total_q) else f"ends at {s[-1]}"
+    if s[-1] != end:
+        return f"ends at {s[-1]}"
+    nxt = starts[i + 1]
+    known = set(nxt)
+    stray = next((b for b in s if b not in known), None)
+    if stray is None:
+        return None
+    j = bisect.bisect_right(nxt, stray) - 1
+    seg = "request" if i + 1 == len(starts) - 1 else f"levels[{i + 1}] segment"
+    return f"its boundary {stray} splits {seg} {j} (queries [{nxt[j]}, {nxt[j + 1]}))"
+
+
+def check_level_starts(levels: Sequence[CascadeLevel], total_q: int, starts: list[list[int]] | None = None, *,
+                       exact: bool = True) -> None:
+    """The levels' start locations (``starts``: already read, else read here, a device sync for CUDA
+    tensors): each 0 first and never decreasing; the last level's (the requests') ending at ``total_q``
+    (``exact=False``: or before it, the rows of a padded q), every other level's where the requests'
+    do, with each of its entries an entry of the next level's (segments nest: with :func:`two_level`,
+    each prefix's queries are whole requests).
+
+    Raises:
+        ValueError: naming the level (of two, also as ``prefix_start_loc`` / ``query_start_loc``), its
+            values and what is allowed; the last level is checked first.
+    """
+    starts = _host_lists([lv.query_start_loc for lv in levels]) if starts is None else starts
+    for i in reversed(range(len(starts))):
+        problem = _starts_problem(starts, i, total_q, exact)
+        if problem is not None:
+            end = starts[-1][-1]
+            fail(f"{_starts_name(i, len(starts))} = {_show(starts[i])}: {problem}; "
+                 f"{_allowed_starts(i, len(starts), total_q, end, exact)}")
+
+
 def check_level_values(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: int, num_pages: int) -> None:
-    """Host checks of the levels' values (a device sync): start locations from 0 to ``total_q``, never
-    decreasing; every level's boundaries among the next level's; lengths >= 0 and within each block
+    """Host checks of the levels' values (a device sync): the start locations
+    (:func:`check_level_starts`, ending exactly at ``total_q``); lengths >= 0 and within each block
     table row; page ids of the used pages inside the cache; no request with more queries than keys.
 
     Raises:
         ValueError: the first problem, naming the level, the tensor and the entry.
     """
-    prev: set[int] | None = None
+    check_level_starts(levels, total_q)
     for i, lv in enumerate(levels):
-        qsl = lv.query_start_loc.tolist()
-        if qsl[0] != 0 or qsl[-1] != total_q:
-            fail(f"levels[{i}].query_start_loc: must start at 0 and end at total_q={total_q}, got {qsl[0]} ... {qsl[-1]}")
-        if any(b < a for a, b in zip(qsl, qsl[1:])):
-            j = next(j for j, (a, b) in enumerate(zip(qsl, qsl[1:])) if b < a)
-            fail(f"levels[{i}].query_start_loc: decreases at segment {j} ({qsl[j]} -> {qsl[j + 1]})")
-        if prev is not None and not prev <= set(qsl):
-            missing = sorted(prev - set(qsl))[0]
-            fail(f"levels[{i}].query_start_loc: level {i - 1} has a segment boundary at query {missing} that level "
-                 f"{i} does not; segments must nest (a later level splits the earlier one's segments)")
-        prev = set(qsl)
         capacity = lv.block_table.shape[1] * spec.page_size
         table = lv.block_table.cpu()
         for j, n in enumerate(lv.kv_lens.tolist()):
@@ -241,7 +329,8 @@ def _request_segments(levels: Sequence[CascadeLevel], total_q: int) -> list[torc
 
 
 def plan_cascade(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: int, *, num_sms: int,
-                 chunks: Sequence[int] | None = None, mode: str | None = None) -> CascadePlan:
+                 chunks: Sequence[int] | None = None, mode: str | None = None, validate: bool = False
+                 ) -> CascadePlan:
     """Lay a cascade batch out as one explicit-position batch (shapes only decide the layout).
 
     Level ``l`` is cut into ``C_l`` chunks of ``L_l`` keys (``L_l`` a multiple of the page size); chunk
@@ -260,20 +349,33 @@ def plan_cascade(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: i
             ``cascade_pays(*rule_shape(...), mode=mode)``, and the rule differs by mode. The
             pseudo-batch depends only on shapes, and its jit plan (made at the first run, reused by
             every later layer) reads nothing on the host, so one plan serves a captured graph too.
+        validate: also check the levels' start locations on the host (a device sync; not under graph
+            capture): :func:`check_level_starts`, ending exactly at ``total_q``. Levels on the CPU
+            have them checked always (no sync; a padded q allowed); CUDA ones otherwise not: bad
+            start locations then give an undefined result.
+
+    The levels may be on any one device: a CPU plan runs with ``attention=reference.paged_attention``;
+    the jit kernels refuse it when :func:`cascade_attention` makes its jit plan (as :func:`jitattn.plan`
+    refuses CPU metadata: the kernels run on CUDA devices), before any launch.
 
     Returns:
         a :class:`CascadePlan` on the levels' device (int32 tensors; ``num_states * total_q`` query rows).
 
     Raises:
         ValueError: a spec the cascade cannot split (as :func:`cascade_attention`), bad levels (types,
-            dtypes, devices, shapes), ``total_q`` / ``num_sms`` that are not ints >= 0 / >= 1,
-            ``chunks`` that is not one int >= 1 per level, a bad ``mode``.
+            dtypes, devices, shapes; start locations as :func:`check_level_starts` says, with
+            ``validate=True`` or on the CPU), ``total_q`` / ``num_sms`` that are not ints >= 0 / >= 1,
+            ``chunks`` that is not one int >= 1 per level, a bad ``mode``, ``validate=True`` under
+            graph capture.
     """
     _check_cascade_spec(spec, "plan_cascade(spec, levels, total_q, num_sms=...)")
     _check_levels(levels, None)
     for name, value, least in (("total_q", total_q, 0), ("num_sms", num_sms, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             fail(f"{name}={value!r}: expected an int >= {least}")
+    validate = _check_validate(validate)
+    if validate or _on_host(levels):
+        check_level_starts(levels, total_q, exact=validate)
     mode = choose_mode(mode)
     dev = levels[0].kv_lens.device
     page = spec.page_size
@@ -377,10 +479,13 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: Any, level
             the plain call cannot express (a shared level that ends mid-page) always runs the cascade. True: always
             the cascade. False: the plain paged call on the concatenated block tables (ValueError when
             a shared level ends mid-page).
-        validate: check the levels' values on the host first (a device sync):
-            :func:`check_level_values`. Without it only the levels' types, dtypes, devices and shapes
-            are checked; bad values (start locations, lengths past a table, segments that do not
-            nest, a request with more queries than keys) give an undefined result.
+        validate: check the levels' values on the host first (a device sync; not under graph
+            capture): :func:`check_level_values`. Without it the levels' types, dtypes, devices and
+            shapes are checked, and their start locations (:func:`check_level_starts`, a padded q
+            allowed) only where they are read without a sync or read anyway: levels on the CPU, and
+            the path that may take the plain call (``use_cascade`` False, or None and the rule saying
+            no), which reads the lengths. Other bad values (start locations on the cascade's CUDA
+            path, lengths past a table, a request with more queries than keys) give an undefined result.
         chunks: per-level chunk counts (default: :func:`plan_cascade`'s).
         plan: the batch's :func:`plan_cascade` layout, made once per step and given to every layer:
             a layer then only copies q per state, runs the prefill kernel on the plan's jit plan (made
@@ -401,12 +506,16 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: Any, level
     Raises:
         ValueError: a spec the split cannot preserve (explicit positions already, ragged or latent K/V, no softmax,
             an output hook, a CUDA-string hook reading ``qo_len`` / ``kv_len``), bad levels (their
-            shapes always; their values with ``validate=True``), bad ``chunks``, a ``plan`` for another
-            layout, an ``out`` that requires grad, or an argument the plain call refuses (before any launch).
+            shapes always; their start locations as ``validate`` says, naming them, with two levels
+            also as :func:`two_level`'s ``prefix_start_loc`` / ``query_start_loc``; their other values
+            with ``validate=True``), ``validate=True`` under graph capture, bad ``chunks``, a ``plan``
+            for another layout or device, an ``out`` that requires grad, or an argument the plain call
+            refuses (before any launch). The jit kernels (``attention`` None) refuse CPU tensors, as
+            :func:`jitattn.plan` does.
     """
     _check_cascade_spec(spec, "cascade_attention(spec, q, kv_cache, levels, ...)")
     check_flag("return_lse", return_lse)
-    check_flag("validate", validate)
+    validate = _check_validate(validate)
     if use_cascade is not None:
         check_flag("use_cascade", use_cascade)
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
@@ -423,6 +532,8 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: Any, level
     if validate:
         check_kv_cache(spec, kv_cache, q.device)
         check_level_values(spec, levels, total_q, kv_num_pages(kv_cache))
+    elif _on_host(levels):  # no device sync to read them
+        check_level_starts(levels, total_q, exact=False)
     check_scales(spec, k_scale, v_scale)
     jit = attention is None  # the jit kernels: the cascade then runs through jitattn.plan / run
     if jit:
@@ -440,13 +551,15 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: Any, level
         if plan.layout and plan.layout != _layout(spec, levels):
             fail(f"plan: made for page_size and level shapes (block_table, query_start_loc) {plan.layout}, this call "
                  f"has {_layout(spec, levels)}; plan this batch with plan_cascade(spec, levels, ...)")
+        if plan.block_table.device != q.device:
+            fail(f"plan: made on {plan.block_table.device} (its levels' device), q is on {q.device}; plan the "
+                 f"levels on q's device")
         return _cascade(spec, q, kv_cache, plan, total_q, attention if not jit else None, return_lse, out, kw)
     forced_plain = use_cascade is False  # the rule's "no" below falls back to the cascade on a mid-page level
     if use_cascade is None:
         use_cascade = bool(shared) and cascade_pays(*rule_shape(spec, levels, total_q), mode=mode)
     if not use_cascade or not shared:
-        # whether every shared segment fills whole pages is a value (a host read, only on this path)
-        aligned = all(bool((lv.kv_lens % spec.page_size == 0).all()) for lv in shared)
+        aligned = not shared or _pages_aligned(spec, levels, total_q)
         if not aligned and forced_plain and shared:
             fail("use_cascade=False: a shared level ends mid-page (a kv_lens entry not a multiple of page_size="
                  f"{spec.page_size}), so the requests' keys are not one page list each; use the cascade")
@@ -455,6 +568,15 @@ def cascade_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: Any, level
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
     plan = plan_cascade(spec, levels, total_q, num_sms=num_sms, chunks=chunks, mode=mode)
     return _cascade(spec, q, kv_cache, plan, total_q, attention if not jit else None, return_lse, out, kw)
+
+
+def _pages_aligned(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: int) -> bool:
+    """Whether every shared segment fills whole pages: a value, read on the host (only on the path that
+    may take the plain call) with the start locations in one transfer, which are checked while there
+    (:func:`check_level_starts`)."""
+    lists = _host_lists([*(lv.query_start_loc for lv in levels), *(lv.kv_lens % spec.page_size for lv in levels[:-1])])
+    check_level_starts(levels, total_q, lists[:len(levels)], exact=False)
+    return not any(any(rest) for rest in lists[len(levels):])
 
 
 def plain_metadata(spec: AttentionSpec, levels: Sequence[CascadeLevel], total_q: int

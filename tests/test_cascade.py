@@ -3,14 +3,15 @@ function equals the reference on the un-split batch, for every feature the split
 layout; the rule; bad input. The kernels: tests/test_gpu_cascade.py."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from jitattn import reference, variant
-from jitattn.cascade import (CascadeLevel, cascade_attention, cascade_pays, check_level_values, explicit_twin,
-                             plain_metadata, plan_cascade, rule_shape)
+from jitattn.cascade import (CascadeLevel, cascade_attention, cascade_pays, check_level_values,
+                             explicit_twin, plain_metadata, plan_cascade, rule_shape, two_level)
 from jitattn.spec import AttentionSpec
 from jitattn.testing import random_cascade_batch
 from tests.test_plan_launches import kernels  # noqa: F401 (fixture: recording jit kernels)
@@ -145,10 +146,11 @@ def test_the_rule_against_its_measurements():
     (lambda lv: [CascadeLevel(lv[0].block_table, lv[0].kv_lens.long(), lv[0].query_start_loc), lv[1]],
      r"levels\[0\].kv_lens: .*int32"),
     (lambda lv: [CascadeLevel(lv[0].block_table, lv[0].kv_lens, torch.tensor([0, 2], dtype=torch.int32)), lv[1]],
-     r"levels\[0\].query_start_loc: must start at 0 and end at total_q=3"),
+     r"levels\[0\].query_start_loc \(two_level's prefix_start_loc\) = \[0, 2\]: ends at 2; expected"),
     (lambda lv: [CascadeLevel(lv[0].block_table, torch.tensor([999], dtype=torch.int32), lv[0].query_start_loc), lv[1]],
      r"levels\[0\].kv_lens\[0\]=999: expected 0 <= kv_len <= block_table capacity"),
-    (lambda lv: [lv[1], lv[0]], r"levels\[1\].query_start_loc: level 0 has a segment boundary at query 1"),
+    (lambda lv: [lv[1], lv[0]], r"levels\[0\].query_start_loc \(two_level's prefix_start_loc\) = \[0, 1, 2, 3\]: "
+                                r"its boundary 1 splits request 0 \(queries \[0, 3\)\)"),
     (lambda lv: "levels", r"levels: expected a non-empty list of CascadeLevel"),
 ])
 def test_bad_levels_are_named(mutate, match):
@@ -386,3 +388,121 @@ def test_an_out_that_requires_grad_is_refused_before_any_launch(kernels):  # noq
     assert sum(len(m.launches) for _, m in kernels.values()) == 0
     with torch.no_grad():
         assert cascade_attention(spec, b.q, b.kv_cache, b.levels, out=out, plan=plan) is out
+
+
+def _two_prefixes(prefix_start_loc):
+    """The new-user probe's batch: 2 prefixes (6 and 5 keys, page 4), requests of 2 and 1 queries."""
+    spec = AttentionSpec(8, 2, 64, page_size=4, q_dtype="float16")
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(20, 2, 4, 2, 64, generator=gen).half()
+    q = torch.randn(3, 8, 64, generator=gen).half()
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    levels = two_level(i32([[0, 1], [6, 7]]), i32([6, 5]), i32(prefix_start_loc),
+                       i32([[2, 3], [4, 5]]), i32([3, 5]), i32([0, 2, 3]))
+    return spec, q, kv, levels
+
+
+BAD_PREFIX_STARTS = [  # (prefix_start_loc, what the message says is wrong) with query_start_loc [0, 2, 3]
+    ([0, 1, 3], r"its boundary 1 splits request 0 \(queries \[0, 2\)\)"),
+    ([0, 3, 2], r"decreases at entry 2 \(3 -> 2\)"),
+    ([0, 2, 9], r"ends at 9"),
+    ([1, 2, 3], r"starts at 1"),
+]
+
+
+def _bad_prefix_match(psl, problem):
+    return (rf"^levels\[0\].query_start_loc \(two_level's prefix_start_loc\) = {re.escape(str(psl))}: {problem}; "
+            rf"expected int32 \(num_prefixes \+ 1,\): 0 first, non-decreasing, ending at total_q=3 as query_start_loc "
+            rf"does, every entry also an entry of query_start_loc \(each prefix's queries are whole requests\)$")
+
+
+@pytest.mark.parametrize("use", [True, False, None])
+@pytest.mark.parametrize("psl, problem", BAD_PREFIX_STARTS, ids=[str(p) for p, _ in BAD_PREFIX_STARTS])
+def test_a_bad_prefix_start_loc_is_named_before_any_pass(psl, problem, use):
+    """The probe: [0, 1, 3] (request 0 split across two prefixes) and [0, 3, 2] (decreasing) gave outputs off
+    by up to 2.19, [0, 2, 9] (past total_q) passed, [1, 2, 3] was the reference's message about the
+    pseudo-batch ("query_start_loc ... total_q=6"). CPU levels are read without a device sync: checked always."""
+    spec, q, kv, levels = _two_prefixes(psl)
+    calls = []
+
+    def attention(*args, **kwargs):
+        calls.append(args)
+        return reference.paged_attention(*args, **kwargs)
+
+    with pytest.raises(ValueError, match=_bad_prefix_match(psl, problem)):
+        cascade_attention(spec, q, kv, levels, attention=attention, use_cascade=use)
+    assert calls == []
+
+
+@pytest.mark.parametrize("psl, problem", BAD_PREFIX_STARTS, ids=[str(p) for p, _ in BAD_PREFIX_STARTS])
+def test_plan_cascade_refuses_a_bad_prefix_start_loc(psl, problem):
+    spec, _, _, levels = _two_prefixes(psl)
+    with pytest.raises(ValueError, match=_bad_prefix_match(psl, problem)):
+        plan_cascade(spec, levels, 3, num_sms=132)
+
+
+def test_the_good_prefix_start_loc_equals_the_unsplit_batch():
+    """[0, 2, 3] (and [0, 3, 3]: the second prefix shares no query) pass and equal the plain reference."""
+    spec, q, kv, levels = _two_prefixes([0, 2, 3])
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    # request 0: prefix 0 (6 keys: pages 0, 1) + 3 own keys (page 2); request 1: prefix 1 (5 keys: 6, 7) + 5 (4, 5);
+    # the plain call cannot express a mid-page prefix: copy each request's keys onto its own pages
+    plain_kv = kv.clone()
+    flat = lambda pages: plain_kv[pages].transpose(1, 2).reshape(-1, 2, 2, 64)  # noqa: E731  (keys, k/v, heads, d)
+    seqs = [torch.cat([flat([0, 1])[:6], flat([2])[:3]]), torch.cat([flat([6, 7])[:5], flat([4, 5])[:5]])]
+    table = i32([[10, 11, 12], [13, 14, 15]])
+    for row, keys in zip(table.tolist(), seqs):
+        pad = torch.zeros(12 - keys.shape[0], *keys.shape[1:], dtype=keys.dtype)
+        plain_kv[row] = torch.cat([keys, pad]).view(3, 4, 2, 2, 64).transpose(1, 2)
+    want = reference.paged_attention(spec, q, plain_kv, table, i32([9, 10]), i32([0, 2, 3]))
+    for validate in (False, True):
+        got = cascade_attention(spec, q, kv, levels, attention=reference.paged_attention, use_cascade=True,
+                                validate=validate)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    plan_cascade(spec, _two_prefixes([0, 3, 3])[3], 3, num_sms=132)
+
+
+@pytest.mark.parametrize("use, validate, reads", [(True, False, 0), (False, False, 1), (None, False, 1),
+                                                   (True, True, 1)])
+def test_cuda_levels_start_locations_are_read_only_where_values_are_read(monkeypatch, use, validate, reads):
+    """Levels taken for CUDA ones (no host read for free): the cascade path reads their start locations only
+    with validate=True; the path that may take the plain call reads them with the lengths it reads anyway, in
+    one transfer (the eager rule says no here). A bad prefix_start_loc is then refused there too."""
+    import jitattn.cascade as cascade
+
+    spec, q, kv, levels = _two_prefixes([0, 1, 3])
+    monkeypatch.setattr(cascade, "_on_host", lambda levels: False)
+    seen = []
+    real = cascade._host_lists
+    monkeypatch.setattr(cascade, "_host_lists", lambda tensors: seen.append(len(tensors)) or real(tensors))
+    call = lambda: cascade_attention(spec, q, kv, levels, attention=reference.paged_attention,  # noqa: E731
+                                     use_cascade=use, validate=validate, mode="eager")
+    if reads:
+        with pytest.raises(ValueError, match=r"prefix_start_loc\) = \[0, 1, 3\]: its boundary 1 splits request 0"):
+            call()
+    else:
+        call()  # undefined result, as documented
+    assert len(seen) == reads
+
+
+def test_the_jit_kernels_refuse_cpu_levels_as_jitattn_plan_does():
+    """plan_cascade takes CPU levels (the reference path runs them); the jit kernels, cascade_attention's
+    default, refuse them when its jit plan is made, before any launch, with jitattn.plan's message."""
+    spec, q, kv, levels = _two_prefixes([0, 2, 3])
+    plan = plan_cascade(spec, levels, 3, num_sms=132)
+    for kw in ({"plan": plan}, {"use_cascade": True}):
+        with pytest.raises(ValueError, match=r"device=cpu: jitattn kernels run on CUDA devices; use jitattn.reference"):
+            cascade_attention(spec, q, kv, levels, **kw)
+
+
+def test_validate_under_graph_capture_is_refused_before_any_read(monkeypatch):
+    """validate=True reads the levels on the host, which capture forbids: the ValueError jitattn.plan gives,
+    not a CUDA error from inside the capture; plan_cascade's new validate too."""
+    import jitattn.cascade as cascade
+
+    spec, q, kv, levels = _two_prefixes([0, 2, 3])
+    monkeypatch.setattr(cascade, "capturing", lambda: True)
+    for call in (lambda: cascade_attention(spec, q, kv, levels, attention=reference.paged_attention, validate=True),
+                 lambda: plan_cascade(spec, levels, 3, num_sms=132, validate=True)):
+        with pytest.raises(ValueError, match=r"validate=True: the cascade's checks read the levels on the host"):
+            call()
