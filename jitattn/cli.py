@@ -765,11 +765,17 @@ def select(
     """Which backend serves each layer kind of a model on a device, and why the others do not.
 
     Works without a GPU, and without torch, when the device is named (--device h100): the planning
-    command for a serving node, on a build box. Exit code 1 when a layer kind has no backend.
+    command for a serving node, on a build box. Exit code 1 when a layer kind has no backend; 2 (one
+    error line) for --device cuda / cuda:N where torch sees no GPU.
     """
-    from jitattn.selector import format_model_selection, select_model
+    from jitattn.backends import DeviceInfo
+    from jitattn.selector import format_model_selection, no_gpu_problem, select_model
 
     with _usage_errors():
+        no_gpu = no_gpu_problem(DeviceInfo.parse(device)) if device is not None else None
+        if no_gpu:
+            raise UsageError(f"--device {device}: {no_gpu}; name the serving node's GPU or arch to plan for it "
+                             f"(--device h100, --device sm_90), or use --device cpu")
         result = select_model(model, device, phase=phase, dtype=dtype, kv_layout=kv_layout, page_size=page_size,
                               need_lse=need_lse, cuda_graph=cuda_graph, backend=backend, kv_dtype=kv_dtype,
                               tensor_parallel_size=tensor_parallel_size)

@@ -19,7 +19,9 @@ the phase, and two call requirements: the lse (``need_lse``) and CUDA-graph capt
 
 A backend on this machine's devices (the CPU, ``cuda`` / ``cuda:N``) needs torch installed
 (:func:`import_reasons`): without it every backend is passed over with that reason (a named GPU,
-``h100`` or ``sm_90``, is planned for another machine and not judged so).
+``h100`` or ``sm_90``, is planned for another machine and not judged so). ``cuda`` / ``cuda:N`` where
+torch sees no CUDA device is an error naming the device (:func:`no_gpu_problem`), as torch's own
+``torch.zeros(1, device="cuda")`` is: no backend is picked for a GPU that is not there.
 
 Nothing falls back silently:
 
@@ -82,7 +84,17 @@ class Rejection:
         return not self.reasons
 
     def lines(self) -> list[str]:
-        return list(self.reasons) if self.reasons else [f"{self.backend}: {self.note}"]
+        """One line for this backend: its reasons joined (``"flashinfer: not installed (...); latent
+        attention ... not served: ..."``), or the note of one that could serve."""
+        return [_joined(self.backend, self.reasons)] if self.reasons else [f"{self.backend}: {self.note}"]
+
+
+def _joined(backend: str, reasons: "tuple[str, ...] | list[str]") -> str:
+    """A backend's reasons as one line: the first as it is, the others after ``; `` without the
+    ``"name: "`` each starts with (a backend with two reasons is listed once, not once per reason)."""
+    prefix = f"{backend}: "
+    rest = [r[len(prefix):] if r.startswith(prefix) else r for r in reasons[1:]]
+    return "; ".join([reasons[0], *rest])
 
 
 @dataclass(frozen=True)
@@ -134,16 +146,23 @@ def select(spec: AttentionSpec, device: DeviceInfo | str | Any = None, phase: st
 
     Raises:
         NoBackendError: the forced backend cannot serve, or none can; the message lists the reasons.
+            Also ``cuda`` / ``cuda:N`` when torch sees no CUDA device (:func:`no_gpu_problem`): the
+            message names the device, forced or not.
         ValueError: an unknown backend name, device name or phase.
     """
     device = DeviceInfo.parse(device)
     check_phase(phase)
     req = Requirements(need_lse=need_lse, cuda_graph=cuda_graph)
     forced = backend or settings.forced_backend()
-    missing = import_reasons(device)
+    no_gpu = no_gpu_problem(device)
+    missing = import_reasons(device) + ((no_gpu,) if no_gpu else ())
     verdicts = [(b, tuple(b.reasons(spec, device, phase, req))) for b in registered_backends()]
     # a backend that would serve but cannot run here says why (the others' reasons already bar it)
     verdicts = [(b, r or tuple(f"{b.name}: {m}" for m in missing)) for b, r in verdicts]
+    if no_gpu:
+        raise NoBackendError(f"device {device.name!r}: {no_gpu}, so no backend can run there; name the GPU or "
+                             f"arch to plan for another machine ('h100', 'sm_90'), or use 'cpu'",
+                             tuple(Rejection(b.name, r) for b, r in verdicts))
     if forced:
         chosen = _forced(forced, verdicts, spec, device, phase, "backend" if backend else "JITATTN_BACKEND")
     else:
@@ -175,6 +194,21 @@ def import_reasons(device: DeviceInfo) -> tuple[str, ...]:
 
 #: Why no backend runs on this machine without torch (:func:`import_reasons`).
 TORCH_MISSING = "torch is not installed (its calls take torch tensors; pip install 'jitattn[torch]')"
+#: Why no backend runs on ``cuda`` / ``cuda:N`` when torch finds no GPU (:func:`no_gpu_problem`).
+NO_GPU = "no CUDA device is visible on this machine (torch.cuda.is_available() is False)"
+
+
+def no_gpu_problem(device: DeviceInfo) -> str | None:
+    """:data:`NO_GPU` when ``device`` names this machine's GPU (``cuda``, ``cuda:N``: capability unknown)
+    and torch, installed, sees none; else None. Without torch nothing is judged here
+    (:func:`import_reasons` says torch is missing); a named GPU (``h100``, ``sm_90``) is never judged."""
+    if device.type != "cuda" or device.capability is not None or not names_this_machine(device):
+        return None
+    if not torch_installed():
+        return None
+    import torch
+
+    return None if torch.cuda.is_available() else NO_GPU
 
 
 def names_this_machine(device: DeviceInfo) -> bool:
@@ -244,7 +278,7 @@ def _forced(name: str, verdicts: list[tuple[Backend, tuple[str, ...]]], spec: At
 
 def _none_message(spec: AttentionSpec, device: DeviceInfo, phase: str,
                   verdicts: list[tuple[Backend, tuple[str, ...]]]) -> str:
-    text = "\n".join(f"  - {r}" for _, reasons in verdicts for r in reasons)
+    text = "\n".join(f"  - {_joined(b.name, reasons)}" for b, reasons in verdicts if reasons)
     return f"no attention backend can serve {spec.describe()} on {device.describe()} (phase {phase}):\n{text}"
 
 
@@ -305,7 +339,7 @@ class LayerSelection:
         return self.selection.name if self.selection else None
 
     def passed_over(self) -> list[str]:
-        """One line per reason each other backend was passed over (all backends' reasons on error)."""
+        """One line per other backend, with every reason it was passed over (all backends' on error)."""
         if self.selection is not None:
             return [line for r in self.selection.passed_over for line in r.lines()]
         return [line for r in self.error.rejections for line in r.lines()]  # type: ignore[union-attr]

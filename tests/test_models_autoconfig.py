@@ -1,8 +1,11 @@
 """jitattn's reading of model configs against transformers' ``AutoConfig`` (``compare_with_transformers``).
 
-Every config in ``../shared/models`` (the real inputs, beside the repository) and in
-``examples/models`` must read the same both ways: heads, KV heads, head dim, softmax scale,
-soft-cap, which layers slide and by how much, ALiBi, sinks, layer count and dtype.
+Every config in ``examples/models`` and ``tests/models`` (the repository's copies of the real inputs,
+so that a clean clone, CI's, compares them all: DeepSeek-V3's lies in tests/models) must read the same
+both ways: heads, KV heads, head dim, softmax scale, soft-cap, which layers slide and by how much,
+ALiBi, sinks, layer count and dtype. ``../shared/models`` (the real inputs, beside the repository),
+when present, adds any config of its own that the repository has no identical copy of, and
+:func:`test_every_shared_config_has_a_copy_in_the_repository` asks for that copy.
 """
 
 from __future__ import annotations
@@ -21,17 +24,27 @@ pytest.importorskip("transformers", reason="the cross-check reads configs with t
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "models"
 EXAMPLES = REPO / "examples" / "models"
+#: The repository's real configs: the examples, and those the tests use but the examples leave out.
+REPO_MODELS = (EXAMPLES, REPO / "tests" / "models")
 
 #: Configs jitattn refuses on purpose, and why (the test expects the refusal, it does not skip them).
 #: None today: DeepSeek-V3 (multi-head latent attention) is mapped and compared kind by kind.
 REFUSED: dict[str, str] = {}
 
 
+def repo_configs() -> list[Path]:
+    return [p for d in REPO_MODELS for p in sorted(d.glob("*.json"))]
+
+
+def _uncopied_shared() -> list[Path]:
+    """The configs of ../shared/models (when present) that the repository has no identical copy of."""
+    copies = {p.read_bytes() for p in repo_configs()}
+    return [p for p in sorted(SHARED.glob("*.json")) if p.read_bytes() not in copies] if SHARED.is_dir() else []
+
+
 def _configs() -> list:
-    shared = ([pytest.param(p, id=f"shared/{p.stem}") for p in sorted(SHARED.glob("*.json"))] if SHARED.is_dir()
-              else [pytest.param(None, id="shared", marks=pytest.mark.skip(
-                  reason=f"{SHARED} is absent (the shared/ folder beside the repository holds the real configs)"))])
-    return shared + [pytest.param(p, id=f"examples/{p.stem}") for p in sorted(EXAMPLES.glob("*.json"))]
+    ours = [pytest.param(p, id=f"{p.parent.parent.name}/{p.stem}") for p in repo_configs()]
+    return ours + [pytest.param(p, id=f"shared/{p.stem}") for p in _uncopied_shared()]
 
 
 @pytest.fixture(autouse=True)
@@ -53,9 +66,30 @@ def test_the_examples_and_shared_configs_are_all_compared():
     """A config added to either folder joins the comparison; none is left out by name."""
     names = {p.stem for p in EXAMPLES.glob("*.json")}
     assert {"gemma-2-9b", "gemma-3-1b", "gpt-oss-20b", "bloom-560m"} <= names
+    compared = {p.values[0] for p in _configs()}
+    assert set(repo_configs()) <= compared and set(_uncopied_shared()) <= compared
     if SHARED.is_dir():
         assert names <= {p.stem for p in SHARED.glob("*.json")}, "every example also lies in shared/models"
         assert set(REFUSED) <= {p.stem for p in SHARED.glob("*.json")}
+
+
+def test_a_clone_without_shared_compares_every_real_config(monkeypatch, tmp_path):
+    """CI's clean clone has no ../shared: the repository's copies alone cover every model, DeepSeek-V3
+    (multi-head latent attention, tests/models) included, and nothing is skipped."""
+    monkeypatch.setitem(globals(), "SHARED", tmp_path / "absent")
+    params = _configs()
+    assert all(not p.marks for p in params)
+    assert {"deepseek-v3", "llama-3-8b", "gemma-2-9b", "gpt-oss-20b", "bloom-560m"} <= \
+        {p.values[0].stem for p in params}
+
+
+def test_every_shared_config_has_a_copy_in_the_repository():
+    """A config in ../shared/models without an identical copy in examples/models or tests/models would be
+    compared here only, never in CI's clone: copy it into tests/models (examples/models holds the example
+    models, which warmup, the bench and the kernel-compile tests also take)."""
+    if not SHARED.is_dir():
+        pytest.skip(f"{SHARED} is absent")
+    assert [p.name for p in _uncopied_shared()] == []
 
 
 def test_a_file_its_directory_and_the_dict_compare_alike(tmp_path):

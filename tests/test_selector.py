@@ -71,9 +71,10 @@ def test_gemma2_on_cpu_reasons_in_full():
         f"flashinfer: not installed (import flashinfer failed: {NOT_INSTALLED})",
         "flex: runs on CUDA devices only, device is cpu",
         "sdpa: sliding window (window_left=4095) not supported (torch SDPA has no window; a dense mask would take "
-        "it off its flash path)",
-        "sdpa: logits_soft_cap=50 not supported (torch SDPA has no soft-cap)",
-    ]
+        "it off its flash path); logits_soft_cap=50 not supported (torch SDPA has no soft-cap)",
+    ]  # one line per backend, its reasons joined
+    [sdpa] = [r for r in sel.passed_over if r.backend == "sdpa"]
+    assert len(sdpa.reasons) == 2  # the structured result keeps them apart
 
 
 def test_lower_priority_backends_that_could_serve_say_so():
@@ -188,7 +189,8 @@ def test_choice_logged_once_per_layer_kind(caplog):
     records = [r for r in caplog.records if r.name == "jitattn.selector"]
     assert len(records) == 2
     assert "backend reference (by priority)" in records[0].getMessage()
-    assert "sdpa: logits_soft_cap=50 not supported" in records[0].getMessage()
+    assert "  sdpa: sliding window (window_left=4095) not supported" in records[0].getMessage()
+    assert "; logits_soft_cap=50 not supported" in records[0].getMessage()  # its second reason, on its line
     assert "backend sdpa (by priority)" in records[1].getMessage()
     select(GEMMA2, "cpu", "prefill")  # another phase is another decision
     assert len([r for r in caplog.records if r.name == "jitattn.selector"]) == 3
@@ -286,7 +288,8 @@ def test_selection_table_for_a_named_gpu_without_one():
         "causal, window_left=4095, soft_cap=50 |",
     ]
     assert "\nsliding_attention -> jit:\n  - flashinfer: not installed" in text
-    assert "  - sdpa: logits_soft_cap=50 not supported (torch SDPA has no soft-cap)\n" in text
+    assert "  - sdpa: sliding window (window_left=4095) not supported (torch SDPA has no window; a dense mask would " \
+           "take it off its flash path); logits_soft_cap=50 not supported (torch SDPA has no soft-cap)\n" in text
     assert "  - reference: could serve; lower priority than jit" in text
 
 
@@ -311,6 +314,65 @@ def test_device_defaults_to_the_cpu_without_a_gpu(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert select(PLAIN).device == DeviceInfo("cpu", "cpu")
+
+
+def test_a_backend_with_two_reasons_is_listed_once():
+    """DeepSeek-V3's latent decode kind on a named H100: flashinfer is absent and would not take a latent
+    cache anyway; `jitattn select` lists it once, both reasons on its line."""
+    text = selection_table(DEEPSEEK_V3, "h100")
+    decode = text.split("\nmla_decode -> jit:\n")[1].split("\n\n")[0].splitlines()
+    assert [ln.split(":")[0] for ln in decode] == ["  - flashinfer", "  - flex", "  - sdpa", "  - reference"]
+    assert decode[0] == (f"  - flashinfer: not installed (import flashinfer failed: {NOT_INSTALLED}); latent attention "
+                         "(kv_storage='latent', MLA) not served: its call reads a paged K/V cache, not the latent "
+                         "rows of an MLA cache")
+    kinds = {k["layer_kind"]: k for k in select_model(DEEPSEEK_V3, "h100").to_json()["layer_kinds"]}
+    assert [ln.split(":")[0] for ln in kinds["mla_decode"]["passed_over"]] == ["flashinfer", "flex", "sdpa",
+                                                                               "reference"]
+    with pytest.raises(NoBackendError) as err:  # the message when none serves: one line per backend too
+        select(LATENT, "t4", "decode", cuda_graph=True)
+    assert str(err.value).count("\n  - flashinfer: ") == 1 and "; latent attention" in str(err.value)
+
+
+# ---- this machine's GPU, when there is none ----------------------------------------------------------------------
+NO_GPU = "no CUDA device is visible on this machine (torch.cuda.is_available() is False)"
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+@pytest.mark.parametrize("forced", [None, "sdpa"])
+def test_cuda_without_a_gpu_is_an_error_naming_the_device(monkeypatch, device, forced):
+    """`select(spec, "cuda")` where torch sees no GPU raises, naming the device, rather than picking sdpa (which
+    would fail at the first call): as torch's own tensors on "cuda" do. Forcing a backend does not help."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(NoBackendError, match=rf"^device '{device}': no CUDA device is visible on this machine") as err:
+        select(PLAIN, device, "decode", backend=forced)
+    reasons = {r.backend: r.reasons for r in err.value.rejections}
+    assert reasons["sdpa"] == (f"sdpa: {NO_GPU}",) and reasons["reference"] == (f"reference: {NO_GPU}",)
+    assert "'h100', 'sm_90'" in str(err.value)
+    assert select(PLAIN, "h100", "decode").name == "jit"  # a named GPU is still planned for without one
+    ms = select_model(MODELS / "llama-3-8b.json", device)
+    assert not ms.ok and "no CUDA device is visible" in str(ms.rows[0].error)
+
+
+def test_select_device_cuda_without_a_gpu_is_a_usage_error(tmp_path):
+    """`jitattn select --device cuda` on a machine whose torch sees no GPU (CUDA_VISIBLE_DEVICES='' hides any):
+    one error line, exit 2, not a table of a capability-unknown device; a named GPU still plans."""
+    from tests.test_cli import jitattn
+
+    hidden = {"CUDA_VISIBLE_DEVICES": ""}
+    for device in ("cuda", "cuda:0"):
+        proc = jitattn("select", "--model", str(MODELS / "llama-3-8b.json"), "--device", device,
+                       cache=tmp_path / "c", env=hidden)
+        assert proc.returncode == 2, proc.stdout
+        assert proc.stdout == ""
+        assert proc.stderr.splitlines() == [
+            f"jitattn: error: --device {device}: {NO_GPU}; name the serving node's GPU or arch to plan for it "
+            f"(--device h100, --device sm_90), or use --device cpu"]
+    named = jitattn("select", "--model", str(MODELS / "llama-3-8b.json"), "--device", "h100", "--json",
+                    cache=tmp_path / "c", env=hidden)
+    assert named.returncode == 0, named.stderr
+    assert [k["backend"] for k in json.loads(named.stdout)["layer_kinds"]] == ["jit"]
 
 
 # ---- the eager op path remembers its choice --------------------------------------------------------------
