@@ -20,6 +20,7 @@ Conventions (also in README.md):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -51,6 +52,17 @@ LATENT_HEAD_DIM_MIN, LATENT_HEAD_DIM_STEP = 32, 16
 PAGE_SIZE_MAX = 1024
 #: sm_scale is rendered as a float32 constant: float32's normal range (past it: inf, or 0 / denormal).
 SM_SCALE_RANGE = (1.1754943508222875e-38, 3.4028234663852886e38)
+#: The soft-cap renders as ``cap`` and ``1 / cap``, both float32 constants: caps whose reciprocal is normal too.
+SOFT_CAP_RANGE = (1.1754943508222875e-38, 8.507059173023462e37)
+#: window_left / window_right are int constants the kernels add to int32 positions (visible_kv_range's
+#: ``qo_hi + window_right + 1``, the prefill's tile skips, decode_mma's ``ceil_div(window_left + 1, 64)``):
+#: this bound keeps those sums inside int32 for sequences of up to 2**30 tokens. A longer window hides
+#: nothing a shorter one would not; -1 is no window.
+WINDOW_MAX = 2 ** 30 - 1
+#: The largest GQA group a paged spec takes at any head dim: the CUDA-core decode (templates/decode.cuh) serves
+#: groups above decode_mma's 16, and no group above this has run on a GPU (its block caps 16-bit KV at head
+#: dims from 64 here anyway).
+PAGED_MAX_GROUP = 128
 #: Latent (MLA) specs: head dims multiples of 16 up to this (DeepSeek-V2/V3, Kimi-K2: 576 / 512), at most
 #: this many query heads (the whole group shares the one latent row: 128 at TP 1 for DeepSeek-V3).
 LATENT_HEAD_DIM_MAX, LATENT_MAX_QO_HEADS = 1024, 128
@@ -130,6 +142,20 @@ def decode_block_problem(head_dim: int, kv_dtype: str, group_size: int) -> str |
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def largest_decode_group(head_dim: int, kv_dtype: str) -> int:
+    """The largest GQA group a paged spec takes at this head dim and KV dtype: the decode block builds for
+    every group up to it (:func:`decode_block_problem`), and it is at most :data:`PAGED_MAX_GROUP`.
+
+    60 to 128. 16-bit KV: 128 at head dims from 64, 124 at 8 / 16 / 32, 60 at 24 / 40 / 48 / 56. FP8: 64 at
+    the multiples of 16 from 16 but 48 (62), 128 at the multiples of 8 only from 72, 124 at 8, 60 at 24 / 40
+    / 56. A few larger groups fit the block again (e.g. 133 to 136 at head dim 128): they are refused with
+    the rest, so that the accepted groups are the one range up to this number.
+    """
+    return next((g - 1 for g in range(1, PAGED_MAX_GROUP + 1) if decode_block_problem(head_dim, kv_dtype, g)),
+                PAGED_MAX_GROUP)
+
+
 def latent_kernel_problem(spec: "AttentionSpec") -> str | None:
     """Why the MLA decode kernel (templates/mla_decode.cuh) cannot serve the latent spec ``spec`` at all (the
     sdpa and reference backends serve it), or None (it can, or ``spec`` is not latent): head dims not multiples
@@ -164,9 +190,10 @@ class AttentionSpec:
     Args:
         num_qo_heads: query/output heads (``H_qo``).
         num_kv_heads: key/value heads (``H_kv``); must divide ``num_qo_heads`` (GQA group size
-            ``H_qo / H_kv``); 1 for a latent spec. A paged spec's group must fit the decode kernel's block
-            (:func:`decode_block_problem`): every group up to 60 heads at every head dim (16-bit KV and FP8),
-            up to 128 / 64 at head dims from 64 up; ragged specs take any group.
+            ``H_qo / H_kv``); 1 for a latent spec. A paged spec takes every group up to
+            :func:`largest_decode_group` (where the decode kernel's block first stops fitting, at most 128):
+            60 to 128 heads by head dim and KV dtype (128 for 16-bit KV at head dims from 64, 64 for FP8 at
+            head dims that are multiples of 16 from 64); any larger group is refused. Ragged specs take any.
         head_dim_qk: query/key head dim, a multiple of 8 in [8, 256] (a multiple of 16 in [32, 1024] for a
             latent spec). An FP8 cache takes multiples of 16, and the other multiples of 8 with
             ``JITATTN_UNVERIFIED_FP8_PADDED=1`` (their kernels await the GPU suite).
@@ -184,10 +211,12 @@ class AttentionSpec:
         page_size: tokens per KV page, in [1, 1024]; None (the default) means 16 for a paged spec.
             Ragged K/V have no pages: a ragged spec keeps ``page_size=None`` (an int is an error).
         causal: key ``j`` visible to the query at position ``p`` only if ``j <= p``.
-        window_left: ``-1`` (none) or ``>= 0``: visible only if ``p - j <= window_left``.
-        window_right: ``-1`` (none) or ``>= 0``: visible only if ``j - p <= window_right``;
+        window_left: ``-1`` (none) or in ``[0, 2**30 - 1]`` (:data:`WINDOW_MAX`): visible only if
+            ``p - j <= window_left``.
+        window_right: ``-1`` (none) or in ``[0, 2**30 - 1]``: visible only if ``j - p <= window_right``;
             non-causal specs only.
-        logits_soft_cap: ``0`` (off) or ``cap > 0``: ``s -> cap * tanh(s / cap)``.
+        logits_soft_cap: ``0`` (off) or ``cap`` in ``[1.2e-38, 8.5e37]`` (:data:`SOFT_CAP_RANGE`):
+            ``s -> cap * tanh(s / cap)``.
         sm_scale: softmax scale on ``q.k``; defaults to ``head_dim_qk ** -0.5`` (a latent spec needs it given).
         alibi: add ``alibi_slopes[h] * (j - p)`` (slopes passed at call time, float32 ``(H_qo,)``;
             the standard geometric slopes when omitted). Press et al. 2022, "Train Short, Test
@@ -308,25 +337,23 @@ class AttentionSpec:
         else:
             _set("page_size", 16 if self.page_size is None else self.page_size)
             _check_int("page_size", self.page_size, 1, PAGE_SIZE_MAX)
-            problem = None if self.latent else decode_block_problem(self.head_dim_qk, self.kv_dtype, self.group_size)
-            if problem:
-                largest = next(g for g in range(1, self.group_size)
-                               if decode_block_problem(self.head_dim_qk, self.kv_dtype, g + 1))
-                raise ValueError(
-                    f"num_qo_heads={self.num_qo_heads}, num_kv_heads={self.num_kv_heads}: a GQA group of "
-                    f"{self.group_size} query heads at head_dim {self.head_dim_qk} with kv_dtype={self.kv_dtype!r} "
-                    f"{problem}; a paged spec there takes every group of up to {largest} heads (ragged specs "
-                    f"have no decode kernel and no such limit)")
+            if not self.latent:
+                self._check_decode_group()
         for name in ("causal", "alibi", "sinks"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected True or False")
-        _check_int("window_left", self.window_left, -1, extra=" (-1: no window)")
-        _check_int("window_right", self.window_right, -1, extra=" (-1: no window)")
+        for name in ("window_left", "window_right"):
+            _check_int(name, getattr(self, name), -1, WINDOW_MAX, extra=" (-1: no window; a window as long as every "
+                       "sequence hides nothing, so -1 serves for longer ones too)")
         if self.causal and self.window_right != -1:
             raise ValueError(
                 f"window_right={self.window_right}: a causal spec sees no key right of the query; use "
                 f"window_right=-1 or causal=False")
         _set("logits_soft_cap", _check_float("logits_soft_cap", self.logits_soft_cap, positive=True, allow_zero=True))
+        if self.logits_soft_cap and not SOFT_CAP_RANGE[0] <= self.logits_soft_cap <= SOFT_CAP_RANGE[1]:
+            raise ValueError(f"logits_soft_cap={self.logits_soft_cap!r}: expected 0 (off) or a cap in "
+                             f"[{SOFT_CAP_RANGE[0]:g}, {SOFT_CAP_RANGE[1]:g}] (the kernels hold cap and 1 / cap as "
+                             f"float32 constants)")
         scale = self.head_dim_qk ** -0.5 if self.sm_scale is None else self.sm_scale
         _set("sm_scale", _check_float("sm_scale", scale, positive=True))
         if not SM_SCALE_RANGE[0] <= self.sm_scale <= SM_SCALE_RANGE[1]:  # the kernels bake it in as a float32
@@ -334,6 +361,11 @@ class AttentionSpec:
                              f"[{SM_SCALE_RANGE[0]:g}, {SM_SCALE_RANGE[1]:g}]")
         if self.variant is not None and not isinstance(self.variant, Variant):
             raise ValueError(f"variant={self.variant!r}: expected a jitattn.Variant or None")
+        if self.variant is not None and self.variant.head_dim not in (None, self.head_dim_qk):
+            raise ValueError(f"variant {self.variant.name!r} with head_dim_qk={self.head_dim_qk}: the variant is made "
+                             f"for head dim {self.variant.head_dim} (Variant.head_dim); build it for "
+                             f"{self.head_dim_qk} (e.g. rotary_embedding({self.head_dim_qk}): it rotates the whole "
+                             f"head, partial rotary is not supported)")
         if (self.kv_dtype == "float8_e4m3fn" and self.variant is not None and self.variant.key_transform is not None
                 and self.head_dim_qk % 32 and not settings.unverified_fp8_padded()):
             raise ValueError(f"variant {self.variant.name!r} (a key transform) with kv_dtype='float8_e4m3fn' and "
@@ -348,6 +380,27 @@ class AttentionSpec:
         # wrapper in jitattn/ops.py never hands the spec object itself to the compiler).
         _set("_canonical_text", self.canonical_json())
         _LIVE_SPECS[self._canonical_text] = self
+
+    def _check_decode_group(self) -> None:
+        """Refuse a paged spec whose GQA group is above :func:`largest_decode_group` (ValueError naming the
+        heads, the group, the limit there and why)."""
+        largest = largest_decode_group(self.head_dim_qk, self.kv_dtype)
+        if self.group_size <= largest:
+            return
+        first = largest + 1
+        problem = decode_block_problem(self.head_dim_qk, self.kv_dtype, self.group_size)
+        first_problem = decode_block_problem(self.head_dim_qk, self.kv_dtype, first)
+        if problem:
+            why = f"this one {problem}"
+        elif first_problem:
+            why = f"a group of {first} {first_problem}; larger ones that fit the block again are refused too"
+        else:
+            why = f"no group above {PAGED_MAX_GROUP} has run on a GPU"
+        raise ValueError(
+            f"num_qo_heads={self.num_qo_heads}, num_kv_heads={self.num_kv_heads}: a GQA group of {self.group_size} "
+            f"query heads at head_dim {self.head_dim_qk} with kv_dtype={self.kv_dtype!r} is too large: a paged spec "
+            f"there takes every group of up to {largest} heads ({why}; ragged specs have no decode kernel and no "
+            f"such limit)")
 
     def _check_latent(self) -> None:
         """What a latent (MLA) spec must be: one KV head, V a proper prefix of the row, causal, an

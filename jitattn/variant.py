@@ -211,12 +211,15 @@ class Variant:
         softmax: False for a weighted sum without softmax (the transformed score is the weight).
         reference_transform, reference_mask: torch versions of CUDA-string hooks, for the reference.
             Python hooks are their own reference. Not part of the kernel key.
+        head_dim: the query/key head dim the hooks are written for (:func:`rotary_embedding` sets it), or
+            None (any): a spec whose ``head_dim_qk`` differs refuses the variant. Not part of the kernel key.
 
     Equality and hashing follow :meth:`to_json`: two variants are equal when they render the same
     kernels.
 
     Raises:
-        ValueError: a bad name, an empty or multi-statement expression, duplicate parameter names.
+        ValueError: a bad name, an empty or multi-statement expression, duplicate parameter names, a
+            head_dim that is not a positive int.
         jitattn.trace.TraceError: a Python hook that cannot be traced (function, source line, fix).
     """
 
@@ -230,6 +233,7 @@ class Variant:
     key_transform: str | Callable[..., Any] | None = None
     output_transform: str | Callable[..., Any] | None = None
     softmax: bool = True
+    head_dim: int | None = None
     cuda: dict[str, str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -245,6 +249,9 @@ class Variant:
             raise ValueError(f"Variant({self.name!r}).params: duplicate names {dupes}")
         if not isinstance(self.softmax, bool):
             raise ValueError(f"Variant({self.name!r}).softmax={self.softmax!r}: expected True or False")
+        if self.head_dim is not None and (isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int)
+                                          or self.head_dim < 1):
+            raise ValueError(f"Variant({self.name!r}).head_dim={self.head_dim!r}: expected a positive int or None")
         if not self.softmax and self.logits_transform is None:
             raise ValueError(f"Variant({self.name!r}): softmax=False needs a logits_transform that gives each "
                              f"value's weight (e.g. torch.sigmoid(score))")
@@ -477,7 +484,18 @@ def sigmoid_attention() -> Variant:
 def rotary_embedding(head_dim: int, theta: float = 10000.0) -> Variant:
     """Rotary position embedding on q and k inside the kernel (Su et al. 2021, RoFormer, section 3.4,
     in the rotate_half form of GPT-NeoX / Llama): ``x * cos(p w_i) + rotate_half(x) * sin(p w_i)``,
-    ``w_i = theta ** (-2 i / head_dim)``, ``i = dim % (head_dim / 2)``. The cache holds raw keys."""
+    ``w_i = theta ** (-2 i / head_dim)``, ``i = dim % (head_dim / 2)``. The cache holds raw keys.
+
+    It rotates every dim of the head (``x_rot`` pairs ``dim`` with ``dim +- head_dim / 2`` of the whole
+    row), so ``head_dim`` is the spec's ``head_dim_qk``, which refuses another: partial rotary (a rotary dim
+    below the head dim, GPT-NeoX's ``rotary_pct``) is not supported.
+
+    Raises:
+        ValueError: ``head_dim`` is not a positive even int.
+    """
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+        raise ValueError(f"rotary_embedding(head_dim={head_dim!r}): expected a positive even int (the spec's "
+                         f"head_dim_qk)")
     half = head_dim // 2
 
     def rope(x, x_rot, batch, head, pos, dim, params):
@@ -485,7 +503,8 @@ def rotary_embedding(head_dim: int, theta: float = 10000.0) -> Variant:
         angle = pos.float() * freq
         return x * _cos(angle) + x_rot * _sin(angle)
 
-    return Variant(f"rope_{head_dim}_{theta:g}".replace(".", "p"), query_transform=rope, key_transform=rope)
+    return Variant(f"rope_{head_dim}_{theta:g}".replace(".", "p"), query_transform=rope, key_transform=rope,
+                   head_dim=head_dim)
 
 
 # Math for the library functors: the same call on traced values and on torch tensors.

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from jitattn import AttentionSpec, Param, Variant
-from jitattn.variant import alibi_slopes
+from jitattn.variant import alibi_slopes, rotary_embedding
 
 BASE = dict(num_qo_heads=32, num_kv_heads=8, head_dim_qk=128)
 
@@ -46,13 +46,22 @@ BAD = [
     (dict(causal=1), r"causal=1: expected True or False"),
     (dict(alibi="yes"), r"alibi='yes': expected True or False"),
     (dict(sinks=None), r"sinks=None: expected True or False"),
-    (dict(window_left=-2), r"window_left=-2: expected an int >= -1 \(-1: no window\)"),
+    (dict(window_left=-2), r"window_left=-2: expected an int in \[-1, 1073741823\] \(-1: no window"),
     (dict(window_left=1.5), r"window_left=1.5: expected an int"),
-    (dict(causal=False, window_right=-5), r"window_right=-5: expected an int >= -1"),
+    (dict(causal=False, window_right=-5), r"window_right=-5: expected an int in \[-1, 1073741823\]"),
+    # windows are int constants the kernels add to int32 positions (before: a TraceError at render, or nvcc's)
+    (dict(window_left=10 ** 12), r"window_left=1000000000000: expected an int in \[-1, 1073741823\]"),
+    (dict(window_left=2 ** 31 - 1), r"window_left=2147483647: expected an int in \[-1, 1073741823\]"),
+    (dict(window_left=2 ** 30), r"window_left=1073741824: expected an int in \[-1, 1073741823\]"),
+    (dict(causal=False, window_right=2 ** 31), r"window_right=2147483648: expected an int in \[-1, 1073741823\]"),
     (dict(window_right=8), r"window_right=8: a causal spec sees no key right of the query; .*causal=False"),
     (dict(logits_soft_cap=-1.0), r"logits_soft_cap=-1.0: expected a number >= 0"),
     (dict(logits_soft_cap=float("inf")), r"logits_soft_cap=inf: expected a finite number"),
     (dict(logits_soft_cap="50"), r"logits_soft_cap='50': expected a finite number"),
+    # the kernels hold cap and 1 / cap as float32 constants: past float32, or a denormal reciprocal
+    (dict(logits_soft_cap=1e39), r"logits_soft_cap=1e\+39: expected 0 \(off\) or a cap in \[1.17549e-38, 8.50706e\+37\]"),
+    (dict(logits_soft_cap=1e38), r"logits_soft_cap=1e\+38: expected 0 \(off\) or a cap in"),
+    (dict(logits_soft_cap=1e-39), r"logits_soft_cap=1e-39: expected 0 \(off\) or a cap in"),
     (dict(sm_scale=0.0), r"sm_scale=0.0: expected a number > 0"),
     (dict(sm_scale=-0.1), r"sm_scale=-0.1: expected a number > 0"),
     (dict(sm_scale=float("nan")), r"sm_scale=nan: expected a finite number"),
@@ -70,11 +79,20 @@ BAD = [
     # GQA groups whose CUDA-core decode block decode.cuh's static_asserts refuse (threads, merge scratch)
     (dict(num_qo_heads=65, num_kv_heads=1, kv_dtype="fp8"),
      r"num_qo_heads=65, num_kv_heads=1: a GQA group of 65 query heads at head_dim 128 with "
-     r"kv_dtype='float8_e4m3fn' needs a decode block of 1056 threads \(at most 1024, whole warps\); a paged spec "
-     r"there takes every group of up to 64 heads \(ragged specs have no decode kernel"),
-    (dict(num_qo_heads=129, num_kv_heads=1, head_dim_qk=64), r"group of 129 .* 1056 threads.* up to 128 heads"),
-    (dict(num_qo_heads=1024, num_kv_heads=1, head_dim_qk=64), r"group of 1024 .* 2048 threads.* up to 128 heads"),
-    (dict(num_qo_heads=61, num_kv_heads=1, head_dim_qk=48), r"group of 61 .* merge scratch .* up to 60 heads"),
+     r"kv_dtype='float8_e4m3fn' is too large: a paged spec there takes every group of up to 64 heads \(this one "
+     r"needs a decode block of 1056 threads \(at most 1024, whole warps\); ragged specs have no decode kernel"),
+    (dict(num_qo_heads=129, num_kv_heads=1, head_dim_qk=64), r"group of 129 .* up to 128 heads \(this one .*1056 threads"),
+    (dict(num_qo_heads=1024, num_kv_heads=1, head_dim_qk=64), r"group of 1024 .* up to 128 heads \(this one .*2048 threads"),
+    (dict(num_qo_heads=61, num_kv_heads=1, head_dim_qk=48), r"group of 61 .* up to 60 heads \(this one .*merge scratch"),
+    # groups past the first that does not fit, whose block happens to fit again: one range, up to the limit
+    (dict(num_qo_heads=133, num_kv_heads=1), r"num_qo_heads=133, num_kv_heads=1: a GQA group of 133 query heads at "
+     r"head_dim 128 with kv_dtype='bfloat16' is too large: a paged spec there takes every group of up to 128 heads "
+     r"\(a group of 129 needs a decode block of 1056 threads .*; larger ones that fit the block again are refused"),
+    (dict(num_qo_heads=256, num_kv_heads=1), r"group of 256 .* up to 128 heads \(a group of 129 needs"),
+    (dict(num_qo_heads=256, num_kv_heads=1, head_dim_qk=64), r"group of 256 .* up to 128 heads"),
+    (dict(num_qo_heads=68, num_kv_heads=1, kv_dtype="fp8"), r"group of 68 .* up to 64 heads \(a group of 65 needs"),
+    (dict(num_qo_heads=65, num_kv_heads=1, head_dim_qk=24), r"group of 65 .* up to 60 heads \(a group of 61 needs "
+     r"more split-KV merge scratch"),
 ]
 
 
@@ -89,6 +107,63 @@ def test_every_field_has_a_validation_case():
 
     covered = {next(iter(kw)) for kw, _ in BAD}
     assert {f.name for f in fields(AttentionSpec)} <= covered
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
+def test_paged_groups_are_one_range_up_to_the_limit(kv_dtype):
+    """Every head dim takes every group 1..largest_decode_group and nothing above, never above 128 (before,
+    some groups past the first refused one were taken again: 133-136 ... 256 at head dim 128, 65-70 at 24)."""
+    from jitattn.spec import PAGED_MAX_GROUP, largest_decode_group
+
+    def accepted(group: int, head_dim: int) -> bool:
+        try:
+            AttentionSpec(group, 1, head_dim, kv_dtype=kv_dtype)
+        except ValueError as e:
+            assert "is too large: a paged spec there takes every group of up to" in str(e)
+            return False
+        return True
+
+    largest = {}
+    for head_dim in range(8, 257, 8):
+        groups = [g for g in range(1, 2 * PAGED_MAX_GROUP + 1) if accepted(g, head_dim)]
+        largest[head_dim] = largest_decode_group(head_dim, kv_dtype)
+        assert groups == list(range(1, largest[head_dim] + 1)), head_dim
+    assert PAGED_MAX_GROUP == max(largest.values()) == 128 and min(largest.values()) == 60  # README: 60-128
+    assert AttentionSpec(1024, 1, 256, kv_storage="ragged").group_size == 1024  # no decode kernel, no limit
+
+
+def test_a_variant_made_for_a_head_dim_takes_that_head_dim_only():
+    # rotary_embedding rotates the whole head (x_rot pairs dims half a row apart): no partial rotary
+    with pytest.raises(ValueError, match=r"variant 'rope_64_10000' with head_dim_qk=128: the variant is made for head "
+                       r"dim 64 \(Variant.head_dim\); build it for 128 \(e.g. rotary_embedding\(128\): .*partial "
+                       r"rotary is not supported"):
+        mk(variant=rotary_embedding(64))
+    with pytest.raises(ValueError, match=r"variant 'rope_256_10000' with head_dim_qk=128: .*head dim 256"):
+        mk(variant=rotary_embedding(256))
+    assert mk(variant=rotary_embedding(128)).variant.head_dim == 128
+    assert mk(head_dim_qk=192, head_dim_vo=128, kv_storage="ragged", variant=rotary_embedding(192))  # q/k's dim
+    for bad in (63, 0, True, 64.0):
+        with pytest.raises(ValueError, match=rf"rotary_embedding\(head_dim={bad!r}\): expected a positive even int"):
+            rotary_embedding(bad)
+    with pytest.raises(ValueError, match=r"Variant\('v'\).head_dim=0: expected a positive int or None"):
+        Variant("v", query_transform="x", head_dim=0)
+    # not part of the kernel key: the JSON (and so the spec's key) is what it was, and a spec read back from it
+    # (hooks as CUDA strings, no head_dim) is equal
+    spec = mk(head_dim_qk=64, variant=rotary_embedding(64))
+    assert "head_dim" not in spec.variant.to_json()
+    assert AttentionSpec.from_json(spec.canonical_json()) == spec
+    assert Variant("v", query_transform="x", head_dim=64) == Variant("v", query_transform="x")
+
+
+def test_the_largest_windows_and_soft_caps_render():
+    """The bounds are the kernels' 32-bit constants: the largest window renders (a window past int32 used
+    to fail in render with a TraceError), the extreme soft-caps too."""
+    from jitattn.render import render
+    from jitattn.spec import SOFT_CAP_RANGE, WINDOW_MAX
+
+    for spec in (mk(window_left=WINDOW_MAX), mk(causal=False, window_left=WINDOW_MAX, window_right=WINDOW_MAX),
+                 mk(logits_soft_cap=SOFT_CAP_RANGE[0]), mk(logits_soft_cap=SOFT_CAP_RANGE[1])):
+        assert "kWindowLeft" in render(spec).text
 
 
 def test_ragged_spec_fields_json_and_key():
@@ -400,3 +475,16 @@ def test_largest_accepted_groups_compile(tmp_path, name):
     if not spec.ragged:
         with pytest.raises(ValueError, match=r"a GQA group of \d+ query heads .* needs"):
             spec.replace(num_qo_heads=spec.num_qo_heads + 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_the_largest_windows_compile(tmp_path, arch):
+    """jitattn.spec.WINDOW_MAX on both sides: decode_mma (a group of 4) rounds window_left + 1 up to tiles at
+    compile time, where 2**31 - 66 and more overflowed int (nvcc: "expression must have a constant value")."""
+    from jitattn.cache import KernelCache
+    from jitattn.spec import WINDOW_MAX
+
+    spec = AttentionSpec(8, 2, 128, causal=False, window_left=WINDOW_MAX, window_right=WINDOW_MAX)
+    entry, _ = KernelCache(root=tmp_path, layers=()).get_or_build(spec, arch)
+    assert entry.cubin.read_bytes()[:4] == b"\x7fELF"
