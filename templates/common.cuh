@@ -156,7 +156,7 @@ __device__ __forceinline__ float fast_tanh(float x) {
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool pred) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const int src_size = pred ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_size));
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_size));
 }
 // The same for 8 bytes, through L1 (cp.async.cg takes 16 bytes only): FP8 rows that end in half a
 // 16-byte chunk are whole 8-byte chunks, 8-byte aligned in the cache.
