@@ -7,13 +7,12 @@ Nothing else in the package calls ``os.environ``: modules ask this one. Tests ch
 |---|---|---|
 | ``JITATTN_CACHE_DIR`` | writable cache root (entries, build dirs, locks) | the user cache dir (platformdirs) |
 | ``JITATTN_CACHE_PATH`` | extra read-only cache roots, ``os.pathsep``-separated, searched after the writable one | none |
-| ``JITATTN_DISABLE_JIT`` | ``1``: a cache miss raises :class:`~jitattn.cache.MissingKernelError`, nvcc never runs | ``0`` |
+| ``JITATTN_DISABLE_JIT`` | ``1``: a cache miss raises :class:`~jitattn.cache.MissingKernelError`, nvcc never runs (except under ``jitattn warmup``, the build step, which compiles anyway) | ``0`` |
 | ``JITATTN_NVCC`` | the nvcc executable | ``$CUDA_HOME/bin/nvcc`` if it exists, else ``nvcc`` on PATH, else the nvcc wheel's (:func:`wheel_nvcc`) |
 | ``JITATTN_ARCHS`` | comma-separated target archs for warm-up, e.g. ``sm_80,sm_90a`` | ``sm_80,sm_90a`` |
 | ``JITATTN_LOCK_TIMEOUT`` | seconds to wait for another process's build of the same kernel | ``600`` |
 | ``JITATTN_BACKEND`` | force one attention backend by name (see :mod:`jitattn.selector`) | automatic |
 | ``JITATTN_VERBOSE`` | ``1``: log each compile command and cache decision to stderr | ``0`` |
-| ``JITATTN_UNVERIFIED_FP8_PADDED`` | ``1``: an FP8 cache takes head dims that are multiples of 8 but not 16 (rows of 8-byte chunks) and key transforms at head dims that are not multiples of 32, whose kernels compile but have not yet passed the GPU suite; the switch goes once they pass | ``0`` |
 
 Logging: every module logs on a child of the ``jitattn`` logger (``jitattn.cache``,
 ``jitattn.build``, ``jitattn.selector``). :func:`configure_logging` gives that logger a stderr
@@ -96,8 +95,6 @@ VARIABLES: dict[str, _Var] = {
         _Var("JITATTN_LOCK_TIMEOUT", "600", _parse_float, "seconds to wait for a build lock"),
         _Var("JITATTN_BACKEND", "", _parse_str, "force one backend by name"),
         _Var("JITATTN_VERBOSE", "0", _parse_bool, "log compiles and cache decisions"),
-        _Var("JITATTN_UNVERIFIED_FP8_PADDED", "0", _parse_bool, "FP8 caches at head dims that are multiples of 8 "
-             "only, and FP8 key transforms at head dims not multiples of 32: not yet through the GPU suite"),
     ]
 }
 
@@ -191,13 +188,6 @@ def lock_timeout() -> float:
 def forced_backend() -> str | None:
     """The backend named by ``JITATTN_BACKEND``, or None for automatic selection."""
     return VARIABLES["JITATTN_BACKEND"].get() or None  # type: ignore[return-value]
-
-
-def unverified_fp8_padded() -> bool:
-    """True when ``JITATTN_UNVERIFIED_FP8_PADDED`` lets an FP8 cache take a head dim that is a multiple of 8 but
-    not 16, and a key transform at a head dim that is not a multiple of 32: the gate of kernel paths (8-byte
-    copies into padded rows; rotate-half partners read one by one) awaiting their GPU tests."""
-    return bool(VARIABLES["JITATTN_UNVERIFIED_FP8_PADDED"].get())
 
 
 def verbose() -> bool:

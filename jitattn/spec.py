@@ -28,7 +28,6 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from jitattn import settings
 from jitattn.constants import template_constant
 from jitattn.variant import Variant
 
@@ -195,8 +194,7 @@ class AttentionSpec:
             60 to 128 heads by head dim and KV dtype (128 for 16-bit KV at head dims from 64, 64 for FP8 at
             head dims that are multiples of 16 from 64); any larger group is refused. Ragged specs take any.
         head_dim_qk: query/key head dim, a multiple of 8 in [8, 256] (a multiple of 16 in [32, 1024] for a
-            latent spec). An FP8 cache takes multiples of 16, and the other multiples of 8 with
-            ``JITATTN_UNVERIFIED_FP8_PADDED=1`` (their kernels await the GPU suite).
+            latent spec).
         head_dim_vo: value/output head dim, a multiple of 8 in [8, 256] (a multiple of 16 in [32, 1024],
             below ``head_dim_qk``, for a latent spec); defaults to ``head_dim_qk``.
             The paged cache stores K and V in one tensor, so a paged spec needs it equal to
@@ -317,11 +315,6 @@ class AttentionSpec:
         _set("o_dtype", normalize_dtype(self.o_dtype or self.q_dtype, field="o_dtype", allowed=QO_DTYPES))
         if self.kv_dtype not in (self.q_dtype, "float8_e4m3fn"):
             raise ValueError(f"kv_dtype={self.kv_dtype!r}: must equal q_dtype={self.q_dtype!r} or be 'float8_e4m3fn'")
-        if self.kv_dtype == "float8_e4m3fn" and self.head_dim_qk % 16 and not settings.unverified_fp8_padded():
-            raise ValueError(f"kv_dtype='float8_e4m3fn' with head_dim_qk={self.head_dim_qk}: an FP8 cache takes head "
-                             f"dims that are multiples of 16; the kernels for rows of 8-byte chunks (multiples of 8 "
-                             f"only) compile but have not yet passed the GPU suite: JITATTN_UNVERIFIED_FP8_PADDED=1 "
-                             f"enables them (a 16-bit cache takes this head dim)")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout={self.kv_layout!r}: expected one of {KV_LAYOUTS}")
         if ragged:
@@ -366,13 +359,6 @@ class AttentionSpec:
                              f"for head dim {self.variant.head_dim} (Variant.head_dim); build it for "
                              f"{self.head_dim_qk} (e.g. rotary_embedding({self.head_dim_qk}): it rotates the whole "
                              f"head, partial rotary is not supported)")
-        if (self.kv_dtype == "float8_e4m3fn" and self.variant is not None and self.variant.key_transform is not None
-                and self.head_dim_qk % 32 and not settings.unverified_fp8_padded()):
-            raise ValueError(f"variant {self.variant.name!r} (a key transform) with kv_dtype='float8_e4m3fn' and "
-                             f"head_dim_qk={self.head_dim_qk}: the decode reads each key's rotate-half partners one by "
-                             f"one here (half a row is not whole 16-byte chunks), a path that compiles but has not yet "
-                             f"passed the GPU suite: JITATTN_UNVERIFIED_FP8_PADDED=1 enables it (a head dim that is a "
-                             f"multiple of 32, or a 16-bit cache, takes this variant)")
         if self.variant is not None and not self.variant.softmax and self.sinks:
             raise ValueError(f"sinks=True with variant {self.variant.name!r} (softmax=False): sinks join a softmax "
                              f"denominator; a variant without softmax has none")

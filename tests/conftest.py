@@ -11,8 +11,6 @@
   A gpu test also starts with torch's global generators seeded with it (so unseeded draws, CUDA-graph
   replay inputs included, are reproducible), and its JSON line carries ``seed`` and ``session_seed``:
   ``JITATTN_TEST_SEED=<session_seed>`` replays the run's inputs.
-- ``JITATTN_UNVERIFIED_FP8_PADDED=1`` for the whole session (unless set otherwise): the suite compiles and, on a
-  GPU, checks the gated FP8 paths at head dims that are multiples of 8 only; test_spec.py checks the gate.
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("JITATTN_UNVERIFIED_FP8_PADDED", "1")  # before any test module builds its specs
 
 
 def _gpu_available() -> tuple[bool, str]:

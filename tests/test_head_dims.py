@@ -59,23 +59,13 @@ def test_fp8_cache_takes_every_multiple_of_8():
         AttentionSpec(8, 2, 72, kv_dtype="fp8", kv_storage="ragged")
 
 
-def test_fp8_cache_at_multiples_of_8_only_waits_behind_its_gate():
-    """Until their GPU tests pass, FP8 rows of 8-byte chunks need JITATTN_UNVERIFIED_FP8_PADDED=1 (conftest sets it
-    for the suite); without it the spec is refused, naming the variable. Multiples of 16 and 16-bit caches never ask."""
-    with settings.scope(JITATTN_UNVERIFIED_FP8_PADDED="0"):
-        for d in (8, 72, 88, 248):
-            with pytest.raises(ValueError, match=rf"kv_dtype='float8_e4m3fn' with head_dim_qk={d}: an FP8 cache takes "
-                                                 r"head dims that are multiples of 16.*JITATTN_UNVERIFIED_FP8_PADDED=1"):
-                AttentionSpec(8, 2, d, kv_dtype="fp8")
-        assert AttentionSpec(8, 2, 80, kv_dtype="fp8").head_dim_qk == 80
-        # a key transform over FP8 reads its partners one by one where half a row is not whole 16-byte chunks
-        with pytest.raises(ValueError, match=r"variant 'rope_80_10000' \(a key transform\) with kv_dtype='float8_e4m3fn' "
-                                             r"and head_dim_qk=80: .*JITATTN_UNVERIFIED_FP8_PADDED=1"):
-            AttentionSpec(8, 2, 80, kv_dtype="fp8", variant=rotary_embedding(80))
-        assert AttentionSpec(8, 2, 64, kv_dtype="fp8", variant=rotary_embedding(64)).head_dim_qk == 64
-        assert AttentionSpec(8, 2, 72).head_dim_qk == 72
-    with settings.scope(JITATTN_UNVERIFIED_FP8_PADDED="1"):
-        assert AttentionSpec(8, 2, 72, kv_dtype="fp8").head_dim_qk == 72
+def test_fp8_cache_takes_every_multiple_of_8():
+    """FP8 rows of 8-byte chunks (head dims that are multiples of 8 only) and key transforms over FP8 at head dims
+    that are not multiples of 32 are specs like any other (their GPU tests passed on 2026-12-06: GPU_TESTS.md)."""
+    for d in (8, 72, 88, 248):
+        assert AttentionSpec(8, 2, d, kv_dtype="fp8").head_dim_qk == d
+    assert AttentionSpec(8, 2, 80, kv_dtype="fp8", variant=rotary_embedding(80)).head_dim_qk == 80
+    assert "JITATTN_UNVERIFIED_FP8_PADDED" not in settings.VARIABLES
 
 
 def _pool_pair(head_dim: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
