@@ -153,10 +153,17 @@ __device__ __forceinline__ float fast_tanh(float x) {
 // ---- asynchronous copies (sm_80+) --------------------------------------------------------------
 // Copies 16 bytes global -> shared, bypassing L1. When `pred` is false nothing is read and the
 // destination is zero-filled (src-size 0), so out-of-range rows never bring garbage (or NaN) in.
+// kL2Prefetch: L2 fetches the 128 aligned bytes around the copy (.L2::128B): a KV head's piece of an
+// NHD token row that shares DRAM sectors with the next head's (hd72: 144 bytes) then comes in whole lines.
+template <bool kL2Prefetch = false>
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool pred) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const int src_size = pred ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_size));
+  if constexpr (kL2Prefetch) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_size));
+  } else {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_size));
+  }
 }
 // The same for 8 bytes, through L1 (cp.async.cg takes 16 bytes only): FP8 rows that end in half a
 // 16-byte chunk are whole 8-byte chunks, 8-byte aligned in the cache.
@@ -165,12 +172,12 @@ __device__ __forceinline__ void cp_async_8(void* smem, const void* gmem, bool pr
   const int src_size = pred ? 8 : 0;
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_size));
 }
-// cp_async_16 or cp_async_8 by the copy's size.
-template <int kBytes>
+// cp_async_16 (with its L2 prefetch hint) or cp_async_8 by the copy's size.
+template <int kBytes, bool kL2Prefetch = false>
 __device__ __forceinline__ void cp_async(void* smem, const void* gmem, bool pred) {
   static_assert(kBytes == 16 || kBytes == 8, "cp_async copies 16 or 8 bytes");
   if constexpr (kBytes == 16) {
-    cp_async_16(smem, gmem, pred);
+    cp_async_16<kL2Prefetch>(smem, gmem, pred);
   } else {
     cp_async_8(smem, gmem, pred);
   }

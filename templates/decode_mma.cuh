@@ -228,9 +228,10 @@ __device__ __forceinline__ void decode_mma_load_tile(
     }
     const int slot = static_cast<int>(static_cast<unsigned>(kv_idx) % static_cast<unsigned>(S::kPageSize));
     const KV* k = base + static_cast<long long>(page) * p.kv_stride_page + slot * kSlotStride;
-    cp_async<kv_copy_bytes<S>()>(sk + dst0 + i * kStep * T::kRowStride, in ? k : p.kv_cache, in);
-    cp_async<kv_copy_bytes<S>()>(sv + dst0 + i * kStep * T::kRowStride, in ? k + p.kv_stride_kv : p.kv_cache,
-                                 in);
+    // A padded head dim's rows with L2 prefetch (cp_async_16): an NHD piece shares sectors with the next head's
+    cp_async<kv_copy_bytes<S>(), T::kPadded>(sk + dst0 + i * kStep * T::kRowStride, in ? k : p.kv_cache, in);
+    cp_async<kv_copy_bytes<S>(), T::kPadded>(sv + dst0 + i * kStep * T::kRowStride,
+                                             in ? k + p.kv_stride_kv : p.kv_cache, in);
   }
 }
 
