@@ -151,7 +151,7 @@ def worker(specs: dict[str, str], archs: list[str], work: Path) -> dict[str, dic
 # ---- the driver ----------------------------------------------------------------------------------
 def run_worker(tree: Path, specs: dict[str, str], archs: list[str], work: Path) -> dict[str, dict[str, str]]:
     """Run :func:`worker` in a subprocess with ``tree`` first on PYTHONPATH."""
-    # the gated FP8 rows of 8-byte chunks are in the list: compiled in both trees, a base without them refuses them
+    # a base from before aebcc69 builds FP8 rows of 8-byte chunks only behind this variable (newer trees ignore it)
     env = {**os.environ, "PYTHONPATH": str(tree), "JITATTN_CACHE_DIR": str(work / "jitattn-cache"),
            "JITATTN_UNVERIFIED_FP8_PADDED": "1"}
     request = json.dumps({"specs": specs, "archs": archs, "work": str(work)})
