@@ -13,6 +13,10 @@ def test_every_variant_prepares_against_todays_templates(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(tool.VARIANTS)
     today = (tool._render.template_dir() / "decode_mma.cuh").read_text()
     assert (tmp_path / "base" / "decode_mma.cuh").read_text() == today
-    for n in (3, 4):
-        variant = (tmp_path / f"stages{n}" / "decode_mma.cuh").read_text()
-        assert variant != today and f"kPadded ? {n} : (kHeadDim <= 128 ? 3 : 2);" in variant
+    common = (tool._render.template_dir() / "common.cuh").read_text()
+    plain = 'asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;'
+    assert plain in common
+    for size in (128, 256):
+        variant = (tmp_path / f"l2-{size}" / "common.cuh").read_text()
+        assert plain not in variant and f'asm volatile("cp.async.cg.shared.global.L2::{size}B [%0], [%1], 16, %2;' in variant
+        assert (tmp_path / f"l2-{size}" / "decode_mma.cuh").read_text() == today

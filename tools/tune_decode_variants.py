@@ -28,11 +28,11 @@ CASES.update({f"hd{d}-b64x4096-hnd": (AttentionSpec(32, 8, d, kv_layout="HND"), 
 # variant -> (switches, cases, split overrides {case: [splits]}); "base" is --base-templates as they are.
 # A switch whose name holds "=>" replaces text in the first of common.cuh / decode.cuh / decode_mma.cuh that
 # holds it instead: "old=>new" (value unused).
-# Issue 21's open question: an NHD cache at a padded head dim (72, 88) reads each KV head's 144- / 176-byte
-# piece of a token row, pieces that share DRAM sectors with the next head's; HND at the same dims matches
-# cuDNN. "l2-128" / "l2-256" ask L2 to fetch 128 / 256 aligned bytes around each 16-byte copy (cp.async's
-# prefetch-size hint), so a shared sector comes once per burst. Earlier variants (packed rows, stages,
-# swizzle, merge batching, Gemma-2 tiles, FP8, tail) are in BENCHMARKS.md's history.
+# The L2 prefetch-size hint (cp.async .L2::128B / 256B): the tensor-core decode's K/V tile copies at padded
+# head dims take .L2::128B (issue 21: an NHD piece of 144 / 176 bytes shares DRAM sectors with the next
+# head's). "l2-128" / "l2-256" put the hint on every other 16-byte copy too, the next question (hd128 was equal
+# at 128 and 9% slower at 256 on 2026-12-06). Earlier variants (packed rows, stages, swizzle, merge batching,
+# Gemma-2 tiles, FP8, tail) are in BENCHMARKS.md's history.
 _CP16 = 'asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n"'
 _CASES = ["hd128-b64x4096", "hd72-b64x4096", "hd88-b64x4096", "hd72-b64x4096-hnd", "hd88-b64x4096-hnd"]
 
