@@ -53,9 +53,10 @@ class CascadeLevel:
         kv_lens: int32 ``(num_segments,)``: keys in each segment (the last page may be partial: a
             shared prefix may end mid-page; the next level's keys start on their own pages).
         query_start_loc: int32 ``(num_segments + 1,)``: segment ``j`` is shared by query tokens
-            ``query_start_loc[j] : query_start_loc[j + 1]`` of ``q`` (0 first, ``total_q`` last). The
-            last level's segments are the requests; every level's boundaries must be boundaries of the
-            next level (segments nest).
+            ``query_start_loc[j] : query_start_loc[j + 1]`` of ``q`` (0 first, ``total_q`` last; with
+            a q padded past the last request, the last level may end before ``total_q`` and the others
+            where it ends or at ``total_q``). The last level's segments are the requests; every level's
+            boundaries must be boundaries of the next level (segments nest).
     """
 
     block_table: torch.Tensor
@@ -72,9 +73,9 @@ def two_level(prefix_block_table: torch.Tensor, prefix_lens: torch.Tensor, prefi
         prefix_block_table, prefix_lens: int32 ``(num_prefixes, pages)``, ``(num_prefixes,)``.
         prefix_start_loc: int32 ``(num_prefixes + 1,)``: the query tokens sharing each prefix (the
             requests sharing a prefix are consecutive in the batch): 0 first, non-decreasing, ending
-            where ``query_start_loc`` ends (``total_q``), every entry also an entry of
-            ``query_start_loc`` (each prefix's queries are whole requests). Checked when read on the
-            host: :func:`check_level_starts`.
+            where ``query_start_loc`` ends (``total_q``; with a padded q, there or at ``total_q``),
+            every entry also an entry of ``query_start_loc`` (each prefix's queries are whole
+            requests). Checked when read on the host: :func:`check_level_starts`.
         suffix_block_table, suffix_lens: int32 ``(batch, pages)``, ``(batch,)``; a suffix may be empty.
         query_start_loc: int32 ``(batch + 1,)``: each request's query tokens.
     """
@@ -197,7 +198,8 @@ def _allowed_starts(i: int, num_levels: int, total_q: int, end: int, exact: bool
     nxt = "query_start_loc" if num_levels == 2 else f"levels[{i + 1}].query_start_loc"
     why = "each prefix's queries are whole requests" if num_levels == 2 else "segments nest"
     ends = f"total_q={total_q}" if end == total_q else str(end)
-    return text + f"ending at {ends} as {nxt} does, every entry also an entry of {nxt} ({why})"
+    padded = "" if exact or end == total_q else f" (or at total_q={total_q}: rows of q past {end} are padding)"
+    return text + f"ending at {ends} as {nxt} does{padded}, every entry also an entry of {nxt} ({why})"
 
 
 def _starts_problem(starts: list[list[int]], i: int, total_q: int, exact: bool) -> str | None:
@@ -210,13 +212,16 @@ def _starts_problem(starts: list[list[int]], i: int, total_q: int, exact: bool) 
         return f"decreases at entry {down} ({s[down - 1]} -> {s[down]})"
     if i == len(starts) - 1:
         return None if s[-1] == total_q or (not exact and s[-1] < total_q) else f"ends at {s[-1]}"
-    if s[-1] != end:
+    ends = {end} if exact else {end, total_q}  # a padded q: a shared level may cover the padding rows too
+    if s[-1] not in ends:
         return f"ends at {s[-1]}"
     nxt = starts[i + 1]
-    known = set(nxt)
+    known = set(nxt) | ends
     stray = next((b for b in s if b not in known), None)
     if stray is None:
         return None
+    if stray > end:
+        return f"its boundary {stray} falls among q's padding rows (past the last request's end, {end})"
     j = bisect.bisect_right(nxt, stray) - 1
     seg = "request" if i + 1 == len(starts) - 1 else f"levels[{i + 1}] segment"
     return f"its boundary {stray} splits {seg} {j} (queries [{nxt[j]}, {nxt[j + 1]}))"
@@ -227,8 +232,9 @@ def check_level_starts(levels: Sequence[CascadeLevel], total_q: int, starts: lis
     """The levels' start locations (``starts``: already read, else read here, a device sync for CUDA
     tensors): each 0 first and never decreasing; the last level's (the requests') ending at ``total_q``
     (``exact=False``: or before it, the rows of a padded q), every other level's where the requests'
-    do, with each of its entries an entry of the next level's (segments nest: with :func:`two_level`,
-    each prefix's queries are whole requests).
+    do (``exact=False``: or at ``total_q``, its last segment then holding the padding rows too), with
+    each of its entries an entry of the next level's (segments nest: with :func:`two_level`, each
+    prefix's queries are whole requests).
 
     Raises:
         ValueError: naming the level (of two, also as ``prefix_start_loc`` / ``query_start_loc``), its

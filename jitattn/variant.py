@@ -212,7 +212,9 @@ class Variant:
         reference_transform, reference_mask: torch versions of CUDA-string hooks, for the reference.
             Python hooks are their own reference. Not part of the kernel key.
         head_dim: the query/key head dim the hooks are written for (:func:`rotary_embedding` sets it), or
-            None (any): a spec whose ``head_dim_qk`` differs refuses the variant. Not part of the kernel key.
+            None (any): a spec whose ``head_dim_qk`` differs refuses the variant. Not part of the kernel key,
+            nor of the JSON form: a variant read back by ``from_json`` has None, so the check holds for
+            variants built in Python (a key, hence a compiled kernel, is the same either way).
 
     Equality and hashing follow :meth:`to_json`: two variants are equal when they render the same
     kernels.

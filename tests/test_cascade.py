@@ -2,6 +2,7 @@
 function equals the reference on the un-split batch, for every feature the split preserves; the plan's
 layout; the rule; bad input. The kernels: tests/test_gpu_cascade.py."""
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -372,6 +373,35 @@ def test_a_cascade_over_a_padded_q_leaves_the_padding_out():
     padded = torch.cat([b.q, torch.zeros(3, *b.q.shape[1:], dtype=b.q.dtype)])
     got = cascade_attention(spec, padded, b.kv_cache, b.levels, use_cascade=True, attention=reference.paged_attention)
     assert got.shape[0] == b.q.shape[0] + 3 and torch.equal(got[: b.q.shape[0]], want)
+
+
+def test_a_shared_level_may_cover_a_padded_qs_padding_rows():
+    """With a padded q, a shared level's last segment may end at total_q (over the padding rows) as well as
+    where the requests end (b7cc86f ran it; the start checks of a70435a refused it on the reference path);
+    the requests' rows stay those of the unpadded call. A boundary among the padding rows is still refused."""
+    spec = AttentionSpec(8, 2, 32, page_size=4)
+    b = random_cascade_batch(spec, [12, 8], [2, 1], [5, 3, 9], [1, 1, 2], seed=3)
+    want = cascade_attention(spec, b.q, b.kv_cache, b.levels, use_cascade=True, attention=reference.paged_attention)
+    padded = torch.cat([b.q, torch.zeros(3, *b.q.shape[1:], dtype=b.q.dtype)])
+    ends = b.levels[0].query_start_loc.tolist()
+    assert ends[-1] == b.q.shape[0] == 4
+    for starts, ok in (([0, 2, 7], True), ([0, 2, 5, 7], False)):
+        level0 = dataclasses.replace(b.levels[0], query_start_loc=torch.tensor(starts, dtype=torch.int32),
+                                     kv_lens=b.levels[0].kv_lens[:len(starts) - 1].clone(),
+                                     block_table=b.levels[0].block_table[:len(starts) - 1].clone())
+        if len(starts) == 4:  # a third prefix (empty) among the padding rows
+            level0 = dataclasses.replace(level0, kv_lens=torch.tensor([12, 8, 0], dtype=torch.int32),
+                                         block_table=torch.cat([b.levels[0].block_table, b.levels[0].block_table[:1]]))
+        levels = [level0, *b.levels[1:]]
+        if ok:
+            got = cascade_attention(spec, padded, b.kv_cache, levels, use_cascade=True,
+                                    attention=reference.paged_attention)
+            assert torch.equal(got[: b.q.shape[0]], want)
+        else:
+            with pytest.raises(ValueError, match=r"prefix_start_loc\) = \[0, 2, 5, 7\]: its boundary 5 falls among "
+                                                 r"q's padding rows \(past the last request's end, 4\)"):
+                cascade_attention(spec, padded, b.kv_cache, levels, use_cascade=True,
+                                  attention=reference.paged_attention)
 
 
 def test_an_out_that_requires_grad_is_refused_before_any_launch(kernels):  # noqa: F811
