@@ -1,9 +1,9 @@
 """The CUDA driver-API calls the runtime makes, bound with ctypes on the driver library (``libcuda.so.1``).
 
 The runtime needs twelve driver entry points: load a cubin image, find its kernels and a global, set a
-kernel's dynamic shared memory limit, ask the occupancy calculator, launch, unload, name an error, and
-make, record, wait on and destroy the events of a mixed batch's fork to a side stream and join back
-("Event Management", "Stream Management": cuStreamWaitEvent).
+kernel's dynamic shared memory limit, ask the occupancy calculator, launch (``cuLaunchKernelEx``), unload,
+name an error, and make, record, wait on and destroy the events of a mixed batch's fork to a side stream
+and join back ("Event Management", "Stream Management": cuStreamWaitEvent).
 They are bound here directly, with their C signatures from ``cuda.h`` (CUDA Driver API reference,
 "Module Management", "Execution Control", "Occupancy"), instead of through CuPy: CuPy's bindings
 import all of ``cupy`` on the first call, ~130 ms of a process's first kernel load (cProfile on the
@@ -44,8 +44,7 @@ _SIGNATURES = {
     "cuModuleGetGlobal_v2": (_P(ctypes.c_uint64), _P(_c_size_t), _c_void_p, _c_char_p),
     "cuFuncSetAttribute": (_c_void_p, _c_int, _c_int),
     "cuOccupancyMaxActiveBlocksPerMultiprocessor": (_P(_c_int), _c_void_p, _c_int, _c_size_t),
-    "cuLaunchKernel": (_c_void_p, _c_uint, _c_uint, _c_uint, _c_uint, _c_uint, _c_uint, _c_uint, _c_void_p,
-                       _P(_c_void_p), _P(_c_void_p)),
+    "cuLaunchKernelEx": (_c_void_p, _c_void_p, _P(_c_void_p), _P(_c_void_p)),
     "cuEventCreate": (_P(_c_void_p), _c_uint),
     "cuEventRecord": (_c_void_p, _c_void_p),
     "cuStreamWaitEvent": (_c_void_p, _c_void_p, _c_uint),
@@ -56,6 +55,14 @@ _SIGNATURES = {
 
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CUfunction_attribute in cuda.h
 CU_EVENT_DISABLE_TIMING = 2  # CUevent_flags in cuda.h
+
+
+class LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig`` of cuda.h (CUDA 11.8+): a launch's grid, block, shared memory and stream; no attributes."""
+
+    _fields_ = [("gridDimX", _c_uint), ("gridDimY", _c_uint), ("gridDimZ", _c_uint), ("blockDimX", _c_uint),
+                ("blockDimY", _c_uint), ("blockDimZ", _c_uint), ("sharedMemBytes", _c_uint), ("hStream", _c_void_p),
+                ("attrs", _c_void_p), ("numAttrs", _c_uint)]
 
 
 class CudaDriverError(RuntimeError):
@@ -91,12 +98,11 @@ class CudaDriver:
                               f"jitattn (needs CUDA 12 or newer)") from exc
             fn.argtypes, fn.restype = argtypes, _c_int
             setattr(self, "_" + name, fn)
-        # The per-layer launch once more, without argtypes: it takes its arguments' ctypes objects made once
-        # per distinct (function, grid, block, smem, stream) (_remember_launch), where argtypes would convert
-        # all eleven on every call.
-        self._launch_raw = self._lib["cuLaunchKernel"]  # a function object of its own: no argtypes
+        # The per-layer launch once more, without argtypes: its config and function made once per launch tuple
+        # (_remember_launch); ctypes converts each argument per call: cuLaunchKernelEx has 4, cuLaunchKernel 11.
+        self._launch_raw = self._lib["cuLaunchKernelEx"]  # a function object of its own: no argtypes
         self._launch_raw.restype = _c_int
-        self._launches: dict[tuple, tuple] = {}  # (function, grid, block, smem, stream) -> those ctypes objects
+        self._launches: dict[tuple, tuple] = {}  # (function, grid, block, smem, stream) -> (config, function)
 
     def _check(self, call: str, status: int) -> None:
         if status == 0:
@@ -169,12 +175,17 @@ class CudaDriver:
         """``cuEventRecord(event, stream)``, then ``cuStreamWaitEvent(waiter, event, 0)``: ``waiter``'s later work
         waits for what ``stream`` has queued so far (under CUDA graph capture, a fork or a join of the capture).
         A raw handle of 0 names the current context's default stream."""
-        self._check("cuEventRecord", self._cuEventRecord(event, stream))
-        self._check("cuStreamWaitEvent", self._cuStreamWaitEvent(waiter, event, 0))
+        status = self._cuEventRecord(event, stream)
+        if status:
+            self._check("cuEventRecord", status)
+        status = self._cuStreamWaitEvent(waiter, event, 0)
+        if status:
+            self._check("cuStreamWaitEvent", status)
 
     def launch_kernel(self, function: int, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
                       stream: int, params: bytes) -> None:
-        """``cuLaunchKernel`` of a kernel that takes one by-value struct argument.
+        """``cuLaunchKernelEx`` (no launch attributes: ``cuLaunchKernel``'s launch) of a kernel that takes one
+        by-value struct argument.
 
         Args:
             function: the ``CUfunction``.
@@ -191,19 +202,17 @@ class CudaDriver:
         fixed = self._launches.get(key)
         if fixed is None:
             fixed = _remember_launch(self._launches, key)
-        n = len(params)
         args = getattr(_launch_args, "buffers", None)
-        if args is None or len(args[0]) < n:
-            args = _launch_args.buffers = _argument_buffers(n)
-        buf, argv = args
-        buf.raw = params  # into this thread's buffer (ctypes releases the GIL in the launch); no foreign call
-        status = self._launch_raw(*fixed, argv, None)
+        if args is None or args[2] < len(params):
+            args = _launch_args.buffers = _argument_buffers(len(params))
+        args[0].raw = params  # into this thread's buffer (ctypes releases the GIL in the launch); no foreign call
+        status = self._launch_raw(fixed[0], fixed[1], args[1], None)
         if status:
-            self._check("cuLaunchKernel", status)
+            self._check("cuLaunchKernelEx", status)
 
 
 def _remember_launch(made: dict[tuple, tuple], key: tuple) -> tuple:
-    """The ctypes objects of a launch's arguments but the struct, made (and range-checked) once per distinct
+    """A launch's ``CUlaunchConfig`` (by reference) and function handle, made (and range-checked) once per distinct
     ``(function, grid, block, smem, stream)``: a plan's launches repeat theirs every layer. At most
     :data:`_MAX_LAUNCHES` tuples are kept (then all are dropped: a process that plans many batch shapes
     remakes the few it uses)."""
@@ -225,40 +234,41 @@ def _integer(name: str, value: Any) -> int:
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
 
 
-def _uint(name: str, value: Any) -> ctypes.c_uint:
-    """An ``unsigned int`` argument, refused outside its range (argtypes would wrap a negative one silently)."""
+def _uint(name: str, value: Any) -> int:
+    """An ``unsigned int`` field, refused outside its range (a ctypes field would wrap a negative one silently)."""
     value = _integer(f"cuLaunchKernel {name}", value)
     if not 0 <= value < 1 << 32:
         raise OverflowError(f"cuLaunchKernel {name}={value}: outside unsigned int's range")
-    return _c_uint(value)
+    return value
 
 
-def _handle(name: str, value: Any) -> ctypes.c_void_p:
-    """A handle (pointer-sized) argument: a non-negative int below 2^64; 0 or None for NULL."""
+def _handle(name: str, value: Any) -> int:
+    """A handle (pointer-sized): a non-negative int below 2^64; 0 or None for NULL."""
     value = 0 if value is None else _integer(name, value)
     if not 0 <= value < 1 << 64:
         raise OverflowError(f"{name}={value}: not a pointer-sized handle")
-    return _c_void_p(value)
+    return value
 
 
 def _launch_arguments(key: tuple) -> tuple:
     function, grid, block, smem, stream = key
     if len(grid) != 3 or len(block) != 3:
         raise TypeError(f"cuLaunchKernel grid={grid}, block={block}: expected three dimensions each")
-    return (_handle("cuLaunchKernel function", function),
-            *(_uint(f"grid[{i}]", d) for i, d in enumerate(grid)),
-            *(_uint(f"block[{i}]", d) for i, d in enumerate(block)),
-            _uint("sharedMemBytes", smem), _handle("cuLaunchKernel stream", stream))
+    function = _handle("cuLaunchKernel function", function)
+    dims = [_uint(f"grid[{i}]", d) for i, d in enumerate(grid)] + [_uint(f"block[{i}]", d) for i, d in enumerate(block)]
+    config = LaunchConfig(*dims, _uint("sharedMemBytes", smem), _handle("cuLaunchKernel stream", stream), None, 0)
+    return ctypes.byref(config), _c_void_p(function)  # the reference keeps the config alive
 
 
 #: Per thread: a struct-argument buffer and the one-entry argument array pointing at it, made once (the
-#: driver copies the bytes before cuLaunchKernel returns, so the next launch may overwrite them).
+#: driver copies the bytes before cuLaunchKernelEx returns, so the next launch may overwrite them).
 _launch_args = threading.local()
 
 
-def _argument_buffers(size: int) -> tuple[ctypes.Array, ctypes.Array]:
-    buf = (ctypes.c_char * max(size, 4096))()
-    return buf, (_c_void_p * 1)(ctypes.addressof(buf))
+def _argument_buffers(size: int) -> tuple[ctypes.Array, ctypes.Array, int]:
+    size = max(size, 4096)
+    buf = (ctypes.c_char * size)()
+    return buf, (_c_void_p * 1)(ctypes.addressof(buf)), size
 
 
 _driver: CudaDriver | None = None

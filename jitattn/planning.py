@@ -6,7 +6,7 @@ the choice of kernels (decode, prefill, or both) and of the split-KV factor, the
 scratch buffers, and the kernel's ``Params`` struct packed except the fields that change per layer.
 A run (:meth:`SpecPlan.run`) then checks only the per-layer tensors (q, the cache, ``out``, sinks,
 slopes, the variant's parameters: shape, dtype, device, strides), packs its pointers and strides with
-the plan's values in one ``struct.pack`` (the field order made once per spec: :class:`ParamsLayout`),
+the plan's bytes in one ``struct.pack`` (the field order made once per spec: :class:`ParamsLayout`),
 and launches. The common layer (one cache tensor, no variant parameters, no lse) takes a fast path,
 :meth:`SpecPlan._fast_values`: each tensor's attributes read once and compared with what the plan
 recorded, the full checks (which name what differs) only when something does not match.
@@ -90,7 +90,7 @@ class StructLayout:
     the whole-struct packer, and writers of chosen fields into packed bytes.
 
     ``assembler(names)`` lets a call that gives the values of ``names`` pack the whole struct at once
-    with the other fields' values kept from before (what ``run`` does with a plan's);
+    with the other fields' bytes kept from before (what ``run`` does with a plan's);
     ``writers(names)`` turns a tuple of field names (in the order a call gives their values) into
     ``(pack_into, offset, pick)`` triples, one per run of fields adjacent in the struct, to patch
     packed bytes. Any struct of :class:`~jitattn.render.Field`
@@ -128,17 +128,36 @@ class StructLayout:
         """The struct's bytes with ``fields`` set; every other field 0."""
         return bytearray(self.packer.pack(*self.values(fields)))
 
-    def assembler(self, names: tuple[str, ...]) -> tuple[tuple[int, ...], Callable[[tuple], tuple]]:
-        """``(rest, assemble)`` for a call that writes ``names``: ``rest`` indexes the struct's other fields
-        (in :attr:`field_order`), and ``assemble(rest_values + call_values)`` gives every field's value in
-        the struct's order, for one ``packer.pack`` (made once per names tuple)."""
+    def assembler(self, names: tuple[str, ...]) -> SimpleNamespace:
+        """How a call that writes ``names`` packs the whole struct at once (made once per names tuple):
+        ``pieces(every)`` packs every field's value (in :attr:`field_order`) and keeps the bytes between the
+        ``names`` fields (the other fields and padding: a few ``bytes`` objects); ``assemble(pieces +
+        call_values)`` orders those and the call's values (in ``names``' order; any past them ignored) for
+        ``packer.pack``, which gives the struct's bytes."""
         found = self._assemblers.get(names)
         if found is None:
             where = {n: i for i, n in enumerate(names)}
-            rest = tuple(i for i, n in enumerate(self.field_order) if n not in where)
-            slot = {i: j for j, i in enumerate(rest)}
-            found = self._assemblers[names] = (rest, itemgetter(*(
-                slot[i] if n not in where else len(rest) + where[n] for i, n in enumerate(self.field_order))))
+            spans = sorted((self.placed[n][1], self.placed[n][0]) for n in names)
+            fmt, gaps, order, pos = "<", [], [], 0
+            for off, f in [*spans, (self.size, None)]:
+                if off > pos:  # the bytes from the last call field's end to this one's start: the plan's
+                    fmt += f"{off - pos}s"
+                    order.append(len(gaps))
+                    gaps.append((pos, off))
+                if f is not None:
+                    fmt += _STRUCT_CODE[f.kind]
+                    order.append(~where[f.name])
+                    pos = off + f.size
+            idx = [i if i >= 0 else len(gaps) + ~i for i in order]
+            packer, whole = struct.Struct(fmt), self.packer
+
+            def pieces(every: Sequence[Any]) -> tuple[bytes, ...]:
+                packed = whole.pack(*every)
+                return tuple(packed[a:b] for a, b in gaps)
+
+            found = self._assemblers[names] = SimpleNamespace(
+                pieces=pieces, packer=packer,
+                assemble=itemgetter(*idx) if len(idx) > 1 else (lambda v, i=idx[0]: (v[i],)))
         return found
 
     def writers(self, names: tuple[str, ...]) -> tuple[tuple[Callable[..., None], int, Callable[[tuple], tuple]], ...]:
@@ -191,9 +210,8 @@ class ParamsLayout(StructLayout):
             inner = kv_cache_shape(spec, 1)[1:] if kind == "paged" else ()
             names = PAGED_LAYER_FIELDS if kind == "paged" else RAGGED_LAYER_FIELDS
             layer = names + self.param_fields
-            plan_index, assemble = self.assembler(layer)  # a run: its layer values after the plan's, one pack
             found = self._constants[kind] = SimpleNamespace(
-                plan_index=plan_index, assemble=assemble, kv_inner=inner or None,
+                run=self.assembler(layer), kv_inner=inner or None,  # a run: its layer values and the plan's bytes
                 kv_strides=tuple(math.prod(inner[i + 1:]) for i in range(len(inner))),  # a page is contiguous
                 kv_stride_kv=math.prod(inner[1:]) if inner else 0,
                 kv_align=kv_copy_bytes(spec.head_dim_qk, spec.kv_dtype) // TORCH_DTYPES[spec.kv_dtype].itemsize,
@@ -476,10 +494,14 @@ class SpecPlan:
         self._out_bytes = math.prod(self._out_shape) * self._dtypes[2].itemsize
         self._q_last_row = (plan.total_q - 1, spec.num_qo_heads * spec.head_dim_qk * self._q_item)
         self._page_bytes = math.prod(self._kv_inner or ()) * self._kv_item
+        self._device = plan.device
+        # the last q strides and cache shape / strides _fast_values accepted, with their byte spans: equal ones pass
+        self._q_seen: tuple = (None, 0)
+        self._kv_seen: tuple = (None, None, 0)
         fields = self._plan_fields(plan, kernel, shared_scratch, c.kv_stride_kv)
-        every = self.layout.values(fields)  # the plan's Params but for the layer fields
-        self._plan_values = tuple(every[i] for i in c.plan_index)  # a run adds its layer values, packs once
-        self._assemble, self._packer = c.assemble, self.layout.packer
+        # the plan's Params bytes between the layer fields: a run adds its layer values and packs once
+        self._plan_values = c.run.pieces(self.layout.values(fields))
+        self._assemble, self._packer = c.run.assemble, c.run.packer
         # the fast per-layer path (:meth:`_fast_values`): a paged batch of rows, no variant parameters
         self._fast = plan.kind == "paged" and plan.total_q > 0 and not self.layout.param_fields
         self._sinks_shape = (spec.num_qo_heads,)
@@ -591,17 +613,18 @@ class SpecPlan:
         return self.spec.describe()
 
     # ---- run: check -> pack -> launch ---------------------------------------------------------------
-    def run(self, q: torch.Tensor, kv: Any, *, out: torch.Tensor | None = None, return_lse: bool = False,
+    def run(self, q: torch.Tensor, kv: Any, out: torch.Tensor | None = None, return_lse: bool = False,
             sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
             params: Mapping[str, Any] | None = None, k_scale: float = 1.0, v_scale: float = 1.0
             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """One layer on the planned batch (arguments: :func:`jitattn.run`)."""
+        """One layer on the planned batch (arguments: :func:`jitattn.run`, which passes them by position: no
+        keyword matching per layer)."""
         if self._fast and return_lse is False and alibi_slopes is None and not params:
             values = self._fast_values(q, kv, out, sinks)
             if values is not None:
                 if type(k_scale) is not float or type(v_scale) is not float or k_scale != 1.0 or v_scale != 1.0:
                     values = values[:9] + check_scales(self.spec, k_scale, v_scale) + values[-1:]  # check()'s last step
-                self.launch(self._packer.pack(*self._assemble(self._plan_values + values[:-1])))
+                self.launch(self._packer.pack(*self._assemble(self._plan_values + values)))  # out past them: unread
                 return values[-1]
         params = params if params is not None else {}
         scales = self.check(q, kv, out, return_lse, sinks, alibi_slopes, params, k_scale, v_scale)
@@ -615,9 +638,12 @@ class SpecPlan:
         tensor, out and sinks pass what :meth:`check` asks of them, read once each and compared with what the
         plan recorded; None on any difference, and nothing allocated: then the full checks run and name it.
 
-        Accepts nothing that :meth:`check` refuses (tests/test_plan_fast_path.py holds the two to each other).
+        q's strides and the cache's shape and strides are compared whole with the last ones accepted (``_q_seen``,
+        ``_kv_seen``), and only where they differ part by part with the plan's; the memo holds values, never a
+        tensor, so a tensor changed in place since is read afresh. Accepts nothing that :meth:`check` refuses
+        (tests/test_plan_fast_path.py holds the two to each other).
         """
-        tensor, dev = torch.Tensor, self.plan.device
+        tensor, dev = torch.Tensor, self._device
         if type(q) is not tensor or type(kv) is not tensor:
             return None
         dtypes = self._dtypes
@@ -625,17 +651,28 @@ class SpecPlan:
             return None
         qs = q.stride()
         qp = q.data_ptr()
-        if qs[1:] != self._q_inner_strides or qs[0] % 8 or qp & 15:  # check_q_layout
+        q_seen = self._q_seen
+        if qs != q_seen[0]:
+            if qs[1:] != self._q_inner_strides or qs[0] % 8:  # check_q_layout
+                return None
+            rows, row_bytes = self._q_last_row
+            q_seen = self._q_seen = (qs, rows * qs[0] * self._q_item + row_bytes)
+        if qp & 15:
+            return None
+        if kv.dtype is not dtypes[1] or kv.device != dev:
             return None
         kshape = kv.shape
-        if kv.dtype is not dtypes[1] or kshape[1:] != self._kv_inner or kv.device != dev:
-            return None
-        pages = kshape[0]
-        if self.plan.num_pages is not None and pages != self.plan.num_pages:
-            return None
         ks = kv.stride()
         kp = kv.data_ptr()
-        if ks[1:] != self._kv_strides or ks[0] % self._kv_align or kp & 15:
+        kv_seen = self._kv_seen
+        if kshape != kv_seen[0] or ks != kv_seen[1]:
+            pages = kshape[0] if kshape else 0
+            if kshape[1:] != self._kv_inner or (self.plan.num_pages is not None and pages != self.plan.num_pages):
+                return None
+            if ks[1:] != self._kv_strides or ks[0] % self._kv_align:
+                return None
+            kv_seen = self._kv_seen = (kshape, ks, (pages - 1) * ks[0] * self._kv_item + self._page_bytes)
+        if kp & 15:
             return None
         if self._has_sinks:
             if type(sinks) is not tensor or sinks.dtype is not torch.float32 or sinks.shape != self._sinks_shape or \
@@ -655,11 +692,9 @@ class SpecPlan:
                 return None
             op = out.data_ptr()
             end = op + self._out_bytes  # _check_out_apart's spans
-            q1 = qp + self._q_last_row[0] * qs[0] * self._q_item + self._q_last_row[1]
-            k1 = kp + (pages - 1) * ks[0] * self._kv_item + self._page_bytes
-            if op & 15 or (qp < end and op < q1) or (kp < end and op < k1):
+            if op & 15 or (qp < end and op < qp + q_seen[1]) or (kp < end and op < kp + kv_seen[2]):
                 return None
-        return qp, kp, op, 0, sp, self._slopes_ptr, qs[0], ks[0], pages, 1.0, 1.0, out
+        return qp, kp, op, 0, sp, self._slopes_ptr, qs[0], ks[0], kshape[0], 1.0, 1.0, out
 
     def check(self, q: Any, kv: Any, out: Any, return_lse: Any, sinks: Any, alibi_slopes: Any,
               params: Mapping[str, Any], k_scale: Any, v_scale: Any) -> tuple[float, float]:

@@ -25,6 +25,7 @@ every row of the batch; a latent (MLA) spec only its MLA decode kernel, likewise
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import threading
@@ -95,7 +96,7 @@ class _DeviceArray:
 class CubinModule:
     """A cubin loaded into the device's primary context through the CUDA driver API (:mod:`jitattn.cuda_driver`).
 
-    Launches pass the kernel's packed ``Params`` bytes straight to ``cuLaunchKernel``: no per-call
+    Launches pass the kernel's packed ``Params`` bytes straight to ``cuLaunchKernelEx``: no per-call
     argument conversion (CuPy's ``RawKernel`` call spent ~30 us per launch describing the
     structured dtype, measured on the H200 2026-11-29), and the stream is torch's raw handle.
 
@@ -171,8 +172,9 @@ class CubinModule:
 
     def launch(self, kernel: str, grid: tuple[int, int, int], block: int, smem: int, params: bytes,
                stream: int) -> None:
-        """``cuLaunchKernel`` with one by-value struct argument (the driver copies it before returning)."""
-        if self.is_current():
+        """``cuLaunchKernelEx`` with one by-value struct argument (the driver copies it before returning)."""
+        primed = getattr(_thread_state, "primed", None)  # is_current, written out: this runs per launch
+        if primed is not None and self.device_index in primed and torch._C._cuda_getDevice() == self.device_index:
             self._driver.launch_kernel(self.functions[kernel], grid, (block, 1, 1), smem, stream, params)
             return  # the usual case: this device's context is current on this thread already
         prev = self._make_current()
@@ -485,8 +487,7 @@ class JitKernel:
         """
         part = self._one_call_plan(q, kv_cache, block_table, seq_lens, query_start_loc, max_query_len, validate,
                                    (query_positions, functor_batch, position_offset))
-        return part.run(q, kv_cache, out=out, return_lse=return_lse, sinks=sinks, alibi_slopes=alibi_slopes,
-                        params=params, k_scale=k_scale, v_scale=v_scale)
+        return part.run(q, kv_cache, out, return_lse, sinks, alibi_slopes, params, k_scale, v_scale)
 
     def _one_call_plan(self, q: Any, kv_cache: Any, block_table: Any, seq_lens: Any, query_start_loc: Any,
                        max_query_len: Any, validate: Any, positions: tuple) -> SpecPlan:
@@ -642,11 +643,12 @@ def _layout_key(t: torch.Tensor | None) -> tuple | None:
 
 def stream_handle(device: torch.device) -> Callable[[], int]:
     """The raw handle of the device's current stream, as a call: torch's C getter where it has one (the
-    one Triton's launcher calls; no Stream object per launch), else ``current_stream().cuda_stream``."""
+    one Triton's launcher calls; no Stream object per launch; bound to the index by a partial, so no
+    Python frame per call), else ``current_stream().cuda_stream``."""
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     index = device.index
     if raw is not None and raw(index) == torch.cuda.current_stream(device).cuda_stream:
-        return lambda: raw(index)
+        return functools.partial(raw, index)
     return lambda: torch.cuda.current_stream(device).cuda_stream
 
 
@@ -799,8 +801,7 @@ def run(q: torch.Tensor, kv_cache: Any, plan: Plan, *, spec: AttentionSpec | Non
     """
     if not isinstance(plan, Plan):
         fail(f"plan: expected a Plan from jitattn.plan / plan_ragged, got {type(plan).__name__}")
-    return plan.for_spec(spec).run(q, kv_cache, out=out, return_lse=return_lse, sinks=sinks,
-                                   alibi_slopes=alibi_slopes, params=params, k_scale=k_scale, v_scale=v_scale)
+    return plan.for_spec(spec).run(q, kv_cache, out, return_lse, sinks, alibi_slopes, params, k_scale, v_scale)
 
 
 def paged_attention(spec: AttentionSpec, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,

@@ -45,12 +45,19 @@ CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int *n, CUfunction f, int b
   *n = 2048 / block;
   return 0;
 }
-CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
-                        unsigned bz, unsigned smem, CUstream s, void **kernel_params, void **extra) {
-  rec[0] = (long long)(uintptr_t)f; rec[1] = gx; rec[2] = gy; rec[3] = gz; rec[4] = bx; rec[5] = by;
-  rec[6] = bz; rec[7] = smem; rec[8] = (long long)(uintptr_t)s; rec[9] = extra == NULL;
+typedef struct {                                               /* CUlaunchConfig, as cuda.h lays it out */
+  unsigned gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
+  CUstream hStream;
+  void *attrs;
+  unsigned numAttrs;
+} CUlaunchConfig;
+/* rec[9]: 1 when no launch attributes and no `extra` were passed */
+CUresult cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void **kernel_params, void **extra) {
+  rec[0] = (long long)(uintptr_t)f; rec[1] = c->gridDimX; rec[2] = c->gridDimY; rec[3] = c->gridDimZ;
+  rec[4] = c->blockDimX; rec[5] = c->blockDimY; rec[6] = c->blockDimZ; rec[7] = c->sharedMemBytes;
+  rec[8] = (long long)(uintptr_t)c->hStream; rec[9] = extra == NULL && c->attrs == NULL && c->numAttrs == 0;
   memcpy(params, kernel_params[0], sizeof(params));
-  return gx == 0 ? 1 : 0;                                       /* CUDA_ERROR_INVALID_VALUE */
+  return c->gridDimX == 0 ? 1 : 0;                              /* CUDA_ERROR_INVALID_VALUE */
 }
 typedef void *CUevent;
 CUresult cuEventCreate(CUevent *e, unsigned flags) {

@@ -2,7 +2,7 @@
 
 The fake (tests/fake_cuda_driver.py) implements the entry points with the signatures of cuda.h and
 records what it was given, so these tests check on the CPU what the GPU tests cannot see directly: argument order and
-widths (a 64-bit device pointer, size_t sizes, the launch's eleven arguments), that the struct bytes
+widths (a 64-bit device pointer, size_t sizes, the launch's CUlaunchConfig fields), that the struct bytes
 reach the driver, and that a failing CUresult becomes a CudaDriverError that names the call and the
 error. The real library is exercised by every GPU test (the runtime launches through this binding).
 """
@@ -56,6 +56,65 @@ def test_attribute_occupancy_and_launch_arguments(fake):
     drv.launch_kernel(fn, (132, 8, 3), (384, 1, 1), 230_000, 0x55AA0000F0, payload)
     assert list(rec[:10]) == [fn, 132, 8, 3, 384, 1, 1, 230_000, 0x55AA0000F0, 1]
     assert bytes(params[:len(payload)]) == payload
+
+
+def test_launch_config_is_cuda_hs_layout():
+    """CUlaunchConfig as cuda.h lays it out on a 64-bit host (the fake library reads every field through its C
+    struct: test_attribute_occupancy_and_launch_arguments)."""
+    cfg = cuda_driver.LaunchConfig
+    assert ctypes.sizeof(cfg) == 56
+    assert (cfg.sharedMemBytes.offset, cfg.hStream.offset, cfg.attrs.offset, cfg.numAttrs.offset) == (24, 32, 40, 48)
+
+
+def test_launch_config_matches_the_toolkits_cuda_h(tmp_path):
+    """The same offsets from the CUDA toolkit's own cuda.h, compiled by its nvcc (host code only); skipped
+    where nvcc cannot build a host program."""
+    from jitattn import settings
+
+    probe = tmp_path / "probe.cpp"
+    fields = ", ".join(f"offsetof(CUlaunchConfig, {f})" for f in ("sharedMemBytes", "hStream", "attrs", "numAttrs"))
+    probe.write_text("#include <cuda.h>\n#include <stddef.h>\n#include <stdio.h>\n"
+                     f"int main() {{ printf(\"%zu %zu %zu %zu %zu\", sizeof(CUlaunchConfig), {fields}); return 0; }}\n")
+    try:
+        subprocess.run([settings.nvcc(), "-o", str(tmp_path / "probe"), str(probe)], check=True, capture_output=True,
+                       timeout=120)
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"nvcc cannot build a host program here: {exc}")
+    got = subprocess.run([str(tmp_path / "probe")], check=True, capture_output=True, text=True).stdout.split()
+    cfg = cuda_driver.LaunchConfig
+    assert [int(n) for n in got] == [ctypes.sizeof(cfg), cfg.sharedMemBytes.offset, cfg.hStream.offset,
+                                     cfg.attrs.offset, cfg.numAttrs.offset]
+
+
+def test_cubin_module_launches_with_its_devices_context_current(fake, monkeypatch):
+    """CubinModule.launch on the binding: launched at once where its device is current on this thread and was
+    made current here before; else made current for the launch and the caller's device restored."""
+    import threading
+
+    import torch
+
+    from jitattn import runtime
+
+    drv, rec, params = fake
+    module = object.__new__(runtime.CubinModule)
+    module._driver, module.device_index, module.functions = drv, 1, {"decode": 0x123456789A}
+    current, switched = [0], []
+
+    def set_device(index):
+        switched.append(index)
+        current[0] = index
+
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: current[0], raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(runtime, "_thread_state", threading.local())
+    for i, (device, want) in enumerate([(0, [1, 0]), (1, []), (1, []), (0, [1, 0])]):
+        current[0], switched[:] = device, []
+        payload = struct.pack("<QQ", i, 0xABC)
+        module.launch("decode", (3, 2, 1), 128, 4096, payload, 0x55AA0000F0)
+        assert switched == want and current[0] == device, i
+        assert list(rec[:10]) == [0x123456789A, 3, 2, 1, 128, 1, 1, 4096, 0x55AA0000F0, 1]
+        assert bytes(params[:16]) == payload
 
 
 def test_launch_arguments_made_once_per_tuple_are_each_launchs_own(fake, monkeypatch):
@@ -134,7 +193,7 @@ def test_errors_name_the_call_and_the_cuda_error(fake):
     assert info.value.status == 200 and info.value.name == "CUDA_ERROR_INVALID_IMAGE"
     with pytest.raises(CudaDriverError, match=r"cuModuleGetFunction\(missing\) failed: CUDA_ERROR_NOT_FOUND"):
         drv.module_get_function(0x10000, "missing")
-    with pytest.raises(CudaDriverError, match=r"cuLaunchKernel failed: CUDA_ERROR_INVALID_VALUE \(1\)"):
+    with pytest.raises(CudaDriverError, match=r"cuLaunchKernelEx failed: CUDA_ERROR_INVALID_VALUE \(1\)"):
         drv.launch_kernel(1, (0, 1, 1), (32, 1, 1), 0, 0, b"\0" * 8)
 
 

@@ -185,3 +185,47 @@ def test_a_plan_refuses_tensors_of_another_batch():
     with pytest.raises(ValueError, match=r"kv_cache: \d+ pages, but the plan was made for num_pages="):
         runtime.run(b.q, torch.cat([b.kv_cache, b.kv_cache]), part.plan)
     assert not module.launches
+
+
+@pytest.mark.parametrize("which", sorted(SPECS))
+@pytest.mark.parametrize("num_pages", [False, True])
+def test_fast_path_memo_takes_nothing_over_from_the_last_accepted_layer(which, num_pages):
+    """_fast_values keeps the strides of the last q and the shape and strides of the last cache it accepted
+    (``_q_seen``, ``_kv_seen``): each variant, run right after each accepted one (the memo then holding that
+    one's), is refused exactly where the full checks refuse it and otherwise gives the full path's bytes."""
+    spec, q_lens, kv_lens = SPECS[which]
+    part, b, _ = _plan(spec, q_lens, kv_lens)
+    if num_pages:
+        part, b, _ = _plan(spec, q_lens, kv_lens, num_pages=b.kv_cache.shape[0])
+    variants = list(_variants(spec, b, part))
+    accepted = [v for v in variants if part._fast_values(*v[1:]) is not None]
+    assert len({(tuple(v[2].shape), v[2].stride()) for v in accepted}) > 1  # the memo sees more than one cache
+    for before in accepted:
+        for name, q, kv, out, sinks in variants:
+            assert part._fast_values(*before[1:]) is not None
+            fast = part._fast_values(q, kv, out, sinks)
+            want, detail = _full_path(part, q, kv, out, sinks)
+            if want is None:
+                assert fast is None, f"{which} / after {before[0]} / {name}: accepted what the full checks refuse"
+            elif fast is not None:
+                packed = part._packer.pack(*part._assemble(part._plan_values + fast))
+                assert packed == _full_path(part, q, kv, fast[-1], sinks)[0], f"{which} / after {before[0]} / {name}"
+
+
+@pytest.mark.parametrize("which", sorted(SPECS))
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+def test_run_packs_what_the_whole_struct_packs(which, kind):
+    """A run packs the plan's bytes between its layer fields and its own values in one ``struct.pack``
+    (``StructLayout.assembler``): the bytes the struct's whole packer gives for the same field values."""
+    from jitattn.planning import PAGED_LAYER_FIELDS, RAGGED_LAYER_FIELDS, ParamsLayout
+
+    spec = SPECS[which][0]
+    layout = ParamsLayout(spec)
+    names = (PAGED_LAYER_FIELDS if kind == "paged" else RAGGED_LAYER_FIELDS) + layout.param_fields
+    codes = dict(zip(layout.field_order, layout.packer.format[1:].replace("x", "")))
+    fields = {n: (0.25 * (i + 1) if codes[n] == "f" else 0x100000001 * (i + 3) if codes[n] in "Qq" else 7 * i + 1)
+              for i, n in enumerate(layout.field_order)}
+    run = layout.assembler(names)
+    plan_bytes = run.pieces(layout.values({n: v for n, v in fields.items() if n not in names}))
+    packed = run.packer.pack(*run.assemble(plan_bytes + tuple(fields[n] for n in names) + ("past the fields",)))
+    assert packed == bytes(layout.pack(fields))

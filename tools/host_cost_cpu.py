@@ -13,7 +13,7 @@ memo cleared before each call), next to ``torch.add`` of two small tensors and `
 append_kv's bytes into a flat view of the cache, in one process. The kernels come from
 ``JitKernel.from_module`` / ``AppendKvKernel.from_module`` with the fixed geometry of
 tests/launch_cases.py, over a module that launches through :class:`jitattn.cuda_driver.CudaDriver`
-bound on tests/fake_cuda_driver.py's library (built with the C compiler; its ``cuLaunchKernel``
+bound on tests/fake_cuda_driver.py's library (built with the C compiler; its ``cuLaunchKernelEx``
 records and returns; without a compiler the launch is a no-op), so no GPU and no nvcc is needed;
 append_kv takes its CPU tensors as a CUDA call's (the kernel's CPU refusal and the CPU-only
 slot-value read dropped). The GPU figure (``jitattn bench --case host``) adds the driver's own launch
@@ -55,7 +55,7 @@ class _NoLaunch:
 
 class _FakeDriverLaunch:
     """CubinModule's launch on the ctypes binding of a fake driver library (tests/fake_cuda_driver.py: its
-    cuLaunchKernel records its arguments and returns), without the context check (no CUDA here)."""
+    cuLaunchKernelEx records its arguments and returns), without the context check (no CUDA here)."""
 
     def __init__(self, drv: cuda_driver.CudaDriver):
         self._launch = drv.launch_kernel
@@ -242,7 +242,7 @@ def main() -> None:
             total = sum(v[1] for v in pstats.Stats(prof).stats.values())  # primitive + recursive calls
             print(f"| {name} | {total / (max(1, 200 // n) * n):.1f} |")
         return
-    launch = "the fake driver's cuLaunchKernel" if drv is not None else "launch a no-op"
+    launch = "the fake driver's cuLaunchKernelEx" if drv is not None else "launch a no-op"
     print(f"| call | µs per call (CPU, {launch}) |\n|---|---|")
     for name, (fn, n) in per.items():
         print(f"| {name} | {us_per_call(fn, max(1, args.calls // 5 // n)) / n:.1f} |")
