@@ -146,9 +146,9 @@ def select(spec: AttentionSpec, device: DeviceInfo | str | Any = None, phase: st
 
     Raises:
         NoBackendError: the forced backend cannot serve, or none can; the message lists the reasons.
-            Also ``cuda`` / ``cuda:N`` when torch sees no CUDA device (:func:`no_gpu_problem`): the
-            message names the device, forced or not.
-        ValueError: an unknown backend name, device name or phase.
+            Also ``cuda`` / ``cuda:N`` (a name or a torch device) when torch sees no CUDA device
+            (:func:`no_gpu_problem`): the message names the device, forced or not.
+        ValueError: an unknown backend name, device name or phase, or a CUDA index past this machine's devices.
     """
     device = DeviceInfo.parse(device)
     check_phase(phase)

@@ -63,10 +63,47 @@ def test_from_torch_names_a_cuda_device_by_its_index(monkeypatch):
     monkeypatch.setattr(base, "_cuda_device_info",
                         lambda index: asked.append(index) or DeviceInfo("cuda", "H200", (9, 0), index))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 5)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     assert DeviceInfo.from_torch(torch.device("cuda", 3)).index == 3  # a tensor's device: its own index
     assert DeviceInfo.from_torch("cuda:2").index == 2
     assert DeviceInfo.from_torch(torch.device("cuda")).index == 5  # no index: the current device
     assert asked == [3, 2, 5]
+
+
+@pytest.mark.parametrize("device", [torch.device("cuda"), torch.device("cuda", 0), "cuda:3"])
+def test_from_torch_without_a_gpu_gives_a_capability_unknown_device(monkeypatch, device):
+    """Where torch sees no GPU, a torch CUDA device is one of capability unknown (as the name "cuda" is), not
+    torch's "not compiled with CUDA" AssertionError: jitattn.select then names it in its error."""
+    from jitattn.backends import base
+
+    def no_gpu(index):
+        raise AssertionError("Torch not compiled with CUDA enabled")
+
+    monkeypatch.setattr(base, "_cuda_device_info", no_gpu)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    info = DeviceInfo.from_torch(device)
+    assert (info.type, info.capability, info.name) == ("cuda", None, str(torch.device(device)))
+    assert info.index == torch.device(device).index
+
+
+def test_from_torch_refuses_an_index_past_the_machines_gpus(monkeypatch):
+    from jitattn.backends import base
+
+    def info(index):
+        if index >= 2:
+            raise AssertionError("Invalid device id")
+        return DeviceInfo("H200", "cuda", (9, 0), index)
+
+    monkeypatch.setattr(base, "_cuda_device_info", info)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert DeviceInfo.from_torch(torch.device("cuda", 1)).index == 1
+    for device in (torch.device("cuda", 5), "cuda:5"):
+        with pytest.raises(ValueError, match=r"^device='cuda:5': this machine has 2 CUDA device\(s\), cuda:0 to cuda:1$"):
+            DeviceInfo.from_torch(device)
+    with pytest.raises(ValueError, match=r"this machine has 2 CUDA device"):
+        DeviceInfo.parse("cuda:5")
 
 
 def test_registry_generation_changes_with_the_registry():

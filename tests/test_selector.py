@@ -355,6 +355,22 @@ def test_cuda_without_a_gpu_is_an_error_naming_the_device(monkeypatch, device, f
     assert not ms.ok and "no CUDA device is visible" in str(ms.rows[0].error)
 
 
+def test_a_torch_cuda_device_without_a_gpu_is_the_same_error(monkeypatch):
+    """A torch.device("cuda") gets the error the name "cuda" gets, not torch's "not compiled with CUDA"."""
+    import torch
+
+    from jitattn.backends import base
+
+    def no_gpu(index):
+        raise AssertionError("Torch not compiled with CUDA enabled")
+
+    monkeypatch.setattr(base, "_cuda_device_info", no_gpu)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in (torch.device("cuda"), torch.device("cuda", 0)):
+        with pytest.raises(NoBackendError, match=rf"^device '{device}': no CUDA device is visible on this machine"):
+            select(PLAIN, device, "decode")
+
+
 def test_select_device_cuda_without_a_gpu_is_a_usage_error(tmp_path):
     """`jitattn select --device cuda` on a machine whose torch sees no GPU (CUDA_VISIBLE_DEVICES='' hides any):
     one error line, exit 2, not a table of a capability-unknown device; a named GPU still plans."""

@@ -101,7 +101,7 @@ class DeviceInfo:
         (the current CUDA device if any, else the CPU) goes through :meth:`from_torch`.
 
         Raises:
-            ValueError: an unknown name, listing what is accepted.
+            ValueError: an unknown name, listing what is accepted, or a ``cuda:N`` this machine does not have.
         """
         if isinstance(text, DeviceInfo):
             return text
@@ -141,11 +141,18 @@ class DeviceInfo:
     def from_torch(cls, device: Any = None) -> "DeviceInfo":
         """The real device a torch device (or tensor's device) names; None: current CUDA device, else CPU.
 
+        A CUDA device on a machine where torch sees none is returned with its capability unknown, as
+        :meth:`parse` does for ``"cuda"`` (``jitattn.select`` then names it in its error).
+
         Raises:
-            ValueError: ``device`` is None and torch is not installed (name the device instead).
+            ValueError: ``device`` is None and torch is not installed (name the device instead), or a CUDA
+                index this machine does not have (naming how many it has).
         """
         if getattr(device, "type", None) == "cuda" and getattr(device, "index", None) is not None:
-            return _cuda_device_info(device.index)  # a tensor's device: the per-attention-call path
+            try:
+                return _cuda_device_info(device.index)  # a tensor's device: the per-attention-call path
+            except (AssertionError, RuntimeError):  # no GPU or no such index: said below
+                pass
         try:
             import torch
         except ImportError:
@@ -157,6 +164,12 @@ class DeviceInfo:
         dev = torch.device(device)
         if dev.type != "cuda":
             return cls(dev.type, dev.type)
+        if not torch.cuda.is_available():
+            return cls(str(dev), "cuda", None, dev.index)
+        count = torch.cuda.device_count()
+        if dev.index is not None and not 0 <= dev.index < count:
+            raise ValueError(f"device={str(dev)!r}: this machine has {count} CUDA device(s), cuda:0 to "
+                             f"cuda:{count - 1}")
         return _cuda_device_info(dev.index if dev.index is not None else torch.cuda.current_device())
 
     @property
