@@ -30,8 +30,8 @@ CHECK_SEQS = 4  # sequences checked against the reference per case
 
 # "tiles-in-flight": the 64-row kernel (the TP1 shape) waits for tile j before it issues tile j + 1, so one
 # tile's copies are in flight at a time; here tile j + 2 is issued as soon as tile j's stage is read (a second
-# barrier per tile), so two are in flight while a tile waits. The question: is the TP1 shape bound by its
-# copies' latency (the bench's TP1 reads 1.6 TB/s of DRAM at 379 TFLOP/s, 2026-12-06)?
+# barrier per tile), so two are in flight while a tile waits. The question it answers: is the TP1 shape bound by
+# its copies' latency (BENCHMARKS.md History, 2026-12-07 02:05, has the figures behind it)?
 _PROLOGUE = """\
   if (lo < hi) loader.load(p, stage(0), lo, hi, bad);
   cp_async_commit();
