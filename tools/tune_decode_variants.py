@@ -118,10 +118,22 @@ def cudnn_anchor_runs(cases: set[str]) -> list[dict]:
     return runs
 
 
-def time_all(root: Path, out: str | None, rounds: int) -> None:
+def time_rounds(runs: list[dict], rounds: int) -> None:
+    """Each run's ``call`` timed by graph replay (ms) in ``rounds`` interleaved rounds: its ``ms`` list, then
+    ``ms_median`` and ``ms_min``."""
     import torch
-    from jitattn import reference, runtime
     from jitattn.bench.harness import time_graph_ms
+
+    torch.cuda.synchronize()
+    for _ in range(rounds):
+        for r in runs:
+            r["ms"].append(time_graph_ms(r["call"]))
+    for r in runs:
+        r.update(ms_median=sorted(r["ms"])[len(r["ms"]) // 2], ms_min=min(r["ms"]))
+
+
+def time_all(root: Path, out: str | None, rounds: int) -> None:
+    from jitattn import reference, runtime
     from jitattn.testing import random_paged_batch, relative_error
 
     batches, refs = {}, {}
@@ -154,16 +166,13 @@ def time_all(root: Path, out: str | None, rounds: int) -> None:
                 runs.append({"variant": name, "case": c, "splits": s or rule, "rule": s is None, "err": err,
                              "blocks_per_sm": k._decode_blocks_per_sm, "call": call, "ms": []})
     runs += cudnn_anchor_runs({r["case"] for r in runs})
-    torch.cuda.synchronize()
-    for _ in range(rounds):
-        for r in runs:
-            r["ms"].append(time_graph_ms(r["call"]))
+    time_rounds(runs, rounds)
     print("| variant | case | splits | blk/SM | ms (median of rounds) | min | TB/s | rel err |")
     for r in runs:
         spec, b, n = CASES[r["case"]]
         kv = batches[r["case"]].kv_bytes_read
-        ms = sorted(r["ms"])[len(r["ms"]) // 2]
-        r.update(ms_median=ms, ms_min=min(r["ms"]), tb_s=kv / 1e12 / (ms / 1e3))
+        ms = r["ms_median"]
+        r.update(tb_s=kv / 1e12 / (ms / 1e3))
         print(f"| {r['variant']} | {r['case']} | {r['splits']}{'' if r['rule'] else ' (forced)'} | {r['blocks_per_sm']} | "
               f"{ms:.4f} | {min(r['ms']):.4f} | {r['tb_s']:.2f} | {r['err']:.2e} |")
         del r["call"]

@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jitattn.render as _render  # noqa: E402
+from tune_decode_variants import time_rounds, use  # noqa: E402  (tools/ is this script's directory)
 
 HEADER = "mla_decode_sm90.cuh"
 CHECK_SEQS = 4  # sequences checked against the reference per case
@@ -108,11 +109,6 @@ def prepare(root: Path) -> None:
         path.write_text(text)
 
 
-def use(root: Path, name: str) -> None:
-    d = root / name
-    _render.template_dir = lambda d=d: d
-
-
 def cases() -> dict:
     from jitattn.bench.cases import mla_cases
     return {c.name: c for c in mla_cases()}
@@ -133,9 +129,7 @@ def build(root: Path) -> None:
 
 
 def time_all(root: Path, out: str | None, rounds: int) -> None:
-    import torch
     from jitattn import reference, runtime
-    from jitattn.bench.harness import time_graph_ms
     from jitattn.bench.mla import new_out
     from jitattn.testing import random_paged_batch, relative_error
 
@@ -158,15 +152,10 @@ def time_all(root: Path, out: str | None, rounds: int) -> None:
                 return runtime.run(b.q, b.kv_cache, plan, out=o, **b.kwargs())
             rows, ref = refs[n]
             runs.append({"variant": name, "case": n, "err": relative_error(call()[:rows], ref), "call": call, "ms": []})
-    torch.cuda.synchronize()
-    for _ in range(rounds):
-        for r in runs:
-            r["ms"].append(time_graph_ms(r["call"]))
+    time_rounds(runs, rounds)
     print("| variant | case | ms (median of rounds) | min | rel err |")
     for r in runs:
-        ms = sorted(r["ms"])[len(r["ms"]) // 2]
-        r.update(ms_median=ms, ms_min=min(r["ms"]))
-        print(f"| {r['variant']} | {r['case']} | {ms:.4f} | {min(r['ms']):.4f} | {r['err']:.2e} |", flush=True)
+        print(f"| {r['variant']} | {r['case']} | {r['ms_median']:.4f} | {r['ms_min']:.4f} | {r['err']:.2e} |", flush=True)
         del r["call"]
     if out:
         Path(out).write_text(json.dumps(runs, indent=1))
