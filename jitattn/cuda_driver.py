@@ -236,9 +236,9 @@ def _integer(name: str, value: Any) -> int:
 
 def _uint(name: str, value: Any) -> int:
     """An ``unsigned int`` field, refused outside its range (a ctypes field would wrap a negative one silently)."""
-    value = _integer(f"cuLaunchKernel {name}", value)
+    value = _integer(f"cuLaunchKernelEx {name}", value)
     if not 0 <= value < 1 << 32:
-        raise OverflowError(f"cuLaunchKernel {name}={value}: outside unsigned int's range")
+        raise OverflowError(f"cuLaunchKernelEx {name}={value}: outside unsigned int's range")
     return value
 
 
@@ -253,10 +253,10 @@ def _handle(name: str, value: Any) -> int:
 def _launch_arguments(key: tuple) -> tuple:
     function, grid, block, smem, stream = key
     if len(grid) != 3 or len(block) != 3:
-        raise TypeError(f"cuLaunchKernel grid={grid}, block={block}: expected three dimensions each")
-    function = _handle("cuLaunchKernel function", function)
+        raise TypeError(f"cuLaunchKernelEx grid={grid}, block={block}: expected three dimensions each")
+    function = _handle("cuLaunchKernelEx function", function)
     dims = [_uint(f"grid[{i}]", d) for i, d in enumerate(grid)] + [_uint(f"block[{i}]", d) for i, d in enumerate(block)]
-    config = LaunchConfig(*dims, _uint("sharedMemBytes", smem), _handle("cuLaunchKernel stream", stream), None, 0)
+    config = LaunchConfig(*dims, _uint("sharedMemBytes", smem), _handle("cuLaunchKernelEx stream", stream), None, 0)
     return ctypes.byref(config), _c_void_p(function)  # the reference keeps the config alive
 
 

@@ -147,9 +147,9 @@ def test_launch_arguments_out_of_range_are_refused_not_wrapped(fake, grid, block
     with pytest.raises(error, match=match):
         drv.launch_kernel(0x10, grid, block, smem, 0, b"\0" * 8)
     assert rec[1] == 77  # nothing launched
-    with pytest.raises(OverflowError, match=r"cuLaunchKernel stream=-1: not a pointer-sized handle"):
+    with pytest.raises(OverflowError, match=r"cuLaunchKernelEx stream=-1: not a pointer-sized handle"):
         drv.launch_kernel(0x10, (1, 1, 1), (32, 1, 1), 0, -1, b"\0" * 8)
-    with pytest.raises(OverflowError, match=r"cuLaunchKernel function=18446744073709551616: not a pointer-sized"):
+    with pytest.raises(OverflowError, match=r"cuLaunchKernelEx function=18446744073709551616: not a pointer-sized"):
         drv.launch_kernel(1 << 64, (1, 1, 1), (32, 1, 1), 0, 0, b"\0" * 8)
 
 
