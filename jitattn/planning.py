@@ -71,6 +71,15 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
     return start, start + (last + 1) * t.element_size()
 
 
+def _refuse_overlaps(start: int, end: int, spans: Mapping[str, tuple[int, int]]) -> None:
+    """Raise if out's bytes ``[start, end)`` meet any named ``(first, end)`` span of a tensor the kernels read."""
+    for name, (a, b) in spans.items():
+        if a < end and start < b:
+            fail(f"out: overlaps {name} in memory (out's bytes {start:#x}-{end:#x}, {name}'s {a:#x}-{b:#x}); "
+                 f"the kernels read {name} while they write out, so the result would be wrong: pass an out of "
+                 f"its own, e.g. torch.empty_like(out)")
+
+
 @functools.lru_cache(maxsize=1)
 def _cuda_available() -> bool:
     return torch.cuda.is_available()  # asked once: a process does not gain or lose CUDA
@@ -505,6 +514,7 @@ class SpecPlan:
         # the fast per-layer path (:meth:`_fast_values`): a paged batch of rows, no variant parameters
         self._fast = plan.kind == "paged" and plan.total_q > 0 and not self.layout.param_fields
         self._sinks_shape = (spec.num_qo_heads,)
+        self._sinks_bytes = 4 * spec.num_qo_heads  # float32
         self._q_inner_strides = (spec.head_dim_qk, 1)
         self._has_sinks = spec.sinks
         slopes = kernel.default_slopes if spec.alibi else None  # made once per kernel: its address holds
@@ -692,7 +702,8 @@ class SpecPlan:
                 return None
             op = out.data_ptr()
             end = op + self._out_bytes  # _check_out_apart's spans
-            if op & 15 or (qp < end and op < qp + q_seen[1]) or (kp < end and op < kp + kv_seen[2]):
+            if op & 15 or (qp < end and op < qp + q_seen[1]) or (kp < end and op < kp + kv_seen[2]) or \
+                    (sp and sp < end and op < sp + self._sinks_bytes):
                 return None
         return qp, kp, op, 0, sp, self._slopes_ptr, qs[0], ks[0], kshape[0], 1.0, 1.0, out
 
@@ -715,6 +726,9 @@ class SpecPlan:
             check_params(spec, params, batch=plan.batch, total_q=plan.total_q, device=plan.device)
             if plan.validate and spec.explicit_positions:
                 check_position_values(plan.metadata["functor_batch"], spec, params)
+        if out is not None and plan.total_q and (sinks is not None or alibi_slopes is not None or params):
+            read = {"sinks": sinks, "alibi_slopes": alibi_slopes, **{f"params[{k!r}]": v for k, v in params.items()}}
+            self._check_out_apart_from(out, read)
         if return_lse is not False and check_flag("return_lse", return_lse) and not self._softmax:
             fail(f"return_lse=True: variant {spec.variant.name!r} has no softmax, so there is no lse")
         if type(k_scale) is float and type(v_scale) is float and k_scale == 1.0 and v_scale == 1.0:
@@ -765,11 +779,14 @@ class SpecPlan:
             spans = {"q": byte_span(q), "k_cache": byte_span(kv[0]), "v_cache": byte_span(kv[1])}
         else:
             spans = {"q": byte_span(q), "k": byte_span(kv[0]), "v": byte_span(kv[1])}
-        for name, (a, b) in spans.items():
-            if a < end and start < b:
-                fail(f"out: overlaps {name} in memory (out's bytes {start:#x}-{end:#x}, {name}'s {a:#x}-{b:#x}); "
-                     f"the kernels read {name} while they write out, so the result would be wrong: pass an out of "
-                     f"its own, e.g. torch.empty_like(out)")
+        _refuse_overlaps(start, end, spans)
+
+    def _check_out_apart_from(self, out: torch.Tensor, tensors: Mapping[str, Any]) -> None:
+        """``out`` shares no byte with the per-layer tensors the kernels read (sinks, slopes, params)."""
+        start = out.data_ptr()
+        spans = {name: byte_span(t) for name, t in tensors.items()
+                 if isinstance(t, torch.Tensor) and t.device == out.device}
+        _refuse_overlaps(start, start + self._out_bytes, spans)
 
     def _explain_q(self, q: Any) -> None:
         """The slow path of q's check: passes a tensor subclass that fits, else names what differs."""

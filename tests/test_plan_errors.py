@@ -270,3 +270,28 @@ def test_an_out_that_overlaps_an_input_is_refused_before_any_launch(kernels):  #
     assert runtime.run(halves[0], kv, plan, out=out) is out
     runtime.run(q, (kv[:, 0], kv[:, 1]), plan, out=torch.empty(7, 8, 64, dtype=torch.bfloat16))
     assert _launched(kernels) == 4
+
+
+def test_an_out_that_overlaps_sinks_or_slopes_is_refused_before_any_launch(kernels):  # noqa: F811
+    """out sharing bytes with the sinks or the ALiBi slopes the kernels read: a ValueError naming them, on
+    the per-layer fast path (sinks) and the full checks (slopes); beside them, in one buffer, it runs."""
+    spec = AttentionSpec(8, 2, 64, sinks=True, alibi=True)
+    t = lc._paged(spec, [1, 5, 1], [30, 40, 17])
+    md = (t["block_table"], t["seq_lens"], t["query_start_loc"])
+    plan = runtime.plan(spec, *md)
+    out_bytes = 7 * 8 * 64 * 2
+    pool = torch.zeros(out_bytes + 64, dtype=torch.uint8)  # out's bytes, then 64 more
+    out = pool[:out_bytes].view(torch.bfloat16).view(7, 8, 64)
+    inside = pool[32:64].view(torch.float32)  # 8 floats in out's first row
+    with pytest.raises(ValueError, match=r"out: overlaps sinks in memory .*pass an out of its own"):
+        runtime.run(t["q"], t["kv_cache"], plan, out=out, sinks=inside)
+    with pytest.raises(ValueError, match=r"out: overlaps sinks in memory"):
+        runtime.paged_attention(spec, t["q"], t["kv_cache"], *md, out=out, sinks=inside)
+    apart = pool[out_bytes:out_bytes + 32].view(torch.float32)
+    with pytest.raises(ValueError, match=r"out: overlaps alibi_slopes in memory"):
+        runtime.run(t["q"], t["kv_cache"], plan, out=out, sinks=apart, alibi_slopes=inside)
+    assert _launched(kernels) == 0
+    assert runtime.run(t["q"], t["kv_cache"], plan, out=out, sinks=apart) is out
+    assert runtime.run(t["q"], t["kv_cache"], plan, out=out, sinks=apart,
+                       alibi_slopes=pool[out_bytes + 32:].view(torch.float32)) is out
+    assert _launched(kernels) == 4  # a decode and a prefill launch per run
