@@ -796,8 +796,8 @@ def run(q: torch.Tensor, kv_cache: Any, plan: Plan, *, spec: AttentionSpec | Non
 
     Raises:
         ValueError: a tensor that does not fit the plan or the spec (shape, dtype, device, strides,
-            page count), an ``out`` that overlaps q or the cache in memory, a spec of another layout,
-            naming the argument; before any launch.
+            page count), an ``out`` that overlaps q, the cache, sinks, slopes or a params tensor in
+            memory, a spec of another layout, naming the argument; before any launch.
     """
     if not isinstance(plan, Plan):
         fail(f"plan: expected a Plan from jitattn.plan / plan_ragged, got {type(plan).__name__}")
